@@ -1,0 +1,128 @@
+"""Triton helpers shared by every attention kernel (forward, backward, decoding).
+
+They implement, tile by tile, the definition in :mod:`flashtile.reference.masks`:
+softcap, ALiBi, the bottom-right-aligned causal / sliding-window mask, the
+sequence-tail mask, and the dropout keep-mask.  Forward and backward call the
+same helpers so the backward regenerates exactly the scores and the dropout
+pattern the forward used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def tanh_(x):
+    """tanh through exp (portable: also runs in the interpreter); saturates to +-1."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def score_mods(
+    s,  # (BLOCK_M, BLOCK_N) fp32 scores already multiplied by softmax_scale
+    offs_m,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    softcap,
+    slope,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    """Softcap then ALiBi, as in reference/masks.py.  Returns (s, t) where t is
+    tanh(s_raw / softcap) when HAS_SOFTCAP (the backward needs 1 - t^2), else s."""
+    t = s
+    if HAS_SOFTCAP:
+        t = tanh_(s / softcap)
+        s = softcap * t
+    if HAS_ALIBI:
+        dist = (offs_m[:, None] + (seqlen_k - seqlen_q)) - offs_n[None, :]
+        dist = tl.where(dist < 0, -dist, dist)
+        s = s - slope * dist.to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def allowed(
+    offs_m,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    CHECK_BOUNDS: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Boolean (BLOCK_M, BLOCK_N) tile: key j is inside the sequence and the window
+    of query i (``right = 0`` is causal).  Row bounds are the caller's business
+    (out-of-range query rows are never stored)."""
+    ok = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
+    if CHECK_BOUNDS:
+        ok = ok & (offs_n[None, :] < seqlen_k)
+    diag = offs_m[:, None] + (seqlen_k - seqlen_q)
+    if HAS_LEFT:
+        ok = ok & (offs_n[None, :] >= diag - window_left)
+    if HAS_RIGHT:
+        ok = ok & (offs_n[None, :] <= diag + window_right)
+    return ok
+
+
+@triton.jit
+def dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p):
+    """Keep-mask of dropout for the tile: True with probability 1 - p.
+
+    Counter of element (bh, i, j) = philox_offset + (bh * Nq + i) * Nk + j, in
+    64-bit so any tensor size works; the key is ``philox_seed``."""
+    row = bh.to(tl.int64) * seqlen_q + offs_m.to(tl.int64)
+    counter = philox_offset + row[:, None] * seqlen_k + offs_n.to(tl.int64)[None, :]
+    return tl.rand(philox_seed, counter) >= dropout_p
+
+
+@triton.jit
+def _dropout_mask_kernel(
+    Out,  # (BH, Nq, Nk) int8
+    philox_seed,
+    philox_offset,
+    seqlen_q,
+    seqlen_k,
+    dropout_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = Out + bh.to(tl.int64) * seqlen_q * seqlen_k
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+        ptrs = base + offs_m.to(tl.int64)[:, None] * seqlen_k + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+def dropout_keep_mask(
+    philox_seed: int,
+    philox_offset: int,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    dropout_p: float,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Materialise the keep-mask the kernels use, shape (batch, heads, Nq, Nk) bool.
+
+    For tests and debugging: feed it to the reference (``dropout_mask=``) to check
+    a kernel's dropout element by element."""
+    out = torch.empty(batch * heads, seqlen_q, seqlen_k, dtype=torch.int8, device=device)
+    if out.numel():
+        grid = (triton.cdiv(seqlen_q, 16), batch * heads)
+        _dropout_mask_kernel[grid](out, philox_seed, philox_offset, seqlen_q, seqlen_k, float(dropout_p), BLOCK_M=16, BLOCK_N=32)
+    return out.view(batch, heads, seqlen_q, seqlen_k).bool()

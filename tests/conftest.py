@@ -1,0 +1,32 @@
+"""Test configuration.
+
+Without a CUDA GPU the Triton kernels run through Triton's interpreter
+(``TRITON_INTERPRET=1``), which must be set before any kernel module is
+imported; with a GPU they are compiled.  Tests marked ``gpu`` need a GPU and
+are skipped without one (run them with ``pytest -m gpu`` on the device).
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    """Where kernels run: the GPU when present, else the CPU through the interpreter."""
+    return "cuda" if HAS_GPU else "cpu"
