@@ -1,0 +1,253 @@
+"""`flashtile bench attention`: our FA2 kernels against PyTorch's attention backends.
+
+Every grid point builds one set of random bf16 inputs in the (batch, seqlen,
+heads, head_dim) layout that model code produces, and times, in this process:
+
+* ``flashtile``      — :func:`flashtile.flash_attn_func` (the Triton FA2 kernels)
+* ``sdpa-flash``     — ``scaled_dot_product_attention`` restricted to the FLASH_ATTENTION backend (FA2 CUDA)
+* ``sdpa-cudnn``     — the CUDNN_ATTENTION backend
+* ``sdpa-efficient`` — the EFFICIENT_ATTENTION backend (xFormers' memory-efficient kernel)
+* ``flex``           — ``torch.compile(flex_attention)`` with a causal BlockMask when causal
+
+SDPA and FlexAttention receive ``x.transpose(1, 2)`` views of the same tensors.
+Throughput uses the FlashAttention convention: 4·B·H·N²·d FLOPs forward,
+halved when causal, ×3.5 for forward + backward (backward = 2.5 × forward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from flashtile.bench.common import environment, median_ms, rel_err
+
+PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+
+
+@dataclass
+class Point:
+    head_dim: int
+    seqlen: int
+    batch: int
+    heads: int
+    causal: bool
+    mode: str  # "fwd" or "fwd_bwd"
+    ms: dict = field(default_factory=dict)  # provider -> median ms (None when unsupported)
+    tflops: dict = field(default_factory=dict)
+    err: dict = field(default_factory=dict)  # provider -> rel err of the forward output vs fp32 math (sampled heads)
+
+    @property
+    def flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim
+        f = f / 2 if self.causal else f
+        return f * (3.5 if self.mode == "fwd_bwd" else 1.0)
+
+
+def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384)):
+    """bf16, batch·seqlen = 16k tokens, heads = 2048 / head_dim (the issue's grid)."""
+    for d in head_dims:
+        for n in seqlens:
+            for causal in (False, True):
+                yield d, n, max(1, total_tokens // n), 2048 // d, causal
+
+
+def _sdpa_fn(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "sdpa-math": SDPBackend.MATH,
+    }[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            ).transpose(1, 2)
+
+    return run
+
+
+def _flex_fn():
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # one compiled graph per shape: raise the cache so Dynamo never falls back to eager
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict = {}
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, causal):
+        n = q.shape[1]
+        bm = None
+        if causal:
+            if n not in masks:
+                masks[n] = create_block_mask(causal_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
+            bm = masks[n]
+        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm).transpose(1, 2)
+
+    return run
+
+
+def _flashtile_fn():
+    from flashtile import flash_attn_func
+
+    def run(q, k, v, causal):
+        return flash_attn_func(q, k, v, causal=causal)
+
+    return run
+
+
+def make_providers(names) -> dict[str, Callable]:
+    out = {}
+    for name in names:
+        if name == "flashtile":
+            out[name] = _flashtile_fn()
+        elif name.startswith("sdpa-"):
+            out[name] = _sdpa_fn(name)
+        elif name == "flex":
+            out[name] = _flex_fn()
+        else:
+            raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS + ('sdpa-math',)}")
+    return out
+
+
+def _reference_rows(q, k, v, causal, heads=2, rows=256):
+    """fp32 math attention on a few heads and query rows (cheap, no N×N for all heads)."""
+    n = q.shape[1]
+    qs = q[:1, :, :heads].float().transpose(1, 2)  # (1, h, n, d)
+    ks = k[:1, :, :heads].float().transpose(1, 2)
+    vs = v[:1, :, :heads].float().transpose(1, 2)
+    idx = torch.linspace(0, n - 1, min(rows, n), device=q.device).long()
+    s = (qs[:, :, idx] @ ks.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > idx[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1) @ vs, idx
+
+
+def run_point(providers: dict, d: int, n: int, b: int, h: int, causal: bool, modes=("fwd", "fwd_bwd"), dtype=torch.bfloat16):
+    torch.manual_seed(n * 7 + d)
+    dev = "cuda"
+    q, k, v = (torch.randn(b, n, h, d, device=dev, dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+    ref, idx = _reference_rows(q, k, v, causal)
+    results = []
+    for mode in modes:
+        pt = Point(d, n, b, h, causal, mode)
+        for name, fn in providers.items():
+            try:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        o = fn(q, k, v, causal)
+                        pt.err[name] = rel_err(o[:1, idx, :2].transpose(1, 2).float(), ref)
+                        ms = median_ms(lambda: fn(q, k, v, causal))
+                else:
+                    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+                    def step():
+                        fn(qg, kg, vg, causal).backward(dout)
+
+                    ms = median_ms(step, grad_to_none=[qg, kg, vg])
+            except Exception as e:  # a backend that does not support this point
+                pt.ms[name] = None
+                pt.err.setdefault(name, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                continue
+            pt.ms[name] = ms
+            pt.tflops[name] = pt.flops / (ms * 1e-3) / 1e12
+        results.append(pt)
+        torch.cuda.empty_cache()
+    return results
+
+
+def peak_extra_memory(providers: dict, d=128, n=4096, b=4, h=16, causal=False) -> dict:
+    """Peak memory a forward allocates beyond its inputs (MiB), incl. SDPA-math for scale."""
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = {}
+    for name, fn in {**providers, "sdpa-math": _sdpa_fn("sdpa-math")}.items():
+        try:
+            with torch.no_grad():
+                fn(q, k, v, causal)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                fn(q, k, v, causal)
+                torch.cuda.synchronize()
+                out[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        except Exception as e:
+            out[name] = f"unsupported: {type(e).__name__}"
+    return out
+
+
+def run(providers=PROVIDERS, grid=None, modes=("fwd", "fwd_bwd"), progress=None) -> dict:
+    """Run the grid; returns the JSON-able payload (env, points, memory)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("`flashtile bench attention` needs a CUDA GPU")
+    fns = make_providers(providers)
+    grid = list(grid if grid is not None else default_grid())
+    points = []
+    for i, (d, n, b, h, causal) in enumerate(grid):
+        if progress:
+            progress(i, len(grid), f"d={d} N={n} causal={causal}")
+        points.extend(run_point(fns, d, n, b, h, causal, modes))
+    return {
+        "env": environment(),
+        "providers": list(providers),
+        "flops_convention": "4*B*H*N^2*d forward, /2 causal, x3.5 fwd+bwd",
+        "points": [asdict(p) | {"flops": p.flops} for p in points],
+        "peak_extra_memory_mib": peak_extra_memory(fns),
+    }
+
+
+def ratios(payload: dict, ours: str = "flashtile") -> list[dict]:
+    """Per point: our TFLOP/s and the ratio to each peer (ours / peer)."""
+    rows = []
+    for p in payload["points"]:
+        r = {k: p[k] for k in ("head_dim", "seqlen", "batch", "heads", "causal", "mode")}
+        r["tflops"] = p["tflops"]
+        mine = p["tflops"].get(ours)
+        r["ratio"] = {
+            peer: (mine / t if mine and t else None) for peer, t in p["tflops"].items() if peer != ours
+        }
+        rows.append(r)
+    return rows
+
+
+def plot(payload: dict, path) -> None:
+    """TFLOP/s against seqlen, one panel per (head_dim, causal, mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = payload["points"]
+    panels = sorted({(p["head_dim"], p["causal"], p["mode"]) for p in pts})
+    cols = 4
+    rows_n = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (d, causal, mode) in zip(axes.flat, panels):
+        sel = [p for p in pts if (p["head_dim"], p["causal"], p["mode"]) == (d, causal, mode)]
+        for prov in payload["providers"]:
+            xs = [p["seqlen"] for p in sel if p["tflops"].get(prov)]
+            ys = [p["tflops"][prov] for p in sel if p["tflops"].get(prov)]
+            if xs:
+                ax.plot(xs, ys, marker="o", label=prov, linewidth=2.5 if prov == "flashtile" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d={d} {'causal' if causal else 'full'} {mode}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"attention, bf16, {payload['env'].get('device')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

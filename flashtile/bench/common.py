@@ -1,0 +1,65 @@
+"""Benchmark plumbing shared by every `flashtile bench` sub-command.
+
+Timing follows the device method: ``triton.testing.do_bench`` medians (CUDA
+events, warm-up excluded), fresh random inputs, every speed claim a ratio to a
+peer measured in the same process.  Results are written as JSON with the
+command line, device name, library versions and date, so a committed file says
+how it was made.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, grad_to_none=None) -> float:
+    """Median time of ``fn`` in milliseconds (do_bench: warm-up and repetitions in ms)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def environment() -> dict:
+    """Device and software facts recorded next to every result."""
+    import triton
+
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1))
+    return env
+
+
+def write_json(payload: dict, out_dir: str | os.PathLike, stem: str) -> Path:
+    """Write ``payload`` to ``out_dir/stem_<device>_<date>.json`` and return the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = payload.get("env", {}).get("device", "cpu").replace(" ", "-")
+    day = _dt.date.today().isoformat()
+    path = out / f"{stem}_{dev}_{day}.json"
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64 (0 when both are empty)."""
+    x, ref = x.double(), ref.double()
+    den = ref.norm()
+    if den == 0:
+        return float((x - ref).norm())
+    return float((x - ref).norm() / den)

@@ -1,0 +1,112 @@
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _use_interpreter_without_gpu() -> None:
+    """Without a GPU the Triton kernels run through Triton's interpreter; the
+    variable must be set before any kernel module is imported."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _use_interpreter_without_gpu()
+    from flashtile.demo import run_demo
+
+    return run_demo(seed=args.seed, kernels=not args.no_kernels)
+
+
+def _cmd_bench_attention(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from flashtile.bench import attention as ab
+    from flashtile.bench.common import write_json
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]`flashtile bench attention` needs a CUDA GPU[/red]")
+        return 2
+    grid = list(ab.default_grid(head_dims=args.head_dims, seqlens=args.seqlens))
+    if args.causal != "both":
+        grid = [g for g in grid if g[4] == (args.causal == "yes")]
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("bench", total=len(grid))
+
+        def progress(i, n, what):
+            prog.update(task, completed=i, description=what)
+
+        payload = ab.run(providers=args.providers, grid=grid, modes=args.modes, progress=progress)
+    rows = ab.ratios(payload)
+    peers = [p for p in args.providers if p != "flashtile"]
+    table = Table(title=f"attention bf16 TFLOP/s on {payload['env']['device']} (ratio = flashtile / peer)")
+    for col in ("d", "N", "B×H", "causal", "mode", "flashtile", *peers):
+        table.add_column(col, justify="right")
+    for r in rows:
+        t = r["tflops"]
+        cells = [str(r["head_dim"]), str(r["seqlen"]), f"{r['batch']}×{r['heads']}", "y" if r["causal"] else "n", r["mode"]]
+        cells.append(f"{t['flashtile']:.0f}" if t.get("flashtile") else "—")
+        for p in peers:
+            ratio = r["ratio"].get(p)
+            cells.append(f"{t[p]:.0f} ({ratio:.2f}×)" if t.get(p) and ratio else "—")
+        table.add_row(*cells)
+    console.print(table)
+    mem = payload["peak_extra_memory_mib"]
+    console.print("peak extra forward memory (MiB, d=128 N=4k B=4 H=16): " + ", ".join(
+        f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in mem.items()))
+    path = write_json(payload, args.out, "attention")
+    console.print(f"wrote {path}")
+    if not args.no_plot:
+        try:
+            png = path.with_suffix(".png")
+            ab.plot(payload, png)
+            console.print(f"wrote {png}")
+        except ImportError:
+            console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashtile", description="The FlashAttention family in Python.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run every algorithm on random inputs and print errors, IO and FLOP counts")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-kernels", action="store_true", help="skip the Triton kernel section")
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="GPU benchmarks against PyTorch's attention backends")
+    bsub = bench.add_subparsers(dest="what")
+    att = bsub.add_parser("attention", help="FA2 forward and forward+backward vs SDPA backends and FlexAttention")
+    from flashtile.bench.attention import PROVIDERS
+
+    att.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    att.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    att.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    att.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    att.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
+    att.add_argument("--out", default="bench/results")
+    att.add_argument("--no-plot", action="store_true")
+    att.set_defaults(func=_cmd_bench_attention)
+    bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
+                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
