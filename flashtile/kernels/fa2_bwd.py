@@ -1,0 +1,793 @@
+"""FlashAttention-2 backward pass in Triton (Dao 2023, Algorithm 2).
+
+Notation for one (batch b, query head h), with the forward's outputs O and the
+natural-log LSE L (B, Hq, Nq) saved:
+
+    S    = scale * Q K^T, then softcap, ALiBi, bias, mask   (reference/masks.py)
+    P    = exp(S - L)                      (recomputed; L = -inf rows give P = 0)
+    Z    = keep / (1 - p)                  (dropout, regenerated from the Philox seed)
+    dV   = (P o Z)^T dO                    (Alg. 2 line 11)
+    dP   = (dO V^T) o Z                    (line 12)
+    D    = rowsum(dO o O)                  (line 4; equals rowsum(P o dP))
+    dS   = P o (dP - D)                    (line 13)
+    dS  <- dS o (1 - t^2)  with t = tanh(scale * QK^T / softcap)   (softcap chain rule)
+    dQ   = scale * dS K,   dK = scale * dS^T Q                     (lines 14-15)
+
+Three kernels:
+
+1. ``_bwd_preprocess``: D = rowsum(dO o O) in fp32, shape (B, Hq, Nq).
+2. ``_bwd_dkdv_kernel``: grid (cdiv(Nk, BLOCK_N), B * Hk).  One program owns one
+   kv tile of one KV head: it loads K_j, V_j once and walks every q head of its
+   GQA group and every q block that can see the tile (Alg. 2 outer loop over j,
+   inner loop over i).  The group's dK/dV contributions are summed in
+   registers, so dK/dV need no atomics and are deterministic.  With
+   ``deterministic=False`` the same program also adds dQ_i += scale * dS K_j
+   into an fp32 buffer with ``tl.atomic_add`` (Alg. 2 line 15 as written):
+   fewest matmuls, but the summation order of dQ depends on scheduling.
+3. ``_bwd_dq_kernel`` (``deterministic=True``): grid (cdiv(Nq, BLOCK_M), B * Hq),
+   one program per q tile walks its kv blocks and accumulates dQ in registers;
+   the extra Q K^T and dO V^T recomputation buys bitwise reproducibility.
+
+Masking is split per tile pair: blocks that the window cuts (and the sequence
+tail) go through the elementwise ``allowed`` mask; blocks entirely inside the
+window skip it (``MASK`` constexpr).  Block-sparse masks (FA1 Algorithm 5)
+restrict the walk to the listed blocks of ``flashtile.kernels._blocksparse``.
+
+fp32 inputs use ``tl.dot`` with input_precision "tf32" on the GPU (10-bit
+mantissa products, fp32 accumulation): expect ~1e-3 relative gradient error,
+not fp32 round-off.  Under the interpreter the products are exact fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from flashtile.kernels._blocksparse import BlockLists, kv_block_lists, q_block_lists
+from flashtile.kernels._common import LOG2E, allowed, dropout_keep, score_mods
+from flashtile.reference.masks import BlockMask, normalize_window
+
+__all__ = ["BwdConfig", "bwd_config", "fa2_backward"]
+
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+
+
+class BwdConfig(NamedTuple):
+    """Tile sizes of the backward kernels.
+
+    ``block_m``/``block_n``: q rows per inner step / kv rows per program of the
+    dK/dV kernel; ``dq_block_m``/``dq_block_n``: q rows per program / kv rows
+    per inner step of the dQ kernel (also the preprocess tile).
+    """
+
+    block_m: int
+    block_n: int
+    dq_block_m: int
+    dq_block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _cap(tile: int, n: int) -> int:
+    """Shrink a power-of-two tile to the problem: no tile larger than next_pow2(max(n, 16))."""
+    return min(tile, max(16, triton.next_power_of_2(max(n, 1))))
+
+
+def bwd_config(d: int, dtype: torch.dtype, causal: bool, nq: int, nk: int, device: torch.device | str) -> BwdConfig:
+    """Pick the backward tiles: the only place tile sizes are chosen.
+
+    Interpreter (CPU): 16/32 tiles, so that small test shapes still span
+    several tiles and exercise the boundary/interior split and the tails.
+    GPU: Hopper starting points (the lead tunes them on an H100).  The dK/dV
+    program holds K_j, V_j and two fp32 (BLOCK_N, d) accumulators in registers,
+    so BLOCK_N shrinks with d; the dQ program holds Q_i, dO_i and one
+    accumulator, so it takes the larger q tile.  fp32 inputs double the shared
+    memory per tile and get the smaller kv tile from d > 64 on.  ``causal`` is
+    part of the key so tuned tables can specialise on it; the starting values
+    are the same for both (only the diagonal tile pairs are masked either way).
+    """
+    del causal  # same starting tiles; see docstring
+    if torch.device(device).type != "cuda":
+        return BwdConfig(block_m=16, block_n=32, dq_block_m=32, dq_block_n=16, num_warps=4, num_stages=1)
+    wide = dtype == torch.float32
+    if d <= 64:
+        cfg = BwdConfig(64, 128, 128, 64, 8, 2)
+    elif d <= 128:
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(64, 128, 128, 64, 8, 2)
+    else:
+        cfg = BwdConfig(16, 32, 32, 16, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 1)
+    return BwdConfig(
+        _cap(cfg.block_m, nq), _cap(cfg.block_n, nk), _cap(cfg.dq_block_m, nq), _cap(cfg.dq_block_n, nk),
+        cfg.num_warps, cfg.num_stages,
+    )
+
+
+def _fit_tile(tile: int, mask_block: int) -> int:
+    """Largest power of two <= tile dividing the mask block (mask blocks are multiples of 16)."""
+    while mask_block % tile:
+        tile //= 2
+    return tile
+
+
+def _fit_block_mask(cfg: BwdConfig, block_mask: BlockMask | None) -> BwdConfig:
+    """Make every kernel tile divide the BlockMask's (Br, Bc): a tile never straddles two mask blocks."""
+    if block_mask is None:
+        return cfg
+    br, bc = block_mask.block_size
+    if br % 16 or bc % 16:
+        raise ValueError(
+            f"block_mask.block_size must be multiples of 16 for the Triton kernels (tl.dot tiles), got {(br, bc)}"
+        )
+    return cfg._replace(
+        block_m=_fit_tile(cfg.block_m, br), block_n=_fit_tile(cfg.block_n, bc),
+        dq_block_m=_fit_tile(cfg.dq_block_m, br), dq_block_n=_fit_tile(cfg.dq_block_n, bc),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Jit helpers shared by both inner loops
+
+
+@triton.jit
+def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """(rows, D_PAD) tile of a (N, d) matrix with unit column stride; zero outside (N, d)."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if HEAD_DIM == D_PAD:
+        mask = offs_r[:, None] < n_rows
+    else:
+        mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+    if HEAD_DIM == D_PAD:
+        mask = offs_r[:, None] < n_rows
+    else:
+        mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mm(a, b, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation.  UPCAST_DOT works around the interpreter's
+    bf16 matmul (it multiplies the raw uint16 storage); the operands are
+    already rounded to bf16, so the result is what the tensor cores compute."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _load_lse(LSEh, offs_m, seqlen_q):
+    """L_i for the tile, with -inf (empty row) and out-of-range rows mapped to +inf
+    so that exp(S - L) is exactly 0 there instead of exp(-inf + inf) = NaN."""
+    lse = tl.load(LSEh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _recompute_p(
+    q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
+    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """P_ij = exp(S_ij - L_i) of the (BLOCK_M, BLOCK_N) tile (Alg. 2 lines 9-10),
+    S rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.
+    Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative."""
+    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST_DOT) * softmax_scale
+    s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+    if HAS_BIAS:
+        in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+        ptrs = Biash + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
+        s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
+    if MASK:
+        ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, True, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(ok, s, float("-inf"))
+    p = tl.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+    return p, t
+
+
+@triton.jit
+def _grad_scores(p, dp, t, delta, HAS_SOFTCAP: tl.constexpr):
+    """dS = P o (dP - D) (Alg. 2 line 13; dP already carries the dropout factor Z),
+    times 1 - t^2 under softcap (d/dx c*tanh(x/c) = 1 - tanh^2).  The caller
+    applies the softmax scale."""
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
+def _q_range(
+    start_n, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """q-block starts that meet kv tile [n0, n0 + BLOCK_N): the window keeps
+    key j for row i iff i + shift - left <= j <= i + shift + right (shift = Nk - Nq).
+
+    Returns (lo, full_lo, full_hi, end): blocks in [lo, end) see the tile; those
+    in [full_lo, full_hi) see all of it (no element mask needed): every row i of
+    the block satisfies n0 + BLOCK_N - 1 <= i + shift + right and
+    n0 >= i + shift - left, and the tile is not the sequence tail."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    end = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - shift - window_right, 0) // BLOCK_M * BLOCK_M
+        first = tl.maximum(start_n + BLOCK_N - 1 - shift - window_right, 0)
+        full_lo = (first + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if HAS_LEFT:
+        end = tl.minimum(start_n + BLOCK_N - shift + window_left, seqlen_q)
+        last = start_n - shift + window_left - BLOCK_M + 1  # last allowed block start
+        full_hi = tl.where(last >= 0, (tl.maximum(last, 0) // BLOCK_M + 1) * BLOCK_M, 0)
+    full_hi = tl.where(start_n + BLOCK_N > seqlen_k, 0, full_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), end)
+    full_hi = tl.maximum(tl.minimum(full_hi, end), full_lo)
+    return lo, full_lo, full_hi, end
+
+
+@triton.jit
+def _kv_range(
+    start_m, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """kv-block starts seen by q tile [m0, m0 + BLOCK_M): the mirror of
+    :func:`_q_range`.  Returns (lo, full_lo, full_hi, end); interior blocks need
+    n0 >= m0 + BLOCK_M - 1 + shift - left, n0 + BLOCK_N - 1 <= m0 + shift + right
+    and n0 + BLOCK_N <= Nk."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    end = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
+        first = tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0)
+        full_lo = (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:
+        last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+        end = tl.minimum(last_row + shift + window_right + 1, seqlen_k)
+        last = start_m + shift + window_right - BLOCK_N + 1  # last interior block start
+        full_hi = tl.minimum(full_hi, tl.where(last >= 0, (tl.maximum(last, 0) // BLOCK_N + 1) * BLOCK_N, 0))
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), end)
+    full_hi = tl.maximum(tl.minimum(full_hi, end), full_lo)
+    return lo, full_lo, full_hi, end
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DOut, Delta,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    H_Q, seqlen_q,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
+    stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
+    offs_n, offs_d, lo, hi, bh, slope,
+    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+    dropout_p, dropout_scale, philox_seed, philox_offset,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Alg. 2 inner loop (lines 8-16) for one kv tile over q blocks [lo, hi):
+    dV += (P o Z)^T dO, dK += dS^T Q (unscaled), and with ATOMIC_DQ
+    dQ_i += scale * dS K_j into the fp32 buffer."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+        do = _load_rows(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+        lse = _load_lse(LSEh, offs_m, seqlen_q)
+        delta = tl.load(Deltah + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        p, t = _recompute_p(
+            q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
+            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, DOT_PREC, UPCAST_DOT,
+        )
+        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST_DOT)
+        p_drop = p
+        if HAS_DROPOUT:
+            # Z = keep / (1 - p) multiplies P in the forward, hence both P and dP here
+            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            p_drop = tl.where(keep, p * dropout_scale, 0.0)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        dv += _mm(tl.trans(p_drop.to(do.dtype)), do, DOT_PREC, UPCAST_DOT)
+        ds = _grad_scores(p, dp, t, delta, HAS_SOFTCAP).to(q.dtype)
+        dk += _mm(tl.trans(ds), q, DOT_PREC, UPCAST_DOT)
+        if ATOMIC_DQ:
+            dq = _mm(ds, k, DOT_PREC, UPCAST_DOT) * softmax_scale
+            ptrs = DQh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+            tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_sb, stride_sh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_cb, stride_ch, stride_cn,
+    stride_ib, stride_ih, stride_in,
+    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    softmax_scale, softcap, window_left, window_right,
+    dropout_p, dropout_scale, philox_seed, philox_offset,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
+    reduced over the GQA group's q heads in registers."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // H_K
+    hk = bhk % H_K
+    group = H_Q // H_K
+    b64 = b.to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+
+    k = _load_rows(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    v = _load_rows(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
+    lo, full_lo, full_hi, end = _q_range(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+
+    for g in range(0, group):
+        h = hk * group + g
+        h64 = h.to(tl.int64)
+        bh = b * H_Q + h
+        Qh = Q + b64 * stride_qb + h64 * stride_qh
+        DOh = DO + b64 * stride_dob + h64 * stride_doh
+        DQh = DQacc + b64 * stride_dqb + h64 * stride_dqh
+        LSEh = LSE + bh.to(tl.int64) * seqlen_q
+        Deltah = Delta + bh.to(tl.int64) * seqlen_q
+        Biash = Bias + b64 * stride_bb + h64 * stride_bh
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
+        if BLOCK_SPARSE:
+            # FA1 Alg. 5: only the q blocks listed for this kv block are visited
+            c = start_n // mask_block_n
+            count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + c * stride_cn)
+            row = BlkIndex + b64 * stride_ib + h64 * stride_ih + c * stride_in
+            for idx in range(0, count):
+                r = tl.load(row + idx)
+                blk_lo = tl.maximum(r * mask_block_m, lo)
+                blk_hi = tl.minimum((r + 1) * mask_block_m, end)
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
+                    stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
+                    offs_n, offs_d, blk_lo, blk_hi, bh, slope,
+                    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                    dropout_p, dropout_scale, philox_seed, philox_offset,
+                    HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                    HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+                )
+        else:
+            # boundary blocks before the interior, the interior, boundary blocks after
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
+                stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
+                offs_n, offs_d, lo, full_lo, bh, slope,
+                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset,
+                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+            )
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
+                stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
+                offs_n, offs_d, full_lo, full_hi, bh, slope,
+                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset,
+                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, False, DOT_PREC, UPCAST_DOT,
+            )
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
+                stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
+                offs_n, offs_d, full_hi, end, bh, slope,
+                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset,
+                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+            )
+
+    dk = dk * softmax_scale
+    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, delta, Kh, Vh, Biash,
+    stride_kn, stride_vn, stride_bm, stride_bn,
+    offs_m, offs_d, lo, hi, bh, slope,
+    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+    dropout_p, dropout_scale, philox_seed, philox_offset,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """dQ_i += dS_ij K_j (unscaled) over kv blocks [lo, hi): the q-outer
+    ordering of Alg. 2 line 15, so each dQ_i has a single writer."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+        v = _load_rows(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+        p, t = _recompute_p(
+            q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
+            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, DOT_PREC, UPCAST_DOT,
+        )
+        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST_DOT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = _grad_scores(p, dp, t, delta, HAS_SOFTCAP)
+        dq += _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST_DOT)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_sb, stride_sh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_cb, stride_ch, stride_cm,
+    stride_ib, stride_ih, stride_im,
+    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    softmax_scale, softcap, window_left, window_right,
+    dropout_p, dropout_scale, philox_seed, philox_offset,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """dQ of one q tile of one q head, accumulated in registers (deterministic)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H_Q
+    h = bh % H_Q
+    hk = h // (H_Q // H_K)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+
+    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    lse = _load_lse(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q)
+    delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    Kh = K + b64 * stride_kb + hk64 * stride_kh
+    Vh = V + b64 * stride_vb + hk64 * stride_vh
+    Biash = Bias + b64 * stride_bb + h64 * stride_bh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
+    dq = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+    lo, full_lo, full_hi, end = _kv_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
+
+    if BLOCK_SPARSE:
+        r = start_m // mask_block_m
+        count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + r * stride_cm)
+        row = BlkIndex + b64 * stride_ib + h64 * stride_ih + r * stride_im
+        for idx in range(0, count):
+            c = tl.load(row + idx)
+            blk_lo = tl.maximum(c * mask_block_n, lo)
+            blk_hi = tl.minimum((c + 1) * mask_block_n, end)
+            dq = _dq_inner(
+                dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+                offs_m, offs_d, blk_lo, blk_hi, bh, slope,
+                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset,
+                HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+            )
+    else:
+        dq = _dq_inner(
+            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            offs_m, offs_d, lo, full_lo, bh, slope,
+            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            dropout_p, dropout_scale, philox_seed, philox_offset,
+            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+        )
+        dq = _dq_inner(
+            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            offs_m, offs_d, full_lo, full_hi, bh, slope,
+            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            dropout_p, dropout_scale, philox_seed, philox_offset,
+            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_BIAS, HAS_DROPOUT, False, DOT_PREC, UPCAST_DOT,
+        )
+        dq = _dq_inner(
+            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            offs_m, offs_d, full_hi, end, bh, slope,
+            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            dropout_p, dropout_scale, philox_seed, philox_offset,
+            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+        )
+
+    dq = dq * softmax_scale
+    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+
+
+# ---------------------------------------------------------------------------
+# Host side: validation and launch
+
+
+def _check_tensor(x, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the dtype of q), got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of q), got {x.device}")
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels assume unit stride along d (any other strides are fine)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_inputs(dout, q, k, v, out, lse) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(x.shape)}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    b, hq, nq, d = q.shape
+    _, hk, nk, _ = k.shape
+    if not 1 <= d <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{_MAX_HEAD_DIM}, got {d}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"number of q heads ({hq}) must be a multiple of k/v heads ({hk}) (GQA/MQA)")
+    _check_tensor(k, "k", (b, hk, nk, d), q.dtype, q.device)
+    _check_tensor(v, "v", (b, hk, nk, d), q.dtype, q.device)
+    _check_tensor(out, "out", tuple(q.shape), q.dtype, q.device)
+    _check_tensor(dout, "dout", tuple(q.shape), q.dtype, q.device)
+    if not isinstance(lse, torch.Tensor) or not lse.is_floating_point():
+        raise TypeError("lse must be a floating-point torch.Tensor (float32 from fa2_forward)")
+    if tuple(lse.shape) != (b, hq, nq):
+        raise ValueError(f"lse must have shape {(b, hq, nq)} = (B, Hq, Nq), got {tuple(lse.shape)}")
+
+
+def _check_scalars(softmax_scale, softcap, dropout_p, philox_seed, philox_offset) -> tuple[float, float, float]:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    for name, x in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {x!r}")
+    return float(softmax_scale), float(softcap), float(dropout_p)
+
+
+def _slopes(alibi_slopes, b: int, hq: int, device) -> tuple[torch.Tensor | None, int, int]:
+    """ALiBi slopes as fp32 plus (batch stride, head stride); (Hq,) broadcasts over batch."""
+    if alibi_slopes is None:
+        return None, 0, 0
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        raise TypeError("alibi_slopes must be a floating-point torch.Tensor of shape (Hq,) or (B, Hq)")
+    if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(f"alibi_slopes must have shape ({hq},) or ({b}, {hq}), got {tuple(alibi_slopes.shape)}")
+    s = alibi_slopes.to(device=device, dtype=torch.float32).contiguous()
+    return (s, 0, s.stride(0)) if s.dim() == 1 else (s, s.stride(0), s.stride(1))
+
+
+def _bias_view(bias, shape: tuple[int, int, int, int], device) -> torch.Tensor | None:
+    """Bias expanded to (B, Hq, Nq, Nk) without copying (stride 0 on broadcast dims)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        raise TypeError("bias must be a floating-point torch.Tensor broadcastable to (B, Hq, Nq, Nk)")
+    if bias.device != device:
+        raise ValueError(f"bias must be on {device} (the device of q), got {bias.device}")
+    try:
+        return bias.expand(*shape)
+    except RuntimeError:
+        raise ValueError(f"bias of shape {tuple(bias.shape)} is not broadcastable to (B, Hq, Nq, Nk) = {shape}") from None
+
+
+def _grad_buffer(given, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer the kernel writes, tensor returned): the caller's view when usable."""
+    if given is None:
+        t = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return t, t
+    _check_tensor(given, name, tuple(like.shape), like.dtype, like.device)
+    if given.shape[-1] > 1 and given.stride(-1) != 1:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device), given
+    return given, given
+
+
+def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Block-list tensors and strides; a broadcast (size 1) leading dim gets stride 0."""
+    if lists is None:
+        return dummy, dummy, [0] * 6
+    c, i = lists.counts, lists.indices
+    def st(t, dim):
+        return 0 if t.shape[dim] == 1 else t.stride(dim)
+    return c, i, [st(c, 0), st(c, 1), c.stride(2), st(i, 0), st(i, 1), i.stride(2)]
+
+
+def fa2_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    philox_seed: int = 0,
+    philox_offset: int = 0,
+    block_mask: BlockMask | None = None,
+    deterministic: bool = False,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of FlashAttention-2 (Dao 2023, Algorithm 2).
+
+    q, dout, out: (B, Hq, Nq, d); k, v: (B, Hk, Nk, d) with Hq a multiple of
+    Hk; any strides with unit stride on d.  lse: (B, Hq, Nq) natural log as
+    returned by ``fa2_forward`` (-inf rows contribute nothing).  Returns dq
+    (B, Hq, Nq, d), dk, dv (B, Hk, Nk, d) in q's dtype, written into ``dq``,
+    ``dk``, ``dv`` when given.  ``deterministic=True`` uses the separate dQ
+    kernel (bitwise reproducible); otherwise dQ is accumulated with fp32
+    atomics inside the dK/dV kernel.  No gradient flows to bias or ALiBi.
+    """
+    _check_inputs(dout, q, k, v, out, lse)
+    scale, softcap, dropout_p = _check_scalars(softmax_scale, softcap, dropout_p, philox_seed, philox_offset)
+    left, right = normalize_window(bool(causal), window_size)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a flashtile BlockMask or None, got {type(block_mask).__name__}")
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    dev = q.device
+    slopes, stride_sb, stride_sh = _slopes(alibi_slopes, b, hq, dev)
+    bias_x = _bias_view(bias, (b, hq, nq, nk), dev)
+    if block_mask is not None:
+        block_mask.check_seqlens(nq, nk)
+    dq_buf, dq_ret = _grad_buffer(dq, "dq", q)
+    dk_buf, dk_ret = _grad_buffer(dk, "dk", k)
+    dv_buf, dv_ret = _grad_buffer(dv, "dv", v)
+
+    if b * hq * nq == 0 or nk == 0:
+        # nothing to attend to (Nk = 0) or nobody attending (Nq = 0): all gradients vanish
+        for ret in (dq_ret, dk_ret, dv_ret):
+            ret.zero_()
+        return dq_ret, dk_ret, dv_ret
+
+    q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
+    lse = lse.to(device=dev, dtype=torch.float32).contiguous()
+    cfg = _fit_block_mask(bwd_config(d, q.dtype, bool(causal), nq, nk, dev), block_mask)
+    d_pad = max(16, triton.next_power_of_2(d))
+    on_gpu = dev.type == "cuda"
+
+    delta = torch.empty(b, hq, nq, dtype=torch.float32, device=dev)
+    _bwd_preprocess[(triton.cdiv(nq, cfg.dq_block_m), b * hq)](
+        out, dout, delta,
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        hq, nq, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg.dq_block_m,
+    )
+
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    slopes_t = slopes if slopes is not None else delta
+    bias_t = bias_x if bias_x is not None else delta
+    bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
+    atomic = not deterministic
+    dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
+    dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
+    features = dict(
+        HEAD_DIM=d, D_PAD=d_pad,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
+        HAS_BIAS=bias_x is not None, HAS_DROPOUT=dropout_p > 0, BLOCK_SPARSE=block_mask is not None,
+        DOT_PREC="tf32", UPCAST_DOT=(not on_gpu) and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    # p = 1 drops everything: keep is never true, so the scale is never used
+    dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
+    mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
+    scalars = [hq, hk, nq, nk, mask_bm, mask_bn, scale, softcap, left, right,
+               dropout_p, dropout_scale, philox_seed, philox_offset]
+
+    qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
+    cnt, idx, list_strides = _list_args(qlists, dummy_i32)
+    _bwd_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
+        q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+        *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
+        stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, **features,
+    )
+
+    if atomic:
+        dq_buf.copy_(dq_acc)
+    else:
+        klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
+        cnt, idx, list_strides = _list_args(klists, dummy_i32)
+        _bwd_dq_kernel[(triton.cdiv(nq, cfg.dq_block_m), b * hq)](
+            q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
+            stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **features,
+        )
+
+    for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):
+        if buf is not ret:
+            ret.copy_(buf)
+    return dq_ret, dk_ret, dv_ret

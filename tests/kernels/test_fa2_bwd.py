@@ -1,0 +1,516 @@
+"""Tests of the Triton FlashAttention-2 backward kernels against float64 autograd.
+
+The oracle is a dense float64 forward written from reference/masks.py
+(``allowed_mask``, ``apply_score_mods``); torch autograd through it gives the
+reference dq, dk, dv.  Its out (cast to the kernel dtype) and LSE (float32)
+are what the kernel receives, so these tests do not depend on the forward
+kernel.  Without a GPU the kernels run in Triton's interpreter (tests/conftest.py):
+shapes stay small (N <= 80, d <= 64 except one d = 80 and one d = 256 case).
+
+Tolerance: normwise relative error ||got - ref||_F / ||ref||_F (denominator
+floored at an RMS of 1e-2, for gradients that vanish by cancellation).
+  fp32, interpreter  1e-4  (exact fp32 products; ~1e-7 per op, grown by the
+                            P(dP - D) cancellation and sums over N and d)
+  fp32, GPU          2e-3  (tl.dot in TF32: 10-bit mantissa operands)
+  fp16 / bf16        2e-2  (P and dS rounded to the input dtype before the
+                            matmuls; bf16 eps 2^-8, and D = rowsum(dO o O) uses
+                            the rounded O)
+Exact zeros are required where the math gives exact zeros (rows with no
+allowed key, keys no query sees): the kernels must produce P = 0 there, not a
+small number and never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashtile.kernels._common import dropout_keep_mask
+from flashtile.kernels.fa2_bwd import BwdConfig, _fit_block_mask, bwd_config, fa2_backward
+from flashtile.reference.masks import BlockMask, allowed_mask, apply_score_mods
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+# --------------------------------------------------------------------------- #
+# float64 oracle
+# --------------------------------------------------------------------------- #
+def dense_forward(q, k, v, *, scale, causal, window, softcap, alibi, bias, block_mask, keep, dropout_p):
+    """out, lse and the visibility mask (B|1, Hq, Nq, Nk) of the attention definition in
+    reference/masks.py; out is differentiable in q, k, v."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    nq, nk = q.shape[2], k.shape[2]
+    s = scale * q @ k.transpose(-1, -2)
+    s = apply_score_mods(s, softcap=softcap, alibi_slopes=alibi, nq=nq, nk=nk)
+    if bias is not None:
+        s = s + bias.double()
+    ok = allowed_mask(nq, nk, causal=causal, window_size=window, block_mask=block_mask)
+    s = s.masked_fill(~ok, -math.inf)
+    # the softmax is shift invariant, so a detached row max gives exact gradients
+    m = s.detach().amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = torch.exp(s - m)
+    den = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(den > 0, den, 1.0)
+    if keep is not None:
+        p = p * keep.double() * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+    lse = (den.log() + m).squeeze(-1)
+    return p @ v, lse.detach(), torch.isfinite(s.detach())
+
+
+def oracle(dout, q, k, v, **kw):
+    """(out, lse, visible, (dq, dk, dv)) in float64 on the CPU."""
+    q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    kw = {name: (x.cpu() if isinstance(x, torch.Tensor) else x) for name, x in kw.items()}
+    out, lse, visible = dense_forward(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout.detach().cpu().double())
+    return out.detach(), lse, visible, grads
+
+
+def tolerance(dtype: torch.dtype, device: str) -> float:
+    if dtype == F32:
+        return 1e-4 if device == "cpu" else 2e-3
+    return 2e-2
+
+
+def make(shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def inputs(b, hq, hk, nq, nk, d, dtype, device, seed=0):
+    """q, k, v, dout; scores of O(1) so that softmax is neither flat nor one-hot."""
+    return (
+        make((b, hq, nq, d), dtype, device, seed),
+        make((b, hk, nk, d), dtype, device, seed + 1),
+        make((b, hk, nk, d), dtype, device, seed + 2),
+        make((b, hq, nq, d), dtype, device, seed + 3),
+    )
+
+
+def run(q, k, v, dout, *, deterministic=False, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
+        bias=None, block_mask=None, dropout_p=0.0, seed=0, offset=0, scale=None, **views):
+    """Kernel gradients and oracle gradients for the same inputs."""
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keep = None
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, offset, b, hq, nq, nk, dropout_p, q.device)
+    out, lse, visible, ref = oracle(
+        dout, q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, alibi=alibi, bias=bias,
+        block_mask=block_mask, keep=keep, dropout_p=dropout_p,
+    )
+    got = fa2_backward(
+        dout, q, k, v, out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=F32),
+        softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+        bias=bias, dropout_p=dropout_p, philox_seed=seed, philox_offset=offset, block_mask=block_mask,
+        deterministic=deterministic, **views,
+    )
+    return got, ref, lse, visible
+
+
+def assert_grads(got, ref, tol):
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        g = g.detach().cpu().double()
+        assert g.shape == r.shape, f"{name} shape {tuple(g.shape)} != {tuple(r.shape)}"
+        assert torch.isfinite(g).all(), f"non-finite values in {name}"
+        # floor the denominator at an RMS of 1e-2 (entries are O(0.1-1) for these unit-variance
+        # inputs): a gradient that is zero by cancellation, e.g. dq of a row seeing one key,
+        # is then held to an absolute error instead of a relative error of round-off
+        den = max(r.norm().item(), 1e-2 * math.sqrt(r.numel()))
+        err = (g - r).norm().item() / den
+        assert err <= tol, f"{name} relative error {err:.3g} > {tol}"
+
+
+def assert_exact_zeros(got, visible):
+    """Structural zeros: a query row with no visible key has dq = 0 exactly, and a
+    key no query of its GQA group sees has dk = dv = 0 exactly (P = 0 there)."""
+    dq, dk, dv = (g.detach().cpu() for g in got)
+    b, hq, nq, nk = dq.shape[0], dq.shape[1], dq.shape[2], dk.shape[2]
+    visible = visible.expand(b, hq, nq, nk)
+    assert (dq[~visible.any(dim=-1)] == 0).all(), "dq rows with no visible key must be exactly 0"
+    seen = visible.reshape(b, dk.shape[1], hq // dk.shape[1], nq, nk).any(dim=3).any(dim=2)
+    assert (dk[~seen] == 0).all() and (dv[~seen] == 0).all(), "unseen keys must get dk = dv = 0 exactly"
+
+
+# --------------------------------------------------------------------------- #
+# dtypes, both dQ strategies
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_dense_matches_oracle(device, dtype, deterministic):
+    q, k, v, do = inputs(2, 2, 2, 40, 56, 32, dtype, device)
+    got, ref, _, _ = run(q, k, v, do, deterministic=deterministic)
+    assert all(g.dtype == dtype for g in got)
+    assert_grads(got, ref, tolerance(dtype, device))
+
+
+def test_softmax_scale_is_used(device):
+    q, k, v, do = inputs(1, 2, 2, 24, 40, 16, F32, device, seed=3)
+    got, ref, _, _ = run(q, k, v, do, scale=0.9, deterministic=True)
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+# --------------------------------------------------------------------------- #
+# masks
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("nq,nk", [(24, 72), (72, 24), (48, 48)])
+def test_causal(device, nq, nk, deterministic):
+    q, k, v, do = inputs(1, 2, 2, nq, nk, 32, F32, device, seed=nq)
+    got, ref, lse, visible = run(q, k, v, do, causal=True, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    assert_exact_zeros(got, visible)
+    if nq > nk:  # bottom-right alignment leaves the first Nq - Nk rows with no key
+        assert torch.isneginf(lse[..., : nq - nk]).all()
+        assert (got[0].cpu()[:, :, : nq - nk] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "window,causal,nq,nk,deterministic",
+    [
+        ((8, 4), False, 40, 64, True),
+        ((0, 0), False, 64, 40, False),
+        ((20, -1), False, 48, 48, True),
+        ((-1, 5), False, 33, 70, False),
+        ((3, -1), True, 70, 33, True),
+    ],
+)
+def test_sliding_window(device, window, causal, nq, nk, deterministic):
+    q, k, v, do = inputs(1, 2, 1, nq, nk, 16, F32, device, seed=nq + nk)
+    got, ref, _, visible = run(q, k, v, do, window=window, causal=causal, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    assert_exact_zeros(got, visible)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    nq=st.integers(1, 70),
+    nk=st.integers(1, 70),
+    left=st.integers(-1, 40),
+    right=st.integers(-1, 40),
+    causal=st.booleans(),
+    deterministic=st.booleans(),
+)
+def test_window_geometry_property(nq, nk, left, right, causal, deterministic):
+    """Any window over any lengths: the boundary/interior split of the q and kv
+    loops must visit exactly the allowed pairs (a wrong split shows as wrong
+    gradients or a missing block)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    window = (left, 0 if causal else right)
+    q, k, v, do = inputs(1, 1, 1, nq, nk, 16, F32, device, seed=nq * 97 + nk)
+    got, ref, _, visible = run(q, k, v, do, window=window, causal=causal, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    assert_exact_zeros(got, visible)
+
+
+# --------------------------------------------------------------------------- #
+# score modifiers
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_softcap(device, deterministic):
+    # scores up to ~3 * cap: tanh saturates, so a missing (1 - t^2) factor is visible
+    q, k, v, do = inputs(1, 2, 2, 40, 48, 32, F32, device, seed=5)
+    got, ref, _, _ = run(q, k, v, do, softcap=2.0, scale=0.5, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    # the cap matters at this scale: uncapped gradients are far outside the tolerance
+    *_, (dq_plain, _, _) = oracle(do, q, k, v, scale=0.5, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
+                                bias=None, block_mask=None, keep=None, dropout_p=0.0)
+    assert (dq_plain - ref[0]).norm() > 100 * tolerance(F32, device) * ref[0].norm()
+
+
+@pytest.mark.parametrize("slopes_shape", ["heads", "batch_heads"])
+def test_alibi(device, slopes_shape):
+    b, hq = 2, 2
+    q, k, v, do = inputs(b, hq, 1, 36, 52, 16, F32, device, seed=7)
+    shape = (hq,) if slopes_shape == "heads" else (b, hq)
+    slopes = (torch.rand(shape, generator=torch.Generator().manual_seed(1)) * 0.5).to(device)
+    got, ref, _, _ = run(q, k, v, do, alibi=slopes, causal=slopes_shape == "heads",
+                      deterministic=slopes_shape == "heads")
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bias_broadcast_with_inf(device, deterministic):
+    """Bias (1, Hq, Nq, Nk)-broadcast from (Hq, 1, Nk) plus a per-row term; -inf
+    entries mask, a fully -inf row has lse -inf and zero gradients."""
+    b, hq, nq, nk = 2, 2, 30, 44
+    q, k, v, do = inputs(b, hq, hq, nq, nk, 16, F32, device, seed=9)
+    bias = make((hq, nq, nk), F32, "cpu", 11)
+    bias[0, :, 5:9] = -math.inf  # some keys hidden from every query of head 0
+    bias[1, 3, :] = -math.inf  # query row 3 of head 1 sees nothing
+    bias = bias.to(device)
+    got, ref, lse, visible = run(q, k, v, do, bias=bias, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    assert_exact_zeros(got, visible)
+    assert torch.isneginf(lse[:, 1, 3]).all()
+    assert (got[0].cpu()[:, 1, 3] == 0).all()
+
+
+def test_bias_row_broadcast_and_all_mods(device):
+    """Bias of shape (Nk,) (stride 0 on three dims) with softcap, ALiBi and causal together."""
+    q, k, v, do = inputs(1, 2, 1, 40, 40, 32, F32, device, seed=13)
+    bias = make((40,), F32, device, 17, scale=0.5)
+    slopes = torch.tensor([0.25, 0.0625], device=device)
+    got, ref, _, _ = run(q, k, v, do, bias=bias, alibi=slopes, softcap=3.0, causal=True, deterministic=True)
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+# --------------------------------------------------------------------------- #
+# dropout
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "deterministic,causal,dtype", [(True, False, F32), (False, True, F32), (True, True, BF16)]
+)
+def test_dropout(device, deterministic, causal, dtype):
+    q, k, v, do = inputs(2, 2, 1, 40, 56, 32, dtype, device, seed=21)
+    got, ref, _, _ = run(q, k, v, do, dropout_p=0.3, seed=1234, offset=64, causal=causal, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(dtype, device))
+
+
+def test_dropout_mask_mismatch_is_detected(device):
+    """The oracle is sensitive to the keep pattern: a different seed must fail."""
+    q, k, v, do = inputs(1, 1, 1, 32, 32, 16, F32, device, seed=23)
+    keep = dropout_keep_mask(99, 0, 1, 1, 32, 32, 0.3, device)
+    out, lse, _, ref = oracle(do, q, k, v, scale=0.25, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
+                            bias=None, block_mask=None, keep=keep, dropout_p=0.3)
+    got = fa2_backward(do, q, k, v, out.float().to(device), lse.float().to(device), softmax_scale=0.25,
+                       dropout_p=0.3, philox_seed=98)
+    err = ((got[2].cpu().double() - ref[2]).norm() / ref[2].norm()).item()
+    assert err > 0.1
+
+
+def test_dropout_p_one_gives_zero_grads(device):
+    q, k, v, do = inputs(1, 1, 1, 20, 20, 16, F32, device, seed=25)
+    got, ref, _, _ = run(q, k, v, do, dropout_p=1.0, seed=3)
+    for g in got:
+        assert (g == 0).all()
+
+
+# --------------------------------------------------------------------------- #
+# GQA / MQA
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (3, 1)])
+def test_gqa_mqa(device, hq, hk, deterministic):
+    q, k, v, do = inputs(1, hq, hk, 33, 47, 16, F32, device, seed=hq)
+    got, ref, _, _ = run(q, k, v, do, causal=True, deterministic=deterministic)
+    assert got[1].shape == k.shape and got[2].shape == v.shape
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+# --------------------------------------------------------------------------- #
+# block-sparse
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_block_mask_random_with_causal(device, deterministic):
+    nq, nk = 64, 80
+    bm = BlockMask.random(nq, nk, 0.5, block_size=(32, 16), generator=torch.Generator().manual_seed(4))
+    q, k, v, do = inputs(1, 2, 2, nq, nk, 16, F32, device, seed=31)
+    got, ref, _, visible = run(q, k, v, do, block_mask=bm, causal=True, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    assert_exact_zeros(got, visible)
+
+
+def test_block_mask_per_head_gqa(device):
+    """A (Hq, Tr, Tc) mask under GQA: each q head of a group walks its own lists."""
+    nq, nk, hq = 48, 40, 4
+    g = torch.Generator().manual_seed(8)
+    mask = torch.rand(hq, 3, 3, generator=g) < 0.6
+    mask[:, :, 0] = True
+    bm = BlockMask(mask, (16, 16))
+    q, k, v, do = inputs(1, hq, 2, nq, nk, 16, F32, device, seed=33)
+    got, ref, _, _ = run(q, k, v, do, block_mask=bm, window=(20, 8), deterministic=True)
+    assert_grads(got, ref, tolerance(F32, device))
+    got_atomic, _, _, _ = run(q, k, v, do, block_mask=bm, window=(20, 8), deterministic=False)
+    assert_grads(got_atomic, ref, tolerance(F32, device))
+
+
+def test_block_mask_block_size_not_multiple_of_16(device):
+    q, k, v, do = inputs(1, 1, 1, 24, 24, 16, F32, device)
+    bm = BlockMask.dense(24, 24, block_size=(8, 16))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fa2_backward(do, q, k, v, q, torch.zeros(1, 1, 24, device=device), softmax_scale=0.25, block_mask=bm)
+
+
+# --------------------------------------------------------------------------- #
+# tails, head dims, layouts
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "nq,nk,d,deterministic",
+    [(1, 1, 8, True), (17, 33, 24, False), (33, 17, 80, True), (5, 9, 256, False), (19, 23, 1, True)],
+)
+def test_tails_and_head_dims(device, nq, nk, d, deterministic):
+    q, k, v, do = inputs(1, 2, 1, nq, nk, d, F32, device, seed=d)
+    got, ref, _, _ = run(q, k, v, do, deterministic=deterministic, causal=nq == 17)
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_flash_layout_views_in_and_out(device, deterministic):
+    """(B, N, H, d) storage seen through .transpose(1, 2), gradients written into
+    such views, and one input with a non-unit stride along d."""
+    b, hq, hk, nq, nk, d = 2, 2, 1, 36, 44, 16
+
+    def bnhd(n, h, seed):
+        return make((b, n, h, d), F32, device, seed).transpose(1, 2)
+
+    q, k, v, do = bnhd(nq, hq, 0), bnhd(nk, hk, 1), bnhd(nk, hk, 2), bnhd(nq, hq, 3)
+    v_strided = make((b, hk, nk, 2 * d), F32, device, 4)[..., ::2]
+    assert not q.is_contiguous() and v_strided.stride(-1) == 2
+    views = {
+        "dq": torch.full((b, nq, hq, d), math.nan, device=device).transpose(1, 2),
+        "dk": torch.full((b, nk, hk, d), math.nan, device=device).transpose(1, 2),
+        "dv": torch.full((b, hk, nk, 2 * d), math.nan, device=device)[..., ::2],
+    }
+    got, ref, _, _ = run(q, k, v_strided, do, causal=True, deterministic=deterministic, **views)
+    for name, g in zip(("dq", "dk", "dv"), got):
+        assert g is views[name], f"{name} must be returned as the given view"
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+@pytest.mark.parametrize("nq,nk", [(0, 16), (16, 0)])
+def test_empty_sequences(device, nq, nk):
+    q, k, v, do = inputs(1, 2, 1, nq, nk, 16, F32, device)
+    dq = torch.full_like(q, math.nan)
+    dk = torch.full_like(k, math.nan)
+    dv = torch.full_like(v, math.nan)
+    lse = torch.full((1, 2, nq), -math.inf, device=device)
+    got = fa2_backward(do, q, k, v, torch.zeros_like(q), lse, softmax_scale=0.25, dq=dq, dk=dk, dv=dv)
+    for g in got:
+        assert (g == 0).all()
+
+
+# --------------------------------------------------------------------------- #
+# determinism
+# --------------------------------------------------------------------------- #
+def test_deterministic_is_bitwise_reproducible(device):
+    """deterministic=True: same bits on every run (the GPU test below repeats this
+    at scale, where the atomic path would reorder the dQ sums)."""
+    q, k, v, do = inputs(1, 4, 2, 40, 56, 16, BF16, device, seed=41)
+    first, ref, _, _ = run(q, k, v, do, causal=True, deterministic=True)
+    second, _, _, _ = run(q, k, v, do, causal=True, deterministic=True)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    assert_grads(first, ref, tolerance(BF16, device))
+
+
+# --------------------------------------------------------------------------- #
+# configuration and argument checks
+# --------------------------------------------------------------------------- #
+def test_bwd_config_interpreter_and_gpu_tiles():
+    assert bwd_config(64, F16, False, 64, 64, "cpu") == BwdConfig(16, 32, 32, 16, 4, 1)
+    small_d = bwd_config(64, BF16, True, 8192, 8192, "cuda")
+    big_d = bwd_config(256, BF16, True, 8192, 8192, "cuda")
+    assert (small_d.block_m, small_d.block_n) == (64, 128)
+    assert big_d.block_n < small_d.block_n and big_d.block_m < small_d.block_m
+    assert bwd_config(128, F32, False, 8192, 8192, "cuda").block_n < bwd_config(128, BF16, False, 8192, 8192, "cuda").block_n
+    # short sequences do not get tiles longer than the sequence (rounded to a power of two >= 16)
+    tiny = bwd_config(64, BF16, False, 5, 20, "cuda")
+    assert (tiny.block_m, tiny.block_n, tiny.dq_block_m, tiny.dq_block_n) == (16, 32, 16, 32)
+    for cfg in (small_d, big_d, tiny):
+        for t in cfg[:4]:
+            assert t >= 16 and t & (t - 1) == 0
+
+
+def test_tiles_fit_block_mask():
+    cfg = BwdConfig(64, 128, 128, 64, 8, 2)
+    fit = _fit_block_mask(cfg, BlockMask.dense(256, 256, block_size=(48, 32)))
+    assert fit[:4] == (16, 32, 16, 32)
+    assert 48 % fit.block_m == 0 and 32 % fit.block_n == 0
+    assert _fit_block_mask(cfg, None) == cfg
+
+
+def _args(device, **over):
+    q, k, v, do = inputs(1, 2, 1, 8, 8, 16, F32, device)
+    a = dict(dout=do, q=q, k=k, v=v, out=torch.zeros_like(q), lse=torch.zeros(1, 2, 8, device=device))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over,kw,exc,match",
+    [
+        ({"q": torch.zeros(1, 2, 8, 16, dtype=torch.int32)}, {}, TypeError, "float16, bfloat16 or float32"),
+        ({"k": torch.zeros(1, 1, 8, 16, dtype=F16)}, {}, TypeError, "k must have dtype"),
+        ({"v": torch.zeros(1, 1, 9, 16)}, {}, ValueError, "v must have shape"),
+        ({"k": torch.zeros(1, 3, 8, 16), "v": torch.zeros(1, 3, 8, 16)}, {}, ValueError, "multiple of k/v heads"),
+        ({"q": torch.zeros(2, 16)}, {}, ValueError, "q must be 4-D"),
+        ({"lse": torch.zeros(1, 2, 7)}, {}, ValueError, "lse must have shape"),
+        ({}, {"window_size": (-2, 0)}, ValueError, "window_size"),
+        ({}, {"causal": True, "window_size": (-1, 3)}, ValueError, "causal=True"),
+        ({}, {"dropout_p": 1.5}, ValueError, "dropout_p"),
+        ({}, {"softcap": -1.0}, ValueError, "softcap"),
+        ({}, {"softmax_scale": math.nan}, ValueError, "softmax_scale"),
+        ({}, {"philox_seed": -1}, ValueError, "philox_seed"),
+        ({}, {"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes"),
+        ({}, {"bias": torch.zeros(3, 8, 8)}, ValueError, "bias"),
+        ({}, {"block_mask": torch.ones(1, 1, dtype=torch.bool)}, TypeError, "block_mask"),
+        ({}, {"dq": torch.zeros(1, 2, 8, 8)}, ValueError, "dq must have shape"),
+    ],
+)
+def test_bad_arguments(over, kw, exc, match):
+    a = _args("cpu", **over)
+    kw.setdefault("softmax_scale", 0.25)
+    with pytest.raises(exc, match=match):
+        fa2_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], **kw)
+
+
+def test_head_dim_above_256_rejected():
+    x = torch.zeros(1, 1, 4, 264)
+    with pytest.raises(ValueError, match="head_dim"):
+        fa2_backward(x, x, x, x, x, torch.zeros(1, 1, 4), softmax_scale=0.1)
+
+
+# --------------------------------------------------------------------------- #
+# GPU: long sequences against float32 autograd on the device
+# --------------------------------------------------------------------------- #
+def _fp32_grads_gpu(dout, q, k, v, scale, causal):
+    """Dense float32 attention gradients on the GPU (the score matrix fits: B = 1, H = 2)."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = scale * q @ k.repeat_interleave(group, 1).transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(~allowed_mask(q.shape[2], k.shape[2], causal=True, device=q.device), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.exp(s - lse[..., None]) @ v.repeat_interleave(group, 1)
+    grads = torch.autograd.grad(out, (q, k, v), dout.float())
+    return out.detach(), lse.detach(), grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2048, 8192, 16384])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_long_sequences_bf16(n, d, causal, deterministic):
+    hq, hk = 2, 1
+    q, k, v, do = inputs(1, hq, hk, n, n, d, BF16, "cuda", seed=n + d)
+    scale = d ** -0.5
+    out, lse, ref = _fp32_grads_gpu(do, q, k, v, scale, causal)
+    got = fa2_backward(do, q, k, v, out.to(BF16), lse, softmax_scale=scale, causal=causal,
+                       deterministic=deterministic)
+    torch.cuda.synchronize()
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert torch.isfinite(g).all()
+        err = ((g.float() - r).norm() / r.norm()).item()
+        assert err <= 2e-2, f"{name} relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_bitwise_long():
+    """Many q heads per kv head and long rows: the case where atomics would reorder."""
+    q, k, v, do = inputs(2, 8, 2, 4096, 4096, 128, BF16, "cuda", seed=1)
+    # reproducibility needs no true forward: any O and LSE exercise the same sums
+    lse = torch.randn(2, 8, 4096, device="cuda") + 8.0
+    out = make((2, 8, 4096, 128), BF16, "cuda", 2)
+    runs = [fa2_backward(do, q, k, v, out, lse, softmax_scale=128 ** -0.5, causal=True, deterministic=True)
+            for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
