@@ -30,6 +30,11 @@ FWD_CANDIDATES = {
     128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 2)],
 }
 
+BWD_CANDIDATES = {  # BwdConfig(block_m, block_n, dq_block_m, dq_block_n, num_warps, num_stages)
+    64: [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 4, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 4, 3), (128, 128, 128, 128, 8, 2)],
+    128: [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3), (32, 128, 128, 32, 8, 2), (64, 128, 64, 128, 8, 2)],
+}
+
 
 def fwd_point(d, n, causal, candidates, results):
     b, h = max(1, 16384 // n), 2048 // d
@@ -89,7 +94,7 @@ def bwd_point(d, n, causal, results, candidates=None):
     o1 = torch.nn.functional.scaled_dot_product_attention(q1, k1, v1, is_causal=causal)
     o1.backward(do[:1, :, :1].float().transpose(1, 2))
     for det in (False, True):
-        cands = candidates or [None]
+        cands = (candidates or [None]) if not det else [None]
         for cfg in cands:
             orig = fa2_bwd.bwd_config
             if cfg is not None:
@@ -130,7 +135,7 @@ def main():
                 if args.fwd:
                     fwd_point(d, n, causal, FWD_CANDIDATES[d], results["fwd"])
                 if args.bwd:
-                    bwd_point(d, n, causal, results["bwd"])
+                    bwd_point(d, n, causal, results["bwd"], BWD_CANDIDATES[d])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune_fa2.json").write_text(json.dumps(results, indent=1, default=str))
 
