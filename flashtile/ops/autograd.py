@@ -1,0 +1,253 @@
+"""Custom ops and autograd for FlashAttention-2: ``flashtile::flash_attn_fwd`` / ``flash_attn_bwd``.
+
+Forward (FA2 paper, Algorithm 1) returns ``out`` and the row log-sum-exp
+``L_i = m_i + log l_i``; backward (FA2 paper, Algorithm 2) recomputes
+``P_ij = exp(S_ij - L_i)`` tile by tile from the saved ``q, k, v, out, L`` and
+computes ``D_i = rowsum(dO_i * O_i)``, ``dS = P * (dP - D)``.  Nothing of size
+Nq x Nk is saved between the two, which is the point of the algorithm.
+
+Both are ``torch.library.custom_op`` s with fake (meta) implementations, so
+``torch.compile(fullgraph=True)`` traces a call as one opaque node, and the
+backward is attached with ``register_autograd``.  Python objects cannot cross
+an op boundary, so a :class:`~flashtile.reference.masks.BlockMask` travels as
+its bool tensor plus its two block sizes and is rebuilt inside.
+
+Layouts: with ``seq_major=True`` q/k/v are (B, N, H, d) (flash-attn) and the
+op returns ``out`` / ``dq, dk, dv`` contiguous in that layout; otherwise
+(B, H, N, d) (SDPA).  The kernels see ``x.transpose(1, 2)`` views either way.
+
+Dropout randomness: the forward op draws ``(philox_seed, philox_offset)``
+from torch's default generator of the device *inside* the op and returns them
+as a CPU int64 tensor ``rng_state = [seed, offset]`` that autograd saves for
+the backward, which regenerates the identical keep-mask (FA1 paper,
+Algorithm 2 line 14 / Algorithm 4 line 13: only the RNG state is stored).
+Drawing inside the op rather than in the Python wrapper keeps a compiled
+graph from freezing one seed as a constant; the op is tagged
+``nondeterministic_seeded`` so graph passes neither merge nor recompute it.
+:func:`next_philox_state` tells which pair the next call will draw.
+"""
+
+from typing import Optional
+
+import torch
+
+from flashtile.reference.masks import BlockMask
+
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "attention", "next_philox_state"]
+
+_SEED_MASK = (1 << 62) - 1  # seeds stay positive int64 (they travel in an int64 tensor)
+
+
+# --------------------------------------------------------------------------- #
+# Philox state from torch's default generators
+# --------------------------------------------------------------------------- #
+def _philox(device: torch.device, increment: int) -> tuple[int, int]:
+    """(seed, offset) for a call consuming ``increment`` counters; 0 peeks without advancing.
+
+    CUDA: the seed of the device's default generator and its Philox offset,
+    advanced past the counters this call uses (rounded to 4, as torch does),
+    so successive calls draw disjoint streams and ``torch.manual_seed``
+    replays them.  CPU (interpreter): a seed drawn from the CPU default
+    generator, offset 0.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gen = torch.cuda.default_generators[index]
+        seed, offset = gen.initial_seed() & _SEED_MASK, gen.get_offset()
+        if increment:
+            gen.set_offset(offset + (increment + 3) // 4 * 4)
+        return seed, offset
+    gen = torch.default_generator
+    state = None if increment else gen.get_state()
+    seed = int(torch.randint(0, _SEED_MASK, (1,), generator=gen).item())
+    if state is not None:
+        gen.set_state(state)
+    return seed, 0
+
+
+def next_philox_state(device: torch.device | str) -> tuple[int, int]:
+    """The ``(philox_seed, philox_offset)`` the next dropout call on ``device`` will use.
+
+    Does not advance the generator.  Tests feed the pair to
+    :func:`flashtile.kernels._common.dropout_keep_mask` to rebuild the exact
+    keep-mask of the call and check it against a float64 oracle.
+    """
+    return _philox(torch.device(device), 0)
+
+
+# --------------------------------------------------------------------------- #
+# The two ops
+# --------------------------------------------------------------------------- #
+def _bhnd(x: torch.Tensor, seq_major: bool) -> torch.Tensor:
+    """The kernels' (B, H, N, d) view of a tensor in the op's layout."""
+    return x.transpose(1, 2) if seq_major else x
+
+
+def _block_mask(mask: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int) -> Optional[BlockMask]:
+    return None if mask is None else BlockMask(mask, (mask_block_q, mask_block_k))
+
+
+@torch.library.custom_op(
+    "flashtile::flash_attn_fwd", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    block_mask: Optional[torch.Tensor],
+    mask_block_q: int,
+    mask_block_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+    seq_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA2 forward: ``(out, lse, rng_state)``.
+
+    out: q's shape and dtype, contiguous; lse: (B, Hq, Nq) float32, natural
+    log, -inf on rows with no allowed key; rng_state: CPU int64 [seed, offset]
+    (zeros without dropout).  ``deterministic`` is only read by the backward;
+    it is an input here so that autograd's setup_context can save it.
+    """
+    from flashtile.kernels.fa2_fwd import fa2_forward
+
+    qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
+    b, hq, nq, _ = qb.shape
+    seed, offset = _philox(q.device, b * hq * nq * kb.shape[2]) if dropout_p > 0 else (0, 0)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _, lse = fa2_forward(
+        qb, kb, vb,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+        dropout_p=dropout_p, philox_seed=seed, philox_offset=offset,
+        block_mask=_block_mask(block_mask, mask_block_q, mask_block_k), out=_bhnd(out, seq_major),
+    )
+    return out, lse, torch.tensor([seed, offset], dtype=torch.int64)
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
+                         window_left, window_right, softcap, dropout_p, deterministic, seq_major):
+    b, hq, nq = _bhnd(q, seq_major).shape[:3]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("flashtile::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rng_state: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    block_mask: Optional[torch.Tensor],
+    mask_block_q: int,
+    mask_block_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+    seq_major: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA2 backward: ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
+
+    Replays the forward's dropout from ``rng_state``; ``deterministic=True``
+    asks the kernel for a fixed accumulation order (bitwise-reproducible dQ).
+    """
+    from flashtile.kernels.fa2_bwd import fa2_backward
+
+    seed, offset = (int(x) for x in rng_state.tolist())
+    if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
+        dout = dout.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    fa2_backward(
+        _bhnd(dout, seq_major), _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major),
+        _bhnd(out, seq_major), lse,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
+        dropout_p=dropout_p, philox_seed=seed, philox_offset=offset,
+        block_mask=_block_mask(block_mask, mask_block_q, mask_block_k), deterministic=deterministic,
+        dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major), dv=_bhnd(dv, seq_major),
+    )
+    return dq, dk, dv
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
+                         softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic,
+                         seq_major):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Autograd
+# --------------------------------------------------------------------------- #
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, alibi_slopes, block_mask = inputs[:6]
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask)
+    ctx.options = inputs[6:]
+    # the LSE is returned for inspection (flash-attn's softmax_lse); like flash-attn, it carries no gradient
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, *ctx.options)
+    # no gradient for bias, alibi_slopes, block_mask (the wrappers refuse ones that require it) nor options
+    return (dq, dk, dv, None, None, None) + (None,) * len(ctx.options)
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    seq_major: bool,
+    softmax_scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    block_mask: BlockMask | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Differentiable attention on already-validated arguments: ``(out, lse, rng_state)``.
+
+    ``window`` is the normalised (left, right) (causal already folded in as
+    right = 0); ``bias`` an expanded (B, Hq, Nq, Nk) view.  Callers are the
+    public functions, which run :mod:`flashtile.ops.validate` first.
+    """
+    mask, (mask_block_q, mask_block_k) = (None, (0, 0)) if block_mask is None else (
+        block_mask.mask.to(q.device), block_mask.block_size
+    )
+    return flash_attn_fwd(
+        q, k, v, bias, alibi_slopes, mask, mask_block_q, mask_block_k,
+        float(softmax_scale), bool(causal), int(window[0]), int(window[1]),
+        float(softcap), float(dropout_p), bool(deterministic), bool(seq_major),
+    )

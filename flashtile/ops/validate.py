@@ -1,0 +1,226 @@
+"""Every argument check of the public attention API, in one module.
+
+The public functions (:mod:`flashtile.ops.flash_attn`, :mod:`flashtile.ops.sdpa`)
+call these before anything reaches a custom op, so a bad call fails with a
+message that names the argument and the accepted values, instead of deep
+inside a Triton launch.  Conventions: a wrong *type or dtype* raises
+``TypeError``; a wrong *value, shape or device* raises ``ValueError``.
+
+The checks only read Python scalars, shapes, dtypes and devices, so
+``torch.compile(fullgraph=True)`` traces them without graph breaks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Sequence
+
+import torch
+
+from flashtile.reference.masks import BlockMask
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "MAX_HEAD_DIM",
+    "AttnDims",
+    "interpreting",
+    "check_qkv_tensors",
+    "check_dims",
+    "check_window",
+    "check_softmax_scale",
+    "check_softcap",
+    "check_dropout",
+    "check_alibi",
+    "check_block_mask",
+    "check_attn_mask",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+_DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
+
+
+class AttnDims(NamedTuple):
+    """Sizes of one attention call: q is (B, Hq, Nq, d), k and v are (B, Hk, Nk, d)."""
+
+    batch: int
+    heads_q: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_qkv_tensors(names: Sequence[str], *tensors: object) -> None:
+    """q, k, v (under ``names``) are tensors of one supported dtype on one usable device."""
+    for name, x in zip(names, tensors):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
+    first = tensors[0]
+    for name, x in zip(names[1:], tensors[1:]):
+        if x.dtype != first.dtype:
+            raise TypeError(
+                f"{names[0]} and {name} must have the same dtype ({_DTYPE_NAMES}); got {first.dtype} and {x.dtype}"
+            )
+        if x.device != first.device:
+            raise ValueError(f"{names[0]} and {name} must be on the same device; got {first.device} and {x.device}")
+    if first.device.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"{names[0]} is a CPU tensor: the Triton kernels need a CUDA device. Move the tensors to CUDA "
+            "(x.cuda()) or set TRITON_INTERPRET=1 (before importing flashtile) to run them on CPU through "
+            "Triton's interpreter"
+        )
+
+
+def check_dims(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_major: bool, names: Sequence[str] = ("q", "k", "v")
+) -> AttnDims:
+    """Shapes of a call: (B, N, H, d) when ``seq_major`` (flash-attn layout), else (B, H, N, d).
+
+    Checks 4-D inputs, 1 <= d <= 256 and equal head dims, k and v of one shape,
+    one batch, and Hq a multiple of Hk (GQA / MQA).
+    """
+    layout = "(batch, seqlen, heads, head_dim)" if seq_major else "(batch, heads, seqlen, head_dim)"
+    for name, x in zip(names, (q, k, v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(x.shape)}")
+    h_ax, n_ax = (2, 1) if seq_major else (1, 2)
+    b, hq, nq, d = q.shape[0], q.shape[h_ax], q.shape[n_ax], q.shape[3]
+    hk, nk = k.shape[h_ax], k.shape[n_ax]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim of {names[0]} must be in 1..{MAX_HEAD_DIM}, got {d}")
+    for name, x in zip(names[1:], (k, v)):
+        if x.shape[3] != d:
+            raise ValueError(f"head_dim of {name} ({x.shape[3]}) must equal head_dim of {names[0]} ({d})")
+        if x.shape[0] != b:
+            raise ValueError(f"batch of {name} ({x.shape[0]}) must equal batch of {names[0]} ({b})")
+    if k.shape != v.shape:
+        raise ValueError(f"{names[1]} shape {tuple(k.shape)} must equal {names[2]} shape {tuple(v.shape)}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"number of heads of {names[0]} ({hq}) must be a multiple of the heads of {names[1]}/{names[2]} "
+            f"({hk}) (GQA/MQA: q head h reads kv head h // (Hq // Hk))"
+        )
+    return AttnDims(b, hq, hk, nq, nk, d)
+
+
+def check_window(causal: object, window_size: object) -> tuple[int, int]:
+    """(left, right) with -1 unbounded; ``causal`` means right = 0 (bottom-right aligned)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    ok = ok and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    if not ok or min(window_size) < -1:
+        raise ValueError(
+            f"window_size must be a pair of ints (left, right), each >= -1 (-1 = unbounded), got {window_size!r}"
+        )
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal and right > 0:
+        raise ValueError(
+            f"causal=True means window_size right = 0 (or -1), got window_size={(left, right)}; "
+            "use causal=False with an explicit (left, right) window for a look-ahead window"
+        )
+    return left, (0 if causal else right)
+
+
+def _real(x: object, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+    return float(x)
+
+
+def check_softmax_scale(scale: object, head_dim: int) -> float:
+    """None -> 1/sqrt(d); otherwise a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    s = _real(scale, "softmax_scale")
+    if not math.isfinite(s):
+        raise ValueError(f"softmax_scale must be a finite float (or None for 1/sqrt(head_dim)), got {s}")
+    return s
+
+
+def check_softcap(softcap: object) -> float:
+    """softcap >= 0; 0 disables it (s = softcap * tanh(s / softcap) otherwise)."""
+    c = _real(softcap, "softcap")
+    if not (c >= 0.0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {c}")
+    return c
+
+
+def check_dropout(dropout_p: object) -> float:
+    """dropout_p in [0, 1): p = 1 would drop everything and scale by 1/0."""
+    p = _real(dropout_p, "dropout_p")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
+
+
+def check_alibi(slopes: object, q: torch.Tensor, dims: AttnDims) -> None:
+    """alibi_slopes: float32 of shape (Hq,) or (B, Hq) on q's device, no gradient."""
+    b, hq = dims.batch, dims.heads_q
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(
+            f"alibi_slopes must be a torch.Tensor of shape ({hq},) or ({b}, {hq}), got {type(slopes).__name__}"
+        )
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must have dtype torch.float32, got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({hq},) or (batch, nheads) = ({b}, {hq}), "
+            f"got {tuple(slopes.shape)}"
+        )
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on the device of q ({q.device}), got {slopes.device}")
+    if slopes.requires_grad:
+        raise ValueError("alibi_slopes does not support gradients: pass alibi_slopes.detach()")
+
+
+def check_block_mask(block_mask: object, dims: AttnDims) -> None:
+    """A BlockMask whose grid covers (Nq, Nk), blocks multiples of 16, leading dims broadcasting to (B, Hq)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a flashtile.reference.masks.BlockMask or None, got {type(block_mask).__name__}"
+        )
+    br, bc = block_mask.block_size
+    if br % 16 or bc % 16:
+        raise ValueError(
+            f"block_mask.block_size must be multiples of 16 (the kernel tiles divide them), got {(br, bc)}"
+        )
+    block_mask.check_seqlens(dims.seqlen_q, dims.seqlen_k)
+    lead = tuple(block_mask.mask.shape[:-2])
+    want = (dims.batch, dims.heads_q)
+    ok = len(lead) <= 2 and all(m in (1, w) for m, w in zip(reversed(lead), reversed(want)))
+    if not ok:
+        raise ValueError(
+            f"block_mask.mask leading dims {lead} must broadcast to (batch, heads) = {want}: "
+            "each of them 1 or the full size, at most 2 of them"
+        )
+
+
+def check_attn_mask(mask: object, q: torch.Tensor, dims: AttnDims, query_dim: int) -> None:
+    """SDPA attn_mask: bool (True = take part) or float (added), broadcastable to (B, H, Nq, Nk)."""
+    full = (dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k)[4 - query_dim :]
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be a bool (True = take part) or floating-point (added) tensor, got {mask.dtype}"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask must be on the device of query ({q.device}), got {mask.device}")
+    shape = tuple(mask.shape)
+    if len(shape) > len(full) or any(m not in (1, f) for m, f in zip(reversed(shape), reversed(full))):
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} is not broadcastable to {full}")
+    if mask.requires_grad:
+        raise ValueError(
+            "attn_mask requires grad, but gradients with respect to attn_mask are not supported: "
+            "pass attn_mask.detach()"
+        )

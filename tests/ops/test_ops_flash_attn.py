@@ -1,0 +1,197 @@
+"""flash_attn_func and the packed variants against the float64 oracle: forward, LSE, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ops_oracle import assert_close64, attention64, grads64
+
+from flashtile.kernels._common import dropout_keep_mask
+from flashtile.ops import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, next_philox_state
+from flashtile.reference.masks import BlockMask
+
+
+def _bnhd(b, n, h, d, dtype, device, gen):
+    return torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _leaf64(x: torch.Tensor) -> torch.Tensor:
+    """Flash layout (B, N, H, d) -> float64 (B, H, N, d) leaf for the oracle."""
+    return x.detach().to(device="cpu", dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+
+def _check(q, k, v, dtype, device, *, oracle_kw, gen, **kw):
+    """Run flash_attn_func forward + backward and compare out, lse, dq, dk, dv with the oracle."""
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    out.backward(dout)
+    q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
+    scale = kw.get("softmax_scale") or 1.0 / math.sqrt(q.shape[-1])
+    ref, ref_lse = attention64(q64, k64, v64, scale=scale, **oracle_kw)
+    dq, dk, dv = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert_close64(out.transpose(1, 2), ref, dtype, device, "out")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+    for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
+        assert got.shape == want.transpose(1, 2).shape
+        assert_close64(got.transpose(1, 2), want, dtype, device, name)
+
+
+# (flash_attn_func kwargs, oracle kwargs, Hq, Hk, Nq, Nk): each case exercises one option on a
+# shape with several 16 x 32 interpreter tiles and ragged tails
+CASES = {
+    "plain": ({}, {}, 2, 2, 40, 40),
+    "causal_nq_lt_nk": ({"causal": True}, {"causal": True}, 2, 2, 24, 40),
+    "causal_nq_gt_nk_empty_rows": ({"causal": True}, {"causal": True}, 2, 1, 40, 24),
+    "window": ({"window_size": (8, 4)}, {"window": (8, 4)}, 2, 2, 33, 40),
+    "causal_left_window": ({"causal": True, "window_size": (10, -1)}, {"causal": True, "window": (10, 0)}, 2, 2, 40, 40),
+    "softcap": ({"softcap": 2.0, "softmax_scale": 0.9}, {"softcap": 2.0}, 2, 2, 24, 40),
+    "gqa": ({}, {}, 4, 2, 24, 40),
+    "mqa_causal": ({"causal": True}, {"causal": True}, 3, 1, 40, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_options_match_oracle(case, device):
+    kw, oracle_kw, hq, hk, nq, nk = CASES[case]
+    gen = torch.Generator().manual_seed(list(CASES).index(case))
+    q = _bnhd(2, nq, hq, 16, torch.float32, device, gen)
+    k, v = _bnhd(2, nk, hk, 16, torch.float32, device, gen), _bnhd(2, nk, hk, 16, torch.float32, device, gen)
+    _check(q, k, v, torch.float32, device, oracle_kw=oracle_kw, gen=gen, **kw)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_matches_oracle(per_batch, device):
+    gen = torch.Generator().manual_seed(11)
+    shape = (2, 3) if per_batch else (3,)
+    slopes = (torch.rand(shape, generator=gen) * 0.5).to(device)
+    q = _bnhd(2, 24, 3, 8, torch.float32, device, gen)
+    k, v = _bnhd(2, 40, 3, 8, torch.float32, device, gen), _bnhd(2, 40, 3, 8, torch.float32, device, gen)
+    _check(q, k, v, torch.float32, device, oracle_kw={"alibi": slopes.cpu(), "causal": True}, gen=gen,
+           alibi_slopes=slopes, causal=True)
+
+
+def test_block_mask_matches_oracle(device):
+    gen = torch.Generator().manual_seed(12)
+    # per-head masks, (1, H, Tr, Tc), with an all-False block row (rows 16..31 see nothing)
+    mask = torch.tensor([[[1, 0, 1], [0, 0, 0], [1, 1, 0]], [[0, 1, 1], [1, 0, 0], [1, 0, 1]]], dtype=torch.bool)
+    bm = BlockMask(mask.unsqueeze(0), (16, 16))
+    q = _bnhd(2, 40, 2, 16, torch.float32, device, gen)
+    k, v = _bnhd(2, 36, 2, 16, torch.float32, device, gen), _bnhd(2, 36, 2, 16, torch.float32, device, gen)
+    _check(q, k, v, torch.float32, device, oracle_kw={"block_mask": bm, "window": (24, -1)}, gen=gen,
+           block_mask=bm, window_size=(24, -1))
+
+
+def test_head_dim_not_power_of_two_and_sdpa_layout_strides(device):
+    """d = 24 pads the tile to 32; q/k/v arrive as transposes of (B, H, N, d) tensors (non-contiguous)."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, 2, n, 24, generator=gen).to(device).transpose(1, 2) for n in (20, 36, 36))
+    assert not q.is_contiguous()
+    _check(q, k, v, torch.float32, device, oracle_kw={"causal": True}, gen=gen, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype, device):
+    gen = torch.Generator().manual_seed(14)
+    q = _bnhd(1, 24, 2, 32, dtype, device, gen)
+    k, v = _bnhd(1, 40, 2, 32, dtype, device, gen), _bnhd(1, 40, 2, 32, dtype, device, gen)
+    _check(q, k, v, dtype, device, oracle_kw={"causal": True}, gen=gen, causal=True)
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf(device):
+    """Causal with Nq > Nk: the first Nq - Nk query rows see no key (bottom-right alignment)."""
+    gen = torch.Generator().manual_seed(15)
+    q = _bnhd(1, 20, 2, 8, torch.float32, device, gen).requires_grad_()
+    k = _bnhd(1, 8, 2, 8, torch.float32, device, gen).requires_grad_()
+    v = _bnhd(1, 8, 2, 8, torch.float32, device, gen).requires_grad_()
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    out.sum().backward()
+    assert torch.equal(out[:, :12], torch.zeros_like(out[:, :12]))
+    assert torch.isneginf(lse[..., :12]).all() and torch.isfinite(lse[..., 12:]).all()
+    assert torch.equal(q.grad[:, :12], torch.zeros_like(q.grad[:, :12]))
+    assert all(torch.isfinite(g).all() for g in (q.grad, k.grad, v.grad))
+
+
+def test_qkvpacked_gradient_reaches_packed_tensor(device):
+    gen = torch.Generator().manual_seed(16)
+    qkv = torch.randn(2, 24, 3, 2, 16, generator=gen).to(device).requires_grad_()
+    out, lse = flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(dout)
+    q64, k64, v64 = (_leaf64(x) for x in qkv.unbind(2))
+    ref, ref_lse = attention64(q64, k64, v64, scale=16**-0.5, causal=True)
+    grads = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    want = torch.stack([g.transpose(1, 2) for g in grads], dim=2)
+    assert qkv.grad.shape == qkv.shape
+    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+    assert_close64(qkv.grad, want, torch.float32, device, "dqkv")
+
+
+def test_kvpacked_gqa_gradient_reaches_packed_tensor(device):
+    gen = torch.Generator().manual_seed(17)
+    q = _bnhd(1, 20, 4, 16, torch.float32, device, gen).requires_grad_()
+    kv = torch.randn(1, 36, 2, 2, 16, generator=gen).to(device).requires_grad_()
+    out = flash_attn_kvpacked_func(q, kv, window_size=(6, 6), softmax_scale=0.3)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(dout)
+    q64, k64, v64 = _leaf64(q), *(_leaf64(x) for x in kv.unbind(2))
+    ref, _ = attention64(q64, k64, v64, scale=0.3, window=(6, 6))
+    dq, dk, dv = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close64(q.grad.transpose(1, 2), dq, torch.float32, device, "dq")
+    assert_close64(kv.grad, torch.stack([dk.transpose(1, 2), dv.transpose(1, 2)], dim=2), torch.float32, device, "dkv")
+
+
+def test_dropout_forward_and_backward_replay_the_keep_mask(device):
+    """The op's (seed, offset) rebuilds its keep-mask; the backward must regenerate the same one."""
+    gen = torch.Generator().manual_seed(18)
+    p = 0.3
+    q = _bnhd(2, 24, 2, 16, torch.float32, device, gen)
+    k, v = _bnhd(2, 40, 1, 16, torch.float32, device, gen), _bnhd(2, 40, 1, 16, torch.float32, device, gen)
+    seed, offset = next_philox_state(device)
+    keep = dropout_keep_mask(seed, offset, 2, 2, 24, 40, p, device).cpu()
+    assert 0.5 < keep.float().mean() < 0.9  # the mask really drops something
+    _check(q, k, v, torch.float32, device, oracle_kw={"causal": True, "keep": keep, "dropout_p": p}, gen=gen,
+           dropout_p=p, causal=True)
+
+
+def test_dropout_reproducible_under_manual_seed(device):
+    gen = torch.Generator().manual_seed(19)
+    q, k, v = (_bnhd(1, 16, 2, 8, torch.float32, device, gen) for _ in range(3))
+
+    def run():
+        return flash_attn_func(q, k, v, dropout_p=0.5)
+
+    torch.manual_seed(1234)
+    first, second = run(), run()
+    torch.manual_seed(1234)
+    again = run()
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)  # the generator advanced between calls
+
+
+def test_deterministic_backward_is_bitwise_reproducible(device):
+    gen = torch.Generator().manual_seed(20)
+    q = _bnhd(1, 40, 4, 16, torch.float32, device, gen)
+    k, v = _bnhd(1, 40, 1, 16, torch.float32, device, gen), _bnhd(1, 40, 1, 16, torch.float32, device, gen)
+    dout = _bnhd(1, 40, 4, 16, torch.float32, device, gen)
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        flash_attn_func(*leaves, deterministic=True).backward(dout)
+        return [x.grad for x in leaves]
+
+    for a, b in zip(grads(), grads()):
+        assert torch.equal(a, b)
+
+
+def test_empty_key_sequence(device):
+    q = torch.randn(1, 5, 2, 8, device=device)
+    k = v = torch.randn(1, 0, 2, 8, device=device)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

@@ -1,0 +1,126 @@
+"""Every bad argument raises TypeError / ValueError naming the argument and what is accepted.
+
+None of these calls reaches a kernel: validation runs first, so they cost nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtile.ops import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    scaled_dot_product_attention,
+)
+from flashtile.reference.masks import BlockMask
+
+
+@pytest.fixture(autouse=True)
+def _accept_cpu_tensors(monkeypatch):
+    """Validation of CPU tensors passes the device check only under the interpreter; set it
+    even on a GPU machine (nothing here launches a kernel)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+Q, KV = (1, 32, 4, 16), (1, 48, 2, 16)  # flash layout (B, N, H, d)
+
+
+def fa(**kw):
+    """flash_attn_func on valid q/k/v (Hq=4, Hk=2, Nq=32, Nk=48, d=16) with one argument overridden."""
+    args = {"q": t(*Q), "k": t(*KV), "v": t(*KV)}
+    args.update(kw)
+    return flash_attn_func(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def sd(**kw):
+    """scaled_dot_product_attention on valid (B, H, N, d) inputs with one argument overridden."""
+    args = {"query": t(1, 2, 8, 16), "key": t(1, 2, 12, 16), "value": t(1, 2, 12, 16)}
+    args.update(kw)
+    return scaled_dot_product_attention(**args)
+
+
+FLASH_CASES = {
+    "q_not_tensor": (lambda: fa(q=[1.0]), TypeError, r"q must be a torch.Tensor"),
+    "float64": (lambda: fa(q=t(*Q, dtype=torch.float64)), TypeError, r"q must have dtype torch.float16, torch.bfloat16 or torch.float32"),
+    "int_v": (lambda: fa(v=t(*KV, dtype=torch.int32)), TypeError, r"v must have dtype"),
+    "mixed_dtypes": (lambda: fa(k=t(*KV, dtype=torch.float16)), TypeError, r"q and k must have the same dtype"),
+    "devices": (lambda: fa(k=t(*KV, device="meta")), ValueError, r"q and k must be on the same device"),
+    "rank": (lambda: fa(q=t(32, 4, 16)), ValueError, r"q must be 4-D \(batch, seqlen, heads, head_dim\)"),
+    "head_dim_0": (lambda: fa(q=t(1, 32, 4, 0), k=t(1, 48, 2, 0), v=t(1, 48, 2, 0)), ValueError, r"head_dim of q must be in 1..256, got 0"),
+    "head_dim_257": (lambda: fa(q=t(1, 4, 4, 257), k=t(1, 4, 2, 257), v=t(1, 4, 2, 257)), ValueError, r"head_dim of q must be in 1..256, got 257"),
+    "head_dims_differ": (lambda: fa(k=t(1, 48, 2, 8)), ValueError, r"head_dim of k \(8\) must equal head_dim of q \(16\)"),
+    "v_head_dim": (lambda: fa(v=t(1, 48, 2, 32)), ValueError, r"head_dim of v \(32\) must equal head_dim of q"),
+    "batch": (lambda: fa(k=t(2, 48, 2, 16), v=t(2, 48, 2, 16)), ValueError, r"batch of k \(2\) must equal batch of q \(1\)"),
+    "kv_shapes": (lambda: fa(v=t(1, 40, 2, 16)), ValueError, r"k shape .* must equal v shape"),
+    "gqa_ratio": (lambda: fa(k=t(1, 48, 3, 16), v=t(1, 48, 3, 16)), ValueError, r"heads of q \(4\) must be a multiple of the heads of k/v \(3\)"),
+    "window_neg": (lambda: fa(window_size=(-2, 0)), ValueError, r"window_size must be a pair of ints \(left, right\), each >= -1"),
+    "window_triple": (lambda: fa(window_size=(1, 2, 3)), ValueError, r"window_size must be a pair"),
+    "window_float": (lambda: fa(window_size=(1.5, 2)), ValueError, r"window_size must be a pair of ints"),
+    "causal_right": (lambda: fa(causal=True, window_size=(4, 2)), ValueError, r"causal=True means window_size right = 0"),
+    "causal_type": (lambda: fa(causal="yes"), TypeError, r"causal must be a bool"),
+    "softcap_neg": (lambda: fa(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+    "softcap_type": (lambda: fa(softcap="1"), TypeError, r"softcap must be a Python float"),
+    "dropout_one": (lambda: fa(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
+    "dropout_neg": (lambda: fa(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
+    "scale_nan": (lambda: fa(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite float"),
+    "scale_inf": (lambda: fa(softmax_scale=float("inf")), ValueError, r"softmax_scale must be a finite float"),
+    "scale_type": (lambda: fa(softmax_scale=torch.tensor(1.0)), TypeError, r"softmax_scale must be a Python float"),
+    "alibi_shape": (lambda: fa(alibi_slopes=t(2)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(1, 4\)"),
+    "alibi_kv_heads": (lambda: fa(alibi_slopes=t(1, 2)), ValueError, r"alibi_slopes must have shape"),
+    "alibi_dtype": (lambda: fa(alibi_slopes=t(4, dtype=torch.float16)), TypeError, r"alibi_slopes must have dtype torch.float32"),
+    "alibi_grad": (lambda: fa(alibi_slopes=t(4).requires_grad_()), ValueError, r"alibi_slopes does not support gradients"),
+    "block_mask_type": (lambda: fa(block_mask=torch.ones(2, 3, dtype=torch.bool)), TypeError, r"block_mask must be a flashtile.reference.masks.BlockMask"),
+    "block_mask_grid": (lambda: fa(block_mask=BlockMask(torch.ones(2, 2, dtype=torch.bool), (16, 16))), ValueError, r"block_mask has block grid \(2, 2\).*need \(2, 3\)"),
+    "block_mask_lead": (lambda: fa(block_mask=BlockMask(torch.ones(1, 3, 2, 3, dtype=torch.bool), (16, 16))), ValueError, r"block_mask.mask leading dims \(1, 3\) must broadcast to \(batch, heads\) = \(1, 4\)"),
+    "block_mask_size": (lambda: fa(block_mask=BlockMask(torch.ones(4, 6, dtype=torch.bool), (8, 8))), ValueError, r"block_mask.block_size must be multiples of 16"),
+    "deterministic_type": (lambda: fa(deterministic=1), TypeError, r"deterministic must be a bool"),
+    "qkv_shape": (lambda: flash_attn_qkvpacked_func(t(1, 8, 2, 2, 16)), ValueError, r"qkv must have shape \(batch, seqlen, 3, nheads, headdim\)"),
+    "kv_shape": (lambda: flash_attn_kvpacked_func(t(*Q), t(1, 48, 3, 2, 16)), ValueError, r"kv must have shape \(batch, seqlen_k, 2, nheads_k, headdim\)"),
+    "kv_packed_dtype": (lambda: flash_attn_kvpacked_func(t(*Q), t(1, 48, 2, 2, 16, dtype=torch.bfloat16)), TypeError, r"q and kv\[:, :, 0\] must have the same dtype"),
+}
+
+SDPA_CASES = {
+    "mask_and_causal": (lambda: sd(attn_mask=t(8, 12), is_causal=True), ValueError, r"attn_mask and is_causal=True cannot both be set"),
+    "heads_without_gqa": (lambda: sd(key=t(1, 1, 12, 16), value=t(1, 1, 12, 16)), ValueError, r"pass enable_gqa=True"),
+    "gqa_ratio": (lambda: sd(query=t(1, 3, 8, 16), enable_gqa=True), ValueError, r"heads of query \(3\) must be a multiple of the heads of key/value \(2\)"),
+    "rank_2": (lambda: sd(query=t(8, 16), key=t(12, 16), value=t(12, 16)), ValueError, r"query, key, value must all be 4-D .* or all 3-D"),
+    "rank_mixed": (lambda: sd(query=t(2, 8, 16)), ValueError, r"must all be 4-D"),
+    "value_head_dim": (lambda: sd(value=t(1, 2, 12, 8)), ValueError, r"head_dim of value \(8\) must equal head_dim of query \(16\)"),
+    "mask_shape": (lambda: sd(attn_mask=t(8, 11)), ValueError, r"attn_mask of shape \(8, 11\) is not broadcastable to \(1, 2, 8, 12\)"),
+    "mask_rank": (lambda: sd(attn_mask=t(1, 1, 1, 8, 12)), ValueError, r"attn_mask of shape .* is not broadcastable"),
+    "mask_dtype": (lambda: sd(attn_mask=t(8, 12, dtype=torch.int64)), TypeError, r"attn_mask must be a bool .* or floating-point"),
+    "mask_grad": (lambda: sd(attn_mask=t(8, 12).requires_grad_()), ValueError, r"gradients with respect to attn_mask are not supported"),
+    "mask_device": (lambda: sd(attn_mask=t(8, 12, device="meta")), ValueError, r"attn_mask must be on the device of query"),
+    "scale_nan": (lambda: sd(scale=float("nan")), ValueError, r"softmax_scale must be a finite float"),
+    "dropout": (lambda: sd(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\)"),
+    "dtype": (lambda: sd(query=t(1, 2, 8, 16, dtype=torch.float64)), TypeError, r"query must have dtype"),
+    "gqa_type": (lambda: sd(enable_gqa=None), TypeError, r"enable_gqa must be a bool"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+def test_flash_attn_rejects(case):
+    call, exc, pattern = FLASH_CASES[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_rejects(case):
+    call, exc, pattern = SDPA_CASES[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"Move the tensors to CUDA .* or set TRITON_INTERPRET=1"):
+        fa()
+    with pytest.raises(ValueError, match=r"query is a CPU tensor"):
+        sd()
