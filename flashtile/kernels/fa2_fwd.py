@@ -264,14 +264,15 @@ def _fa2_fwd_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(Nq, BLOCK_M), Hq, B): program (m, h, b) computes O and LSE for
+    """Grid (Hq, B, cdiv(Nq, BLOCK_M)): program (h, b, m) computes O and LSE for
     rows [m * BLOCK_M, (m + 1) * BLOCK_M) of query head h of batch b.
 
-    Query tiles are issued last-to-first so that, under a causal mask, the
-    tiles with the most kv work start first (shorter tail of the wave)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    The query-tile index is the slowest grid dimension and runs last-to-first,
+    so under a causal mask the tiles with the most kv work, of every head,
+    are dispatched first and the light ones fill the tail of the last wave."""
+    off_h = tl.program_id(0)
+    off_b = tl.program_id(1)
+    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
     bh = off_b * n_heads + off_h
 
@@ -403,7 +404,7 @@ def fwd_config(
     The one place tiles are chosen (tests monkeypatch it to force other tilings).
     Interpreter: 16 x 32 tiles, so small test shapes still span several tiles
     and tails.  GPU: Hopper starting points, to be tuned on an H100.  Budgets:
-    shared memory ``num_stages * 2 * BLOCK_N * d * bytes`` (K and V) plus the
+    shared memory ``(num_stages - 1) * 2 * BLOCK_N * d * bytes`` (K and V) plus the
     Q tile must stay under 227 KB; the fp32 accumulator and score tile,
     ``BLOCK_M * (d + BLOCK_N)`` floats, are spread over ``32 * num_warps``
     threads of at most 255 registers.  ``heavy`` (dropout or an additive bias:
@@ -415,12 +416,16 @@ def fwd_config(
     if _interpreting(device):
         return 16, 32, 4, 1
     wide = dtype == torch.float32  # 4-byte tiles: halve BLOCK_N to keep the shared-memory footprint
+    # Measured on an H200, bf16 (bench/results/tune_fa2_fwd_H200_2026-11-23_run{1,2}.json): 128x64 with
+    # 8 warps wins at d = 64 for every N; at d = 128, 128x64 / 8 warps without a mask, 128x128 / 8 warps
+    # under a causal or window mask from N = 4k (fewer diagonal tiles), and 64x64 / 4 warps causal at N <= 1k.
     if d <= 64:
-        block_m, block_n, warps, stages = 128, 64 if not wide else 32, 4, 3
-        if heavy:
-            warps = 8
+        block_m, block_n, warps, stages = 128, 64 if not wide else 32, 8, 3
     elif d <= 128:
-        block_m, block_n, warps, stages = 128, 128 if not (wide or heavy) else 64, 8, 2
+        if causal and nk <= 1024 and not wide:
+            block_m, block_n, warps, stages = 64, 64, 4, 3
+        else:
+            block_m, block_n, warps, stages = 128, 128 if causal and not (wide or heavy) else 64, 8, 3
     else:
         block_m, block_n, warps, stages = 64, 64 if not wide else 32, 8, 2
     if nq <= 64:  # decoding-like: a 128-row tile would be mostly padding
@@ -435,16 +440,18 @@ REG_BUDGET = 160  # fp32 registers per thread for the accumulator and the score 
 def _autotune_configs() -> list[triton.Config]:
     """Search space of the FLASHTILE_AUTOTUNE=1 path, around :func:`fwd_config`'s table."""
     space = [
-        (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
         (64, 64, 4, 3), (64, 64, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2),
     ]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in space]
 
 
 def _fits(block_m: int, block_n: int, num_warps: int, num_stages: int, block_d: int, esize: int) -> bool:
-    """Shared memory: Q tile + ``num_stages`` K/V tile pairs; registers: the fp32
-    accumulator (BLOCK_M x d) and scores (BLOCK_M x BLOCK_N) per thread."""
-    smem = (block_m + num_stages * 2 * block_n) * block_d * esize
+    """Shared memory: Q tile + ``num_stages - 1`` K/V tile pairs (Triton's pipeliner
+    keeps num_stages - 1 loads in flight: 128x128 tiles at d = 128 with 3 stages,
+    160 KB by this count, compile and run on Hopper's 227 KB, 224 KB would not);
+    registers: the fp32 accumulator (BLOCK_M x d) and scores (BLOCK_M x BLOCK_N) per thread."""
+    smem = (block_m + max(1, num_stages - 1) * 2 * block_n) * block_d * esize
     regs = block_m * (block_d + block_n) / (32 * num_warps)
     return smem <= SMEM_BUDGET and regs <= REG_BUDGET
 
@@ -672,10 +679,12 @@ def fa2_forward(
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(device),
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not _interpreting(device):
-        grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
+        grid = lambda meta: (hq, b, triton.cdiv(nq, meta["BLOCK_M"]))  # noqa: E731
         _autotuned_kernel()[grid](*args, **flags)
     else:
-        grid = (triton.cdiv(nq, block_m), hq, b)
+        grid = (hq, b, triton.cdiv(nq, block_m))
+        if grid[2] > 65535:  # CUDA's limit on the z grid dimension
+            raise ValueError(f"seqlen_q={nq} needs {grid[2]} query tiles of {block_m}; at most 65535 are supported")
         _fa2_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
 
     if result is not target:  # ``out`` had a non-unit stride on d
