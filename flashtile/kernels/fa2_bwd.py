@@ -19,19 +19,27 @@ Three kernels:
 2. ``_bwd_dkdv_kernel``: grid (cdiv(Nk, BLOCK_N), B * Hk).  One program owns one
    kv tile of one KV head: it loads K_j, V_j once and walks every q head of its
    GQA group and every q block that can see the tile (Alg. 2 outer loop over j,
-   inner loop over i).  The group's dK/dV contributions are summed in
-   registers, so dK/dV need no atomics and are deterministic.  With
+   inner loop over i).  It works on transposed tiles S^T = K_j Q_i^T (BLOCK_N,
+   BLOCK_M), as FA2's own backward does, so that dV += P^T dO and dK += dS^T Q
+   take the score tile as the register operand and transpose only tiles loaded
+   from memory (on Hopper a transposed shared-memory descriptor, no shuffle).
+   The group's dK/dV contributions are summed in registers, so dK/dV need no
+   atomics and are deterministic.  With
    ``deterministic=False`` the same program also adds dQ_i += scale * dS K_j
    into an fp32 buffer with ``tl.atomic_add`` (Alg. 2 line 15 as written):
    fewest matmuls, but the summation order of dQ depends on scheduling.
 3. ``_bwd_dq_kernel`` (``deterministic=True``): grid (cdiv(Nq, BLOCK_M), B * Hq),
    one program per q tile walks its kv blocks and accumulates dQ in registers;
-   the extra Q K^T and dO V^T recomputation buys bitwise reproducibility.
+   the extra Q K^T and dO V^T recomputation buys bitwise reproducibility.  K_j^T
+   and V_j^T are loaded transposed, so no register tile is transposed either.
 
 Masking is split per tile pair: blocks that the window cuts (and the sequence
 tail) go through the elementwise ``allowed`` mask; blocks entirely inside the
-window skip it (``MASK`` constexpr).  Block-sparse masks (FA1 Algorithm 5)
-restrict the walk to the listed blocks of ``flashtile.kernels._blocksparse``.
+window skip it (``MASK`` constexpr).  Loads carry masks only where a tile can
+cross the sequence end or the padded head dim (``EVEN_M``/``EVEN_N`` constexprs:
+Nq, Nk multiples of the tiles; d a power of two >= 16).  Block-sparse masks
+(FA1 Algorithm 5) restrict the walk to the listed blocks of
+``flashtile.kernels._blocksparse``.
 
 fp32 inputs use ``tl.dot`` with input_precision "tf32" on the GPU (10-bit
 mantissa products, fp32 accumulation): expect ~1e-3 relative gradient error,
@@ -101,9 +109,12 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, nq: int, nk: int, devic
         return BwdConfig(block_m=16, block_n=32, dq_block_m=32, dq_block_n=16, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
     if d <= 64:
-        cfg = BwdConfig(64, 128, 128, 64, 8, 2)
+        cfg = BwdConfig(64, 64, 64, 64, 4, 3)
     elif d <= 128:
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(64, 128, 128, 64, 8, 2)
+        # narrow q step, wide kv tile: the transposed dK/dV loop's S^T tile is (128, 32).
+        # 8 warps: the two fp32 (128, 128) dK/dV accumulators alone are 256 registers
+        # per thread at 4 warps (ptxas for sm_90 spills 2-4.5 KB/thread there, ~0.1 at 8)
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(32, 128, 128, 32, 8, 3)
     else:
         cfg = BwdConfig(16, 32, 32, 16, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 1)
     return BwdConfig(
@@ -136,17 +147,52 @@ def _fit_block_mask(cfg: BwdConfig, block_mask: BlockMask | None) -> BwdConfig:
 
 # ---------------------------------------------------------------------------
 # Jit helpers shared by both inner loops
+#
+# Orientation: the dK/dV loop works on transposed score tiles S^T (BLOCK_N,
+# BLOCK_M) so that both of its products with dO and Q take the score tile as
+# the left operand straight from registers (dV += P^T dO, dK += dS^T Q) and
+# only transpose tiles that were loaded from memory (a free change of the
+# shared-memory descriptor on Hopper), never a register tile.  The dQ loop
+# works on S (BLOCK_M, BLOCK_N) with K^T, V^T loaded transposed for the same
+# reason.  The shared helpers of _common.py are written for (M, N) tiles; on
+# S^T they are called with the roles of queries and keys swapped (derivations
+# in _probs and _dropout_keep_t).
+
+
+@triton.jit
+def _load_tile(
+    base, offs_r, stride_r, n_rows, offs_d,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr,
+):
+    """Tile of a (N, d) matrix with unit column stride, zero outside (N, d):
+    (rows, D_PAD), or (D_PAD, rows) with TRANS (the transpose is pointer
+    arithmetic, not a register shuffle).  EVEN_R says no row of the tile is
+    past N; with a power-of-two d too the load carries no mask at all."""
+    if TRANS:
+        ptrs = base + offs_r[None, :] * stride_r + offs_d[:, None]
+        row_ok = offs_r[None, :] < n_rows
+        col_ok = offs_d[:, None] < HEAD_DIM
+    else:
+        ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+        row_ok = offs_r[:, None] < n_rows
+        col_ok = offs_d[None, :] < HEAD_DIM
+    if EVEN_R:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=col_ok, other=0.0)
+    else:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs, mask=row_ok, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+    return x
 
 
 @triton.jit
 def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """(rows, D_PAD) tile of a (N, d) matrix with unit column stride; zero outside (N, d)."""
-    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
-    if HEAD_DIM == D_PAD:
-        mask = offs_r[:, None] < n_rows
-    else:
-        mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    """(rows, D_PAD) tile with row and column masks (once-per-program loads)."""
+    return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False)
 
 
 @triton.jit
@@ -157,6 +203,28 @@ def _store_rows(base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexp
     else:
         mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     tl.store(ptrs, x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_vec(base, offs, n, EVEN: tl.constexpr):
+    """Per-row statistic (D_i) of the tile; 0 past the sequence."""
+    if EVEN:
+        x = tl.load(base + offs)
+    else:
+        x = tl.load(base + offs, mask=offs < n, other=0.0)
+    return x
+
+
+@triton.jit
+def _load_lse2(LSEh, offs_m, seqlen_q, EVEN: tl.constexpr):
+    """L_i * log2(e) for the tile (so that P = exp2(S log2 e - L log2 e) costs one
+    FMA per score), with -inf (empty row) and out-of-range rows mapped to +inf:
+    exp2(S - inf) is exactly 0 there instead of exp(-inf + inf) = NaN."""
+    if EVEN:
+        lse = tl.load(LSEh + offs_m)
+    else:
+        lse = tl.load(LSEh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
 
 
 @triton.jit
@@ -171,42 +239,76 @@ def _mm(a, b, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_lse(LSEh, offs_m, seqlen_q):
-    """L_i for the tile, with -inf (empty row) and out-of-range rows mapped to +inf
-    so that exp(S - L) is exactly 0 there instead of exp(-inf + inf) = NaN."""
-    lse = tl.load(LSEh + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse)
-
-
-@triton.jit
-def _recompute_p(
-    q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
-    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+def _probs(
+    qk, offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
+    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr,
 ):
-    """P_ij = exp(S_ij - L_i) of the (BLOCK_M, BLOCK_N) tile (Alg. 2 lines 9-10),
-    S rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.
-    Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative."""
-    s = _mm(q, tl.trans(k), DOT_PREC, UPCAST_DOT) * softmax_scale
-    s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
-    if HAS_BIAS:
-        in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-        ptrs = Biash + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
-        s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
+    """P = exp(S - L) from the raw products qk = Q K^T (Alg. 2 lines 9-10), S
+    rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  With
+    TRANS the tile is (BLOCK_N, BLOCK_M) = (Q K^T)^T and P^T comes back.
+    Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative.
+
+    Without score modifiers S log2 e = qk * (scale log2 e): one multiply.  On
+    the transposed tile the _common.py helpers see keys as "queries":
+      ALiBi  |i + Nk - Nq - j| = |j + Nq - Nk - i|: score_mods(kv rows, q cols, Nk, Nq);
+      window j >= i + sh - left and j <= i + sh + right (sh = Nk - Nq) read as
+             i <= j - sh + left and i >= j - sh - right: allowed() with (Nq, Nk)
+             swapped (so its diagonal is j - sh), left/right swapped and its
+             bounds check off; the key-tail check j < Nk is added here."""
+    t = qk
+    if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:
+        s = qk * softmax_scale
+        if TRANS:
+            s, t = score_mods(s, offs_n, offs_m, seqlen_k, seqlen_q, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+        else:
+            s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+        if HAS_BIAS:
+            if TRANS:
+                in_seq = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
+                ptrs = Biash + offs_n[:, None] * stride_bn + offs_m[None, :] * stride_bm
+            else:
+                in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+                ptrs = Biash + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
+            s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
+        s2 = s * _LOG2E
+    else:
+        s2 = qk * scale_log2
     if MASK:
-        ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, True, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(ok, s, float("-inf"))
-    p = tl.exp2(s * _LOG2E - lse[:, None] * _LOG2E)
+        if TRANS:
+            ok = allowed(offs_n, offs_m, seqlen_k, seqlen_q, window_right, window_left, False, HAS_RIGHT, HAS_LEFT)
+            ok = ok & (offs_n[:, None] < seqlen_k)
+        else:
+            ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, True, HAS_LEFT, HAS_RIGHT)
+        s2 = tl.where(ok, s2, float("-inf"))
+    if TRANS:
+        p = tl.exp2(s2 - lse2[None, :])
+    else:
+        p = tl.exp2(s2 - lse2[:, None])
     return p, t
 
 
 @triton.jit
+def _dropout_keep_t(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p):
+    """Keep-mask of the transposed (BLOCK_N, BLOCK_M) tile, bit-identical to
+    ``dropout_keep`` on (M, N).  dropout_keep draws element (i, j) at counter
+    off + (bh Nq + i) Nk + j.  Called with rows = keys j, "column offsets"
+    i Nk (int64), one head of one row (seqlen_q = seqlen_k = 1, bh = 0) and the
+    head's base folded into the offset, it draws at
+    (off + bh Nq Nk) + j + i Nk: the same counter, so the same bit."""
+    base = philox_offset + bh.to(tl.int64) * seqlen_q * seqlen_k
+    cols = offs_m.to(tl.int64) * seqlen_k
+    return dropout_keep(philox_seed, base, bh * 0, offs_n, cols, 1, 1, dropout_p)
+
+
+@triton.jit
 def _grad_scores(p, dp, t, delta, HAS_SOFTCAP: tl.constexpr):
-    """dS = P o (dP - D) (Alg. 2 line 13; dP already carries the dropout factor Z),
-    times 1 - t^2 under softcap (d/dx c*tanh(x/c) = 1 - tanh^2).  The caller
-    applies the softmax scale."""
-    ds = p * (dp - delta[:, None])
+    """dS = P o (dP - D) (Alg. 2 line 13; dP already carries the dropout factor Z;
+    ``delta`` comes broadcast along the tile's key axis), times 1 - t^2 under
+    softcap (d/dx c*tanh(x/c) = 1 - tanh^2).  The caller applies the softmax
+    scale.  Orientation-agnostic: works on dS or dS^T."""
+    ds = p * (dp - delta)
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
     return ds
@@ -295,47 +397,60 @@ def _bwd_preprocess(
     tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
+
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
     stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
     offs_n, offs_d, lo, hi, bh, slope,
-    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Alg. 2 inner loop (lines 8-16) for one kv tile over q blocks [lo, hi):
-    dV += (P o Z)^T dO, dK += dS^T Q (unscaled), and with ATOMIC_DQ
-    dQ_i += scale * dS K_j into the fp32 buffer."""
+    """Alg. 2 inner loop (lines 8-16) for one kv tile over q blocks [lo, hi), in
+    transposed orientation (tiles (BLOCK_N, BLOCK_M), as FA2's backward):
+
+        S^T  = K_j Q_i^T          (Q_i^T loaded transposed)
+        P^T  = exp2(S^T log2 e - (L_i log2 e)[None, :])
+        dV  += (P^T o Z^T) dO_i
+        dP^T = (V_j dO_i^T) o Z^T
+        dS^T = P^T o (dP^T - D_i[None, :])
+        dK  += dS^T Q_i           (unscaled; Q_i = (Q_i^T)^T read from shared memory)
+
+    and with ATOMIC_DQ dQ_i += scale * (dS^T)^T K_j into the fp32 buffer: the
+    only register transpose, paid by the atomic path alone."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-        do = _load_rows(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-        lse = _load_lse(LSEh, offs_m, seqlen_q)
-        delta = tl.load(Deltah + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        p, t = _recompute_p(
-            q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
-            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, DOT_PREC, UPCAST_DOT,
+        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
+        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+        lse2 = _load_lse2(LSEh, offs_m, seqlen_q, EVEN_M)
+        delta = _load_vec(Deltah, offs_m, seqlen_q, EVEN_M)
+        pT, tT = _probs(
+            _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
+            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
         )
-        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST_DOT)
-        p_drop = p
+        dpT = _mm(v, tl.trans(do), DOT_PREC, UPCAST_DOT)
+        pT_drop = pT
         if HAS_DROPOUT:
             # Z = keep / (1 - p) multiplies P in the forward, hence both P and dP here
-            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
-            p_drop = tl.where(keep, p * dropout_scale, 0.0)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
-        dv += _mm(tl.trans(p_drop.to(do.dtype)), do, DOT_PREC, UPCAST_DOT)
-        ds = _grad_scores(p, dp, t, delta, HAS_SOFTCAP).to(q.dtype)
-        dk += _mm(tl.trans(ds), q, DOT_PREC, UPCAST_DOT)
+            keepT = _dropout_keep_t(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            pT_drop = tl.where(keepT, pT * dropout_scale, 0.0)
+            dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
+        dv += _mm(pT_drop.to(do.dtype), do, DOT_PREC, UPCAST_DOT)
+        dsT = _grad_scores(pT, dpT, tT, delta[None, :], HAS_SOFTCAP).to(qT.dtype)
+        dk += _mm(dsT, tl.trans(qT), DOT_PREC, UPCAST_DOT)
         if ATOMIC_DQ:
-            dq = _mm(ds, k, DOT_PREC, UPCAST_DOT) * softmax_scale
+            dq = _mm(tl.trans(dsT), k, DOT_PREC, UPCAST_DOT) * softmax_scale
             ptrs = DQh + offs_m[:, None] * stride_dqm + offs_d[None, :]
-            mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-            tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
+            if EVEN_M and HEAD_DIM == D_PAD:
+                tl.atomic_add(ptrs, dq, sem="relaxed")
+            else:
+                mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+                tl.atomic_add(ptrs, dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
@@ -357,12 +472,14 @@ def _bwd_dkdv_kernel(
     softmax_scale, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
-    reduced over the GQA group's q heads in registers."""
+    reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
+    == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // H_K
@@ -372,9 +489,12 @@ def _bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
+    scale_log2 = softmax_scale * _LOG2E
 
-    k = _load_rows(K + b64 * stride_kb + hk.to(tl.int64) * stride_kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
-    v = _load_rows(V + b64 * stride_vb + hk.to(tl.int64) * stride_vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    Kh = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
+    Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     lo, full_lo, full_hi, end = _q_range(
@@ -407,9 +527,9 @@ def _bwd_dkdv_kernel(
                     dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                     stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
                     offs_n, offs_d, blk_lo, blk_hi, bh, slope,
-                    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                     dropout_p, dropout_scale, philox_seed, philox_offset,
-                    HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                    HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                     HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
                 )
         else:
@@ -418,27 +538,27 @@ def _bwd_dkdv_kernel(
                 dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                 stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
                 offs_n, offs_d, lo, full_lo, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
             )
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                 stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
                 offs_n, offs_d, full_lo, full_hi, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, False, DOT_PREC, UPCAST_DOT,
             )
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                 stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
                 offs_n, offs_d, full_hi, end, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
             )
 
@@ -449,33 +569,37 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse, delta, Kh, Vh, Biash,
+    dq, q, do, lse2, delta, Kh, Vh, Biash,
     stride_kn, stride_vn, stride_bm, stride_bn,
     offs_m, offs_d, lo, hi, bh, slope,
-    seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """dQ_i += dS_ij K_j (unscaled) over kv blocks [lo, hi): the q-outer
-    ordering of Alg. 2 line 15, so each dQ_i has a single writer."""
+    ordering of Alg. 2 line 15, so each dQ_i has a single writer.  K_j^T and
+    V_j^T are loaded transposed, so S = Q_i K_j^T, dP = dO_i V_j^T and
+    dQ_i += dS (K_j^T)^T move no register tile through shared memory.
+    Unmasked blocks are never the key tail (see _kv_range), so their loads
+    carry no row mask."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
-        v = _load_rows(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
-        p, t = _recompute_p(
-            q, k, lse, offs_m, offs_n, Biash, stride_bm, stride_bn, slope,
-            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, DOT_PREC, UPCAST_DOT,
+        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        p, t = _probs(
+            _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
+            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
         )
-        dp = _mm(do, tl.trans(v), DOT_PREC, UPCAST_DOT)
+        dp = _mm(do, vT, DOT_PREC, UPCAST_DOT)
         if HAS_DROPOUT:
             keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
-        ds = _grad_scores(p, dp, t, delta, HAS_SOFTCAP)
-        dq += _mm(ds.to(k.dtype), k, DOT_PREC, UPCAST_DOT)
+        ds = _grad_scores(p, dp, t, delta[:, None], HAS_SOFTCAP)
+        dq += _mm(ds.to(kT.dtype), tl.trans(kT), DOT_PREC, UPCAST_DOT)
     return dq
 
 
@@ -495,6 +619,7 @@ def _bwd_dq_kernel(
     softmax_scale, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -511,11 +636,14 @@ def _bwd_dq_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
+    scale_log2 = softmax_scale * _LOG2E
 
-    q = _load_rows(Q + b64 * stride_qb + h64 * stride_qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-    do = _load_rows(DO + b64 * stride_dob + h64 * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-    lse = _load_lse(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q)
-    delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    Qh = Q + b64 * stride_qb + h64 * stride_qh
+    DOh = DO + b64 * stride_dob + h64 * stride_doh
+    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
+    delta = _load_vec(Delta + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     Kh = K + b64 * stride_kb + hk64 * stride_kh
     Vh = V + b64 * stride_vb + hk64 * stride_vh
     Biash = Bias + b64 * stride_bb + h64 * stride_bh
@@ -536,36 +664,36 @@ def _bwd_dq_kernel(
             blk_lo = tl.maximum(c * mask_block_n, lo)
             blk_hi = tl.minimum((c + 1) * mask_block_n, end)
             dq = _dq_inner(
-                dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+                dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
                 offs_m, offs_d, blk_lo, blk_hi, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
             )
     else:
         dq = _dq_inner(
-            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
             offs_m, offs_d, lo, full_lo, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
-            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
         )
         dq = _dq_inner(
-            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
             offs_m, offs_d, full_lo, full_hi, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
-            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_BIAS, HAS_DROPOUT, False, DOT_PREC, UPCAST_DOT,
         )
         dq = _dq_inner(
-            dq, q, do, lse, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
+            dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
             offs_m, offs_d, full_hi, end, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, softcap, window_left, window_right,
+            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
-            HEAD_DIM, D_PAD, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
         )
 
@@ -772,7 +900,8 @@ def fa2_backward(
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
         *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
         stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, **features,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic,
+        EVEN_M=nq % cfg.block_m == 0, EVEN_N=nk % cfg.block_n == 0, **features,
     )
 
     if atomic:
@@ -784,7 +913,8 @@ def fa2_backward(
             q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
             stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **features,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+            EVEN_M=nq % cfg.dq_block_m == 0, EVEN_N=nk % cfg.dq_block_n == 0, **features,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):
