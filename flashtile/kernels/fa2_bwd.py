@@ -108,13 +108,14 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, nq: int, nk: int, devic
     if torch.device(device).type != "cuda":
         return BwdConfig(block_m=16, block_n=32, dq_block_m=32, dq_block_n=16, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
+    # Measured on an H200, bf16, fwd+bwd (bench/results/tune_fa2_bwd_H200_2026-11-23_run2.json):
+    # 64-row q steps over a 128-row kv tile with 8 warps won at d = 64 (3 stages) and d = 128 (2 stages)
+    # at every N; 4 warps at d = 128 spill (two fp32 (128, 128) accumulators = 256 registers/thread)
+    # and ran at half the speed.
     if d <= 64:
-        cfg = BwdConfig(64, 64, 64, 64, 4, 3)
+        cfg = BwdConfig(64, 128, 128, 64, 8, 3)
     elif d <= 128:
-        # narrow q step, wide kv tile: the transposed dK/dV loop's S^T tile is (128, 32).
-        # 8 warps: the two fp32 (128, 128) dK/dV accumulators alone are 256 registers
-        # per thread at 4 warps (ptxas for sm_90 spills 2-4.5 KB/thread there, ~0.1 at 8)
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(32, 128, 128, 32, 8, 3)
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(64, 128, 128, 64, 8, 2)
     else:
         cfg = BwdConfig(16, 32, 32, 16, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 1)
     return BwdConfig(

@@ -264,15 +264,17 @@ def _fa2_fwd_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (Hq, B, cdiv(Nq, BLOCK_M)): program (h, b, m) computes O and LSE for
+    """Grid (cdiv(Nq, BLOCK_M), Hq, B): program (m, h, b) computes O and LSE for
     rows [m * BLOCK_M, (m + 1) * BLOCK_M) of query head h of batch b.
 
-    The query-tile index is the slowest grid dimension and runs last-to-first,
-    so under a causal mask the tiles with the most kv work, of every head,
-    are dispatched first and the light ones fill the tail of the last wave."""
-    off_h = tl.program_id(0)
-    off_b = tl.program_id(1)
-    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+    The query-tile index is the fastest grid dimension, so programs running
+    together share one head's K and V in L2 (making it the slowest dimension,
+    to dispatch every head's heaviest causal tile first, cost 10-20% on an
+    H200: bench/NOTES.md, attempt 4).  Within a head, tiles run last-to-first
+    so the causal tiles with the most kv work start first."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
     bh = off_b * n_heads + off_h
 
@@ -679,12 +681,12 @@ def fa2_forward(
         UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(device),
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not _interpreting(device):
-        grid = lambda meta: (hq, b, triton.cdiv(nq, meta["BLOCK_M"]))  # noqa: E731
+        grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
         _autotuned_kernel()[grid](*args, **flags)
     else:
-        grid = (hq, b, triton.cdiv(nq, block_m))
-        if grid[2] > 65535:  # CUDA's limit on the z grid dimension
-            raise ValueError(f"seqlen_q={nq} needs {grid[2]} query tiles of {block_m}; at most 65535 are supported")
+        grid = (triton.cdiv(nq, block_m), hq, b)
+        if hq > 65535 or b > 65535:  # CUDA's limit on the y and z grid dimensions
+            raise ValueError(f"heads={hq} and batch={b} must each be at most 65535")
         _fa2_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
 
     if result is not target:  # ``out`` had a non-unit stride on d

@@ -408,8 +408,8 @@ def test_bwd_config_interpreter_and_gpu_tiles():
     assert bwd_config(64, F16, False, 64, 64, "cpu") == BwdConfig(16, 32, 32, 16, 4, 1)
     small_d = bwd_config(64, BF16, True, 8192, 8192, "cuda")
     big_d = bwd_config(256, BF16, True, 8192, 8192, "cuda")
-    assert small_d == BwdConfig(64, 64, 64, 64, 4, 3)
-    assert bwd_config(128, BF16, True, 8192, 8192, "cuda") == BwdConfig(32, 128, 128, 32, 8, 3)
+    assert small_d == BwdConfig(64, 128, 128, 64, 8, 3)
+    assert bwd_config(128, BF16, True, 8192, 8192, "cuda") == BwdConfig(64, 128, 128, 64, 8, 2)
     assert big_d == BwdConfig(32, 64, 64, 32, 8, 1)
     assert big_d.block_m * big_d.block_n < small_d.block_m * small_d.block_n
     assert bwd_config(128, F32, False, 8192, 8192, "cuda").block_n < bwd_config(128, BF16, False, 8192, 8192, "cuda").block_n
