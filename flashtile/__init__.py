@@ -6,27 +6,41 @@ Layers (each importable on its own):
   FlashAttention-1/2, block-sparse, backward by recomputation, Flash-Decoding, FlashDecoding++),
   instrumented with HBM access and FLOP counts.
 * :mod:`flashtile.iomodel` — closed forms for HBM traffic, FLOPs, the lower bound, rooflines.
-* :mod:`flashtile.kernels` — Triton kernels (FA2 forward and backward).
+* :mod:`flashtile.kernels` — Triton kernels (FA2 forward and backward, FA1 forward, online/safe softmax,
+  split-KV decoding with a paged cache).
 * :mod:`flashtile.ops` — the PyTorch API re-exported here: flash-attn-compatible functions and an
   SDPA drop-in, differentiable and traceable by ``torch.compile``.
+
+The kernel-backed names are imported on first use: Triton reads ``TRITON_INTERPRET``
+when a kernel module is imported, so a CPU-only program (the CLI, the tests) can
+still switch the interpreter on after ``import flashtile``.
 """
 
-from flashtile.ops import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    next_philox_state,
-    scaled_dot_product_attention,
-)
+from importlib import import_module
+
 from flashtile.reference.masks import BlockMask
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockMask",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "next_philox_state",
-    "scaled_dot_product_attention",
-]
+_LAZY = {
+    "flash_attn_func": "flashtile.ops.flash_attn",
+    "flash_attn_kvpacked_func": "flashtile.ops.flash_attn",
+    "flash_attn_qkvpacked_func": "flashtile.ops.flash_attn",
+    "flash_attn_with_kvcache": "flashtile.ops.kvcache",
+    "next_philox_state": "flashtile.ops.autograd",
+    "scaled_dot_product_attention": "flashtile.ops.sdpa",
+}
+
+__all__ = ["BlockMask", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flashtile' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -76,6 +76,49 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench.decode import run_decode_bench
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]`flashtile bench decode` needs a CUDA GPU[/red]")
+        return 2
+    with console.status("decoding benchmark") as status:
+        payload = run_decode_bench(args.out, progress=lambda what: status.update(str(what)))
+    table = Table(title=f"decode bf16 on {payload['env']['device']}: GB/s of K+V read (ratio = ours / peer)")
+    points = payload.get("points", [])
+    cols = sorted({k for p in points for k in p.get("gbps", {})})
+    for c in ("batch", "cache", *cols):
+        table.add_column(c, justify="right")
+    for p in points:
+        g = p.get("gbps", {})
+        table.add_row(str(p.get("batch")), str(p.get("cache")), *(f"{g[c]:.0f}" if g.get(c) else "—" for c in cols))
+    console.print(table)
+    console.print(f"device copy bandwidth: {payload.get('copy_gbps', float('nan')):.0f} GB/s (read + write)")
+    return 0
+
+
+def _cmd_bench_io(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from flashtile.bench.io_lab import run_io_lab
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]`flashtile bench io` needs a CUDA GPU[/red]")
+        return 2
+    with console.status("IO lab: FA1 vs FA2, softmax bandwidth, ncu DRAM bytes, roofline"):
+        payload = run_io_lab(args.out)
+    console.print_json(data={k: v for k, v in payload.items() if k in ("fa1_vs_fa2", "softmax_bandwidth")}, default=str)
+    console.print(f"results written under {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashtile", description="The FlashAttention family in Python.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--out", default="bench/results")
     att.add_argument("--no-plot", action="store_true")
     att.set_defaults(func=_cmd_bench_attention)
+    dec = bsub.add_parser("decode", help="split-KV decoding (contiguous and paged cache) vs SDPA flash/cuDNN")
+    dec.add_argument("--out", default="bench/results")
+    dec.set_defaults(func=_cmd_bench_decode)
+    iol = bsub.add_parser("io", help="IO lab: FA1 vs FA2, online vs safe softmax, ncu DRAM bytes vs Theorem 2, roofline")
+    iol.add_argument("--out", default="bench/results")
+    iol.set_defaults(func=_cmd_bench_io)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
                        ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
     return p

@@ -35,7 +35,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _oracle(q, k, v, *, causal=False, block_mask=None):
     """Dense float64 attention straight from the definition (masked softmax)."""
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    ok = allowed_mask(q.shape[-2], k.shape[-2], causal=causal, block_mask=block_mask)
+    ok = allowed_mask(q.shape[-2], k.shape[-2], causal=causal, block_mask=block_mask, device=q.device)
     s = s.masked_fill(~ok, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return p @ v
@@ -231,6 +231,53 @@ def _kernel_table(console: Console, seed: int) -> None:
         else:
             timing = f"{el:.1f} s interpreted"
         t.add_row("flash_attn_func fwd+bwd", "yes" if causal else "no", f"{e_out:.1e}", f"{e_grad:.1e}", timing)
+    console.print(t)
+    _teaching_kernels(console, seed)
+
+
+def _teaching_kernels(console: Console, seed: int) -> None:
+    """FA1 (Algorithm 1 in Triton), the two softmax kernels and split-KV decoding, vs float64."""
+    from flashtile import flash_attn_with_kvcache
+    from flashtile.kernels.fa1_fwd import fa1_forward
+    from flashtile.kernels.softmax import softmax_online, softmax_safe
+
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"
+    dtype = torch.float16 if gpu else torch.float32
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    t = Table(title="Teaching and decoding kernels vs float64 references")
+    for col in ("kernel", "shape", "rel err", "time"):
+        t.add_column(col, justify="right")
+
+    def timed(fn):
+        if not gpu:
+            t0 = time.perf_counter()
+            fn()
+            return f"{time.perf_counter() - t0:.1f} s interpreted"
+        from flashtile.bench.common import median_ms
+
+        return f"{median_ms(fn):.3f} ms"
+
+    b, h, n, d = (1, 8, 2048, 64) if gpu else (1, 2, 48, 16)
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dtype, generator=g) for _ in range(3))
+    m = 16 * 1024 if gpu else 4 * 16 * 16
+    ref = _oracle(q.double(), k.double(), v.double(), causal=True)
+    out = fa1_forward(q, k, v, sram_elems=m, causal=True)
+    t.add_row(f"FA1 (Algorithm 1), M={m}", f"B={b} H={h} N={n} d={d}", f"{_rel(out, ref):.1e}",
+              timed(lambda: fa1_forward(q, k, v, sram_elems=m, causal=True)))
+    x = torch.randn(256 if gpu else 8, 8192 if gpu else 300, device=dev, dtype=dtype, generator=g) * 3
+    sref = torch.softmax(x.double(), dim=-1)
+    for name, fn in (("online softmax (2 reads + 1 write)", softmax_online), ("safe softmax (3 reads + 1 write)", softmax_safe)):
+        t.add_row(name, "×".join(map(str, x.shape)), f"{_rel(fn(x), sref):.1e}", timed(lambda fn=fn: fn(x)))
+    bq, hq, hk, cache = (4, 32, 8, 4096) if gpu else (2, 4, 2, 100)
+    qd = torch.randn(bq, 1, hq, d, device=dev, dtype=dtype, generator=g)
+    kc, vc = (torch.randn(bq, cache, hk, d, device=dev, dtype=dtype, generator=g) for _ in range(2))
+    lens = torch.full((bq,), cache, dtype=torch.int32, device=dev)
+    rd_out = rd.flash_decoding(*(x.transpose(1, 2).cpu() for x in (qd, kc, vc)), num_splits=1).out.to(dev)
+    got = flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, causal=False)
+    t.add_row("split-KV decoding (Flash-Decoding)", f"B={bq} Hq={hq} Hk={hk} L={cache}",
+              f"{_rel(got.transpose(1, 2), rd_out):.1e}",
+              timed(lambda: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, causal=False)))
     console.print(t)
 
 

@@ -11,6 +11,7 @@ All are differentiable through the ``flashtile::flash_attn_fwd`` /
 
 from flashtile.ops.autograd import next_philox_state
 from flashtile.ops.flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.ops.kvcache import flash_attn_with_kvcache
 from flashtile.ops.sdpa import scaled_dot_product_attention
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "flash_attn_kvpacked_func",
     "scaled_dot_product_attention",
     "next_philox_state",
+    "flash_attn_with_kvcache",
 ]

@@ -1,0 +1,183 @@
+"""`flashtile bench decode`: split-KV decoding against PyTorch's attention backends (GPU only).
+
+Grid: bf16, Hq 32, Hk 8, d 128, one query token (Nq = 1), batch 1 / 8 / 64,
+cache length L = 1k / 4k / 32k / 128k, every element using its full cache.
+Points whose buffers (contiguous cache, paged pool and the gathered copy of
+the baseline: three caches of ``2 B L Hk d * 2`` bytes) do not fit in ~60 GB
+are skipped and listed.  Every point times, in this process, on one set of
+random inputs:
+
+* ``flashtile``        — :func:`flashtile.ops.kvcache.flash_attn_with_kvcache`, contiguous cache
+* ``flashtile-paged``  — the same with 256-key pages in random physical order
+* ``flashtile-pp``     — contiguous, FlashDecoding++ (``unified_max=0``; includes its flag read-back sync)
+* ``flashtile-kernel`` — :func:`flashtile.kernels.decode.flash_decode` on the contiguous cache: the
+  kernels without the API's validation, whose host read of ``cache_seqlens`` is one sync per call
+* ``sdpa-flash``       — SDPA, FLASH_ATTENTION backend, ``enable_gqa=True``, on (B, H, L, d) views of the contiguous cache
+* ``sdpa-cudnn``       — SDPA, CUDNN_ATTENTION backend, same views
+* ``gather+sdpa``      — the paged baseline: gather the pages into a contiguous cache, then SDPA flash
+
+(with Nq = 1 the bottom-right causal mask allows every key, so SDPA runs unmasked.)
+Throughput is the rate the K/V cache is read, ``2 B L Hk d * 2 bytes / time``,
+compared with a device-to-device copy measured in the same run (bytes read
++ written per second): decoding is a streaming read of the cache, so the copy
+bandwidth is its practical ceiling.  Ratios: ``speedup[peer] = t_peer / t_ours``
+(> 1: we are faster) and ``of_copy_bw = GB/s_ours / GB/s_copy``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from flashtile.bench.common import environment, median_ms, rel_err, write_json
+
+__all__ = ["run_decode_bench", "copy_bandwidth", "PROVIDERS", "GRID"]
+
+HQ, HK, D, PAGE = 32, 8, 128, 256
+GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
+PROVIDERS = ("flashtile", "flashtile-paged", "flashtile-pp", "flashtile-kernel", "sdpa-flash", "sdpa-cudnn", "gather+sdpa")
+MEMORY_LIMIT = 60e9  # bytes the three cache copies of a point may take
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """GB/s of ``dst.copy_(src)`` on a ``nbytes`` buffer, counting bytes read + written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _sdpa(backend) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):  # (B, H, N, d) views
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return run
+
+
+def _inputs(batch: int, cache: int):
+    """q (B, 1, Hq, d), contiguous caches (B, L, Hk, d), and their paged copy (scattered 256-key pages)."""
+    q = torch.randn(batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pages = cache // PAGE
+    perm = torch.randperm(batch * pages, device="cuda")
+    table = perm.view(batch, pages).to(torch.int32)
+    k_pool = torch.empty(batch * pages, PAGE, HK, D, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.empty_like(k_pool)
+    k_pool[perm] = k.view(batch * pages, PAGE, HK, D)  # logical page p of b -> physical perm[b * pages + p]
+    v_pool[perm] = v.view(batch * pages, PAGE, HK, D)
+    lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    return q, k, v, k_pool, v_pool, table, lens
+
+
+def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], torch.Tensor]]:
+    """Zero-argument closures returning (B, 1, Hq, d) outputs."""
+    from torch.nn.attention import SDPBackend
+
+    from flashtile.kernels.decode import flash_decode
+    from flashtile.ops.kvcache import flash_attn_with_kvcache
+
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copies
+    flash, cudnn = _sdpa(SDPBackend.FLASH_ATTENTION), _sdpa(SDPBackend.CUDNN_ATTENTION)
+    b, pages = table.shape
+
+    def gather_sdpa():
+        kg = k_pool[table.long()].view(b, pages * PAGE, HK, D)
+        vg = v_pool[table.long()].view(b, pages * PAGE, HK, D)
+        return flash(qh, kg.transpose(1, 2), vg.transpose(1, 2)).transpose(1, 2)
+
+    return {
+        "flashtile": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens),
+        "flashtile-paged": lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table),
+        "flashtile-pp": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, unified_max=0.0),
+        "flashtile-kernel": lambda: flash_decode(q, k, v, lens, causal=True)[0],
+        "sdpa-flash": lambda: flash(qh, kh, vh).transpose(1, 2),
+        "sdpa-cudnn": lambda: cudnn(qh, kh, vh).transpose(1, 2),
+        "gather+sdpa": gather_sdpa,
+    }
+
+
+def _point(batch: int, cache: int, copy_gbps: float) -> dict:
+    kv_bytes = 2 * batch * cache * HK * D * 2
+    q, k, v, k_pool, v_pool, table, lens = _inputs(batch, cache)
+    fns = _providers(q, k, v, k_pool, v_pool, table, lens)
+    ref = None
+    row = {"batch": batch, "cache": cache, "kv_bytes": kv_bytes, "ms": {}, "gbps": {}, "err": {}}
+    for name, fn in fns.items():
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+            ms = median_ms(fn)
+        except Exception as e:  # a backend may not support GQA / this shape: record why
+            row["ms"][name] = None
+            row["err"][name] = f"unsupported: {type(e).__name__}: {str(e)[:160]}"
+            continue
+        if ref is None and name == "sdpa-flash":
+            ref = out
+        row["ms"][name] = ms
+        row["gbps"][name] = kv_bytes / (ms * 1e-3) / 1e9
+        row["err"][name] = out
+    # errors against SDPA flash (or our own contiguous result when SDPA flash is unavailable)
+    base = ref if ref is not None else row["err"].get("flashtile")
+    for name, out in list(row["err"].items()):
+        if isinstance(out, torch.Tensor):
+            row["err"][name] = rel_err(out, base) if isinstance(base, torch.Tensor) else None
+    mine = row["ms"].get("flashtile")
+    row["speedup"] = {
+        peer: (t / mine if mine and t else None) for peer, t in row["ms"].items() if not peer.startswith("flashtile")
+    }
+    paged = row["ms"].get("flashtile-paged")
+    if paged and row["ms"].get("gather+sdpa"):
+        row["speedup"]["paged_vs_gather+sdpa"] = row["ms"]["gather+sdpa"] / paged
+    row["of_copy_bw"] = {name: g / copy_gbps for name, g in row["gbps"].items()}
+    del q, k, v, k_pool, v_pool, table, lens, fns, ref, base
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the grid on the current GPU, write ``decode_<device>_<date>.json`` to ``out_dir``, return the payload."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("`flashtile bench decode` needs a CUDA GPU")
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth()
+    points, skipped = [], []
+    for batch in GRID["batch"]:
+        for cache in GRID["cache"]:
+            need = 3 * 2 * batch * cache * HK * D * 2
+            free = torch.cuda.mem_get_info()[0]
+            if need > min(MEMORY_LIMIT, 0.9 * free):
+                skipped.append({"batch": batch, "cache": cache, "bytes_needed": need})
+                continue
+            if progress:
+                progress(f"decode B={batch} L={cache}")
+            points.append(_point(batch, cache, copy_gbps))
+    payload = {
+        "env": environment(),
+        "shape": {"dtype": "bfloat16", "heads_q": HQ, "heads_k": HK, "head_dim": D, "seqlen_q": 1, "page_size": PAGE},
+        "providers": list(PROVIDERS),
+        "copy_gbps": copy_gbps,
+        "throughput_convention": "GB/s = 2*B*L*Hk*d*2 bytes (K+V read once) / time; copy = bytes read+written / time",
+        "ratio_convention": "speedup[peer] = t_peer / t_flashtile; of_copy_bw = GB/s / copy GB/s",
+        "points": points,
+        "skipped": skipped,
+    }
+    payload["path"] = str(write_json(payload, out_dir, "decode"))
+    return payload
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience entry point on a GPU machine
+    import sys
+
+    res = run_decode_bench(sys.argv[1] if len(sys.argv) > 1 else "bench/results", progress=print)
+    for p in res["points"]:
+        best = {k: round(v, 1) for k, v in p["gbps"].items()}
+        print(p["batch"], p["cache"], best, {k: (round(v, 2) if v else v) for k, v in p["speedup"].items()})
+    print("copy GB/s", round(res["copy_gbps"], 1), "->", res["path"])
+    sys.exit(0 if math.isfinite(res["copy_gbps"]) else 1)

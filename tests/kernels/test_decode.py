@@ -1,0 +1,345 @@
+"""Tests of the split-KV decoding kernels (flashtile/kernels/decode.py).
+
+Oracle: the float64 reference :func:`flashtile.reference.decoding.flash_decoding`
+(which takes (B, H, N, d) tensors, so the kernel's (B, N, H, d) inputs are
+transposed), plus a dense float64 softmax for the paged layout.  On CPU the
+kernels run in Triton's interpreter, so caches are <= 150 keys and tiles are
+16 keys (many tiles, ragged tails, empty splits).
+
+Tolerances (max |x - ref| / max(1, max |ref|), LSE -inf matched exactly):
+  fp32 in the interpreter   1e-5  (true fp32 products and sums: unit roundoff
+                                   6e-8 grown over d <= 64 products and <= 150 keys)
+  fp32 on the GPU           3e-3  (tl.dot in TF32: 10-bit mantissa products)
+  bf16 / fp16               1e-2  (inputs and the P tile rounded to 8 / 11 bits)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashtile.kernels.decode import (
+    FLAG_ABOVE,
+    FLAG_BELOW,
+    FLAG_OVERFLOW,
+    MAX_SPLITS,
+    default_unified_range,
+    flash_decode,
+    num_splits_heuristic,
+)
+from flashtile.reference.decoding import flash_decoding
+from flashtile.reference.masks import allowed_mask, apply_score_mods
+
+
+def tolerance(dtype: torch.dtype, device: str) -> float:
+    if dtype == torch.float32:
+        return 1e-5 if device == "cpu" else 3e-3
+    return 1e-2
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """Normwise: max |actual - expected| <= tol * max(1, max |expected|); -inf must match -inf."""
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    ninf = e == -math.inf
+    assert torch.equal(a == -math.inf, ninf), f"{what}: -inf pattern differs"
+    assert not torch.isnan(a).any(), f"{what}: NaN in the kernel output"
+    diff = (a - e).masked_fill(ninf, 0.0).abs().max().item() if a.numel() else 0.0
+    ref = e.masked_fill(ninf, 0.0).abs().max().item() if e.numel() else 0.0
+    assert diff <= tol * max(1.0, ref), f"{what}: max error {diff:.3e} > {tol:.1e} * max(1, {ref:.3e})"
+
+
+def make(b, n, hq, hk, d, dtype=torch.float32, device="cpu", nq=1, seed=0):
+    """q (B, Nq, Hq, d) and a contiguous cache (B, N, Hk, d)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, hq, d, generator=g)
+    k = torch.randn(b, n, hk, d, generator=g)
+    v = torch.randn(b, n, hk, d, generator=g)
+    return (x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def reference(q, k, v, lens, **kw):
+    """float64 Flash-Decoding (one split) in the kernel's layouts: out (B, Nq, Hq, d), lse (B, Hq, Nq)."""
+    r = flash_decoding(
+        q.transpose(1, 2).cpu(), k.transpose(1, 2).cpu(), v.transpose(1, 2).cpu(),
+        num_splits=1, cache_seqlens=lens.cpu(), **kw,
+    )
+    return r.out.transpose(1, 2), r.lse
+
+
+def dense(q, k, v, lens, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None):
+    """Independent dense float64 oracle, element by element on its own length L_b."""
+    q, k, v = (x.double().cpu() for x in (q, k, v))
+    b, nq, hq, d = q.shape
+    outs, lses = [], []
+    for i, length in enumerate(lens.tolist()):
+        qi = q[i].transpose(0, 1)  # (Hq, Nq, d)
+        ki = k[i, :length].transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
+        vi = v[i, :length].transpose(0, 1).repeat_interleave(hq // k.shape[2], 0)
+        s = (qi @ ki.transpose(-1, -2)) / math.sqrt(d)
+        slopes = None
+        if alibi is not None:  # (Hq,) for every element, or row i of (B, Hq)
+            slopes = alibi.double().cpu().reshape(-1, hq)[i if alibi.dim() == 2 else 0]
+        s = apply_score_mods(s[None], softcap=softcap, alibi_slopes=slopes)[0]
+        ok = allowed_mask(nq, length, causal=causal, window_size=window).expand_as(s)
+        lse = torch.logsumexp(s.masked_fill(~ok, -math.inf), -1)
+        p = torch.where(ok, torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None]), 0.0)
+        outs.append((p @ vi).transpose(0, 1))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def paged(k, v, page_size, seed=0, spare=3):
+    """Scatter a contiguous cache (B, N, Hk, d) into a pool of pages in random order.
+
+    Returns (k_pool, v_pool, block_table): the pool has ``spare`` extra pages of
+    garbage so unused physical pages exist, and logical page p of element b sits
+    at a random physical page."""
+    b, n, hk, d = k.shape
+    per = -(-n // page_size)
+    total = b * per + spare
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(total, generator=g)[: b * per].view(b, per)
+    k_pool = torch.randn(total, page_size, hk, d, generator=g).to(device=k.device, dtype=k.dtype)
+    v_pool = torch.randn(total, page_size, hk, d, generator=g).to(device=v.device, dtype=v.dtype)
+    for i in range(b):
+        for p in range(per):
+            rows = slice(p * page_size, min(n, (p + 1) * page_size))
+            cnt = rows.stop - rows.start
+            k_pool[perm[i, p], :cnt] = k[i, rows]
+            v_pool[perm[i, p], :cnt] = v[i, rows]
+    return k_pool, v_pool, perm.to(device=k.device, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------- #
+# Flash-Decoding: splits, layouts, lengths
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_splits_ragged_gqa(device, num_splits):
+    """Split counts from 1 to more splits than tiles (and keys of the short
+    elements); ragged lengths 40, 0, 1; GQA Hq = 4 Hk; Nq = 3 causal."""
+    q, k, v = make(3, 40, 8, 2, 32, device=device, nq=3)
+    lens = torch.tensor([40, 0, 1], dtype=torch.int32, device=device)
+    out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=num_splits)
+    ref_out, ref_lse = reference(q, k, v, lens, causal=True)
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+    # L = 0 sees nothing; L = 1 with Nq = 3 causal: tokens 0, 1 see no key, token 2 sees key 0
+    assert torch.all(lse[1] == -math.inf) and torch.all(out[1] == 0)
+    assert torch.all(lse[2, :, :2] == -math.inf) and torch.isfinite(lse[2, :, 2]).all()
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_scattered_pages(device, page_size):
+    """Pages in random physical order (with spare garbage pages) give the
+    contiguous cache's result; ragged lengths including 0 and 1; MQA."""
+    q, k, v = make(3, 100, 4, 1, 64, device=device, nq=2, seed=1)
+    lens = torch.tensor([100, 1, 0], dtype=torch.int32, device=device)
+    k_pool, v_pool, table = paged(k, v, page_size, seed=page_size)
+    out, lse = flash_decode(q, k_pool, v_pool, lens, block_table=table, causal=True, num_splits=4)
+    ref_out, ref_lse = dense(q, k, v, lens, causal=True)
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+
+
+@pytest.mark.parametrize(
+    "nq, causal, window, softcap, alibi_shape",
+    [
+        (4, True, (20, 0), 0.0, None),  # sliding window over a longer cache: the window is split, not the cache
+        (2, False, (-1, -1), 4.0, "b"),  # softcap then per-(batch, head) ALiBi
+        (1, False, (6, 3), 0.0, "h"),  # look-ahead past the end of the cache, per-head ALiBi
+        (3, True, (-1, 0), 2.0, None),
+    ],
+)
+def test_masks_and_mods(device, nq, causal, window, softcap, alibi_shape):
+    b, hq, hk = 2, 4, 2
+    q, k, v = make(b, 150, hq, hk, 16, device=device, nq=nq, seed=nq)
+    lens = torch.tensor([150, 37], dtype=torch.int32, device=device)
+    alibi = None
+    if alibi_shape is not None:
+        alibi = torch.rand(b, hq) if alibi_shape == "b" else torch.rand(hq)
+        alibi = alibi.to(device)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    out, lse = flash_decode(q, k, v, lens, num_splits=3, **kw)
+    ref_out, ref_lse = reference(q, k, v, lens, **kw)
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_mqa(device, dtype):
+    q, k, v = make(2, 70, 4, 1, 32, dtype=dtype, device=device, nq=2, seed=3)
+    lens = torch.tensor([70, 45], dtype=torch.int32, device=device)
+    out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=2)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = dense(q, k, v, lens, causal=True)
+    assert_close(out, ref_out, tolerance(dtype, device), "out")
+    assert_close(lse, ref_lse, tolerance(dtype, device), "lse")
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    splits=st.integers(1, 12),
+    lens=st.lists(st.integers(0, 60), min_size=1, max_size=2),
+    nq=st.integers(1, 4),
+    causal=st.booleans(),
+)
+def test_split_invariance_property(splits, lens, nq, causal):
+    """Any split count gives the exact softmax (the merge is exact), for any lengths."""
+    b = len(lens)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a fixture cannot feed @given
+    q, k, v = make(b, 60, 2, 1, 16, nq=nq, seed=splits, device=device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    out, lse = flash_decode(q, k, v, seq, causal=causal, num_splits=splits)
+    ref_out, ref_lse = reference(q, k, v, seq, causal=causal)
+    assert_close(out, ref_out, tolerance(torch.float32, device), "out")
+    assert_close(lse, ref_lse, tolerance(torch.float32, device), "lse")
+
+
+# --------------------------------------------------------------------------- #
+# FlashDecoding++: unified max, flags, fallback
+# --------------------------------------------------------------------------- #
+def test_unified_max_no_fallback(device):
+    """phi = 0 with scores of size ~ sqrt(d) / sqrt(d): all in range, no row recomputed."""
+    q, k, v = make(2, 90, 8, 2, 32, device=device, nq=2, seed=4)
+    lens = torch.tensor([90, 17], dtype=torch.int32, device=device)
+    out, lse, flags = flash_decode(q, k, v, lens, causal=True, num_splits=3, unified_max=0.0, return_recomputed=True)
+    assert int(flags.count_nonzero()) == 0
+    ref_out, ref_lse = reference(q, k, v, lens, causal=True)
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy reports the intended overflow
+def test_unified_max_forced_fallback(device):
+    """Element 0: scores ~ +-600 leave the range above and below phi = 0 (bits 1, 2);
+    element 1: in range but |v| = 1e30 overflows num (bit 4); element 2: clean.
+    Flagged elements are recomputed exactly; the clean one keeps its fast result."""
+    q, k, v = make(3, 50, 4, 2, 16, device=device, nq=1, seed=5)
+    q[0] *= 150.0
+    v[1] *= 1e30
+    lens = torch.tensor([50, 33, 20], dtype=torch.int32, device=device)
+    phi = -40.0  # exp(s + 40) ~ e^40: with |v| = 1e30 the products pass fp32's 3e38
+    out, lse, flags = flash_decode(q, k, v, lens, num_splits=2, unified_max=phi, return_recomputed=True)
+    assert torch.all(flags[0] & FLAG_ABOVE) and torch.any(flags[0] & FLAG_BELOW)
+    assert torch.all(flags[1] == FLAG_OVERFLOW)
+    assert int(flags[2].count_nonzero()) == 0
+    ref_out, ref_lse = reference(q, k, v, lens)
+    tol = tolerance(torch.float32, device)
+    for i in range(3):
+        scale = 1e30 if i == 1 else 1.0
+        assert_close(out[i] / scale, ref_out[i] / scale, tol, f"out[{i}]")
+        assert_close(lse[i], ref_lse[i], tol, f"lse[{i}]")
+
+
+def test_unified_max_narrow_range_rows(device):
+    """A user range [-1, 50] around phi = 0 flags rows with a score below -1: only those
+    rows carry flags, yet every row of their elements is exact after the fallback."""
+    q, k, v = make(2, 40, 4, 4, 16, device=device, nq=1, seed=6)
+    lens = torch.tensor([40, 40], dtype=torch.int32, device=device)
+    q[1] *= 0.01  # element 1: every score within +-0.5: never flagged
+    out, lse, flags = flash_decode(
+        q, k, v, lens, num_splits=3, unified_max=0.0, safe_range=(-1.0, 50.0), return_recomputed=True
+    )
+    assert torch.all(flags[0] == FLAG_BELOW) and int(flags[1].count_nonzero()) == 0
+    ref_out, ref_lse = reference(q, k, v, lens)
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+
+
+def test_default_unified_range():
+    lo, hi = default_unified_range(torch.bfloat16, 1000)
+    assert lo == pytest.approx(math.log(torch.finfo(torch.float32).tiny) + math.log(16))
+    assert hi == pytest.approx(math.log(torch.finfo(torch.float32).max) - math.log(16) - math.log(1000))
+    lo16, hi16 = default_unified_range(torch.float16, 1000)
+    assert hi16 == pytest.approx(math.log(65504.0) - math.log(16)) and lo16 > lo
+    # the P tile must survive rounding to fp16 at the top of the range
+    assert math.isfinite(torch.tensor(math.exp(hi16), dtype=torch.float16).item())
+
+
+# --------------------------------------------------------------------------- #
+# split heuristic and argument checks
+# --------------------------------------------------------------------------- #
+def test_num_splits_heuristic():
+    # 132 SMs: one element with 8 kv heads at 32k keys -> ceil(264 / 8) = 33 splits (2 waves)
+    assert num_splits_heuristic(8, 1, 32768, 132) == 33
+    # chunks never shorter than 256 keys: a 1k cache allows 4 splits
+    assert num_splits_heuristic(8, 1, 1024, 132) == 4
+    # enough (batch, kv head) programs for two waves already: no split
+    assert num_splits_heuristic(64 * 8, 1, 131072, 132) == 1
+    # short caches never split; huge grids of tiny problems neither
+    assert num_splits_heuristic(1, 1, 255, 132) == 1
+    assert num_splits_heuristic(1, 1, 10**7, 10**4) == MAX_SPLITS
+    for programs in (1, 3, 8, 40, 300):
+        s = num_splits_heuristic(programs, 1, 1 << 20, 132)
+        assert programs * s >= min(2 * 132, programs * MAX_SPLITS)
+
+
+def test_bad_inputs_raise(device):
+    q, k, v = make(2, 32, 4, 2, 16, device=device)
+    lens = torch.tensor([32, 5], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="seqlens_k"):
+        flash_decode(q, k, v, lens[:1])
+    with pytest.raises(TypeError, match="seqlens_k"):
+        flash_decode(q, k, v, lens.float())
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_decode(q, k, v, lens, num_splits=MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="unified_max"):
+        flash_decode(q, k, v, lens, unified_max=math.inf)
+    with pytest.raises(ValueError, match="safe_range"):
+        flash_decode(q, k, v, lens, unified_max=0.0, safe_range=(2.0, 1.0))
+    with pytest.raises(ValueError, match="multiple of the heads"):
+        flash_decode(q[:, :, :3], k, v, lens)
+    with pytest.raises(TypeError, match="dtype"):
+        flash_decode(q.half(), k, v, lens)
+    with pytest.raises(ValueError, match="page_size"):
+        flash_decode(q, k[:, :24], v[:, :24], lens, block_table=torch.zeros(2, 2, dtype=torch.int32, device=device))
+
+
+# --------------------------------------------------------------------------- #
+# GPU: realistic decoding shapes
+# --------------------------------------------------------------------------- #
+def _gpu_oracle(q, k, v, lens, causal):
+    """fp32 dense attention on the GPU, one element at a time (scores (Hq, Nq, L) fit easily)."""
+    hq, hk = q.shape[2], k.shape[2]
+    outs, lses = [], []
+    for i, length in enumerate(lens.tolist()):
+        qi = q[i].float().transpose(0, 1)
+        ki = k[i, :length].float().transpose(0, 1).repeat_interleave(hq // hk, 0)
+        vi = v[i, :length].float().transpose(0, 1).repeat_interleave(hq // hk, 0)
+        s = qi @ ki.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if causal:
+            ok = allowed_mask(q.shape[1], length, causal=True, device=q.device)
+            s = s.masked_fill(~ok, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        outs.append((torch.softmax(s, -1) @ vi).transpose(0, 1))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, cache, paged_", [(1, 32768, False), (4, 8192, True), (8, 4096, False), (8, 4096, True)])
+def test_gpu_realistic(batch, cache, paged_):
+    q, k, v = make(batch, cache, 32, 8, 128, dtype=torch.bfloat16, device="cuda", nq=1, seed=batch)
+    lens = torch.randint(cache // 2, cache + 1, (batch,), dtype=torch.int32, device="cuda")
+    lens[0] = cache
+    ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)
+    if paged_:
+        kp, vp, table = paged(k, v, 256)
+        out, lse = flash_decode(q, kp, vp, lens, block_table=table, causal=True)
+    else:
+        out, lse = flash_decode(q, k, v, lens, causal=True)
+    assert_close(out, ref_out, 1e-2, "out")
+    assert_close(lse, ref_lse, 1e-2, "lse")
+    out_pp, lse_pp = flash_decode(q, k, v, lens, causal=True, unified_max=0.0)
+    assert_close(out_pp, ref_out, 1e-2, "out (unified max)")

@@ -1,0 +1,142 @@
+"""Tests of the Triton softmax kernels (online: 2 reads + 1 write; safe: 3 reads + 1 write).
+
+Oracles: torch.softmax in float64 and the float64 references of
+flashtile.reference.softmax.  Tolerance, max |y - ref| over the probabilities
+(all in [0, 1]): fp32 1e-5 (fp32 exp and sums over <= a few hundred terms,
+~1e-7 per op), fp16 / bf16 1e-2 (the output is rounded to the input dtype:
+bf16 eps 2^-8).  Inputs are rounded to the test dtype before the oracle runs,
+so only the kernel's arithmetic and output rounding are measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashtile.kernels.softmax import softmax_block, softmax_online, softmax_safe
+from flashtile.reference.softmax import block_online_softmax, safe_softmax
+
+KERNELS = [softmax_online, softmax_safe]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def oracle(x: torch.Tensor) -> torch.Tensor:
+    y = torch.softmax(x.double().cpu(), dim=-1)
+    return torch.nan_to_num(y, nan=0.0)  # rows of only -inf: 0 by definition (torch gives NaN)
+
+
+def err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double().cpu() - ref).abs().max()) if ref.numel() else 0.0
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, block", [(1, None), (37, None), (200, 16), (130, 64)])
+def test_matches_torch(kernel, dtype, n, block, device):
+    # (200, 16) and (130, 64): rows of 13 and 3 blocks, both with a ragged tail
+    x = randn(3, n, dtype=dtype, device=device, seed=n)
+    y = kernel(x, block_size=block)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert err(y, oracle(x)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("kernel, ref", [(softmax_online, block_online_softmax), (softmax_safe, safe_softmax)])
+def test_matches_reference_variant(kernel, ref, device):
+    x = randn(4, 100, device=device, seed=1)
+    y = kernel(x, block_size=32)
+    expected = ref(x.cpu(), 32).y if ref is block_online_softmax else ref(x.cpu()).y
+    assert err(y, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_minus_inf_rows_and_entries(kernel, device):
+    x = randn(4, 80, device=device, seed=2)
+    x[0] = float("-inf")  # fully masked row -> zeros, never NaN
+    x[1, ::3] = float("-inf")  # scattered masked entries
+    x[2, :48] = float("-inf")  # the first three blocks masked: online starts from m = -inf
+    x[3, 60:] = float("-inf")  # masked tail
+    y = kernel(x, block_size=16)
+    assert torch.equal(y[0].cpu(), torch.zeros(80))
+    assert torch.equal(y[1, ::3].cpu(), torch.zeros(27)) and torch.equal(y[2, :48].cpu(), torch.zeros(48))
+    assert err(y, oracle(x)) <= 1e-5
+    assert torch.allclose(y[1:].sum(-1).cpu(), torch.ones(3), atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_large_logits_do_not_overflow(kernel, device):
+    # exp(1e4) overflows fp32: the max subtraction (running, for online) keeps every exponent <= 0
+    x = randn(2, 70, device=device, seed=3, scale=1e4)
+    x[1, 5] = 3e4  # a late large max forces the online rescale of earlier blocks
+    y = kernel(x, block_size=16)
+    assert torch.isfinite(y).all()
+    assert err(y, oracle(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_any_shape_and_strides(kernel, device):
+    x = randn(2, 3, 40, device=device, seed=4)
+    assert err(kernel(x), oracle(x)) <= 1e-5  # leading dims are rows
+    xt = randn(40, 6, device=device, seed=5).t()  # non-unit last stride
+    assert err(kernel(xt), oracle(xt)) <= 1e-5
+    rows = randn(10, 32, device=device, seed=6)[::3]  # row stride 96, unit last stride
+    assert err(kernel(rows), oracle(rows)) <= 1e-5
+    one = randn(25, device=device, seed=7)  # a single 1-D row
+    assert err(kernel(one), oracle(one)) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_empty(kernel, device):
+    assert kernel(torch.empty(0, 8, device=device)).shape == (0, 8)
+    assert kernel(torch.empty(3, 0, device=device)).shape == (3, 0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 4), n=st.integers(1, 150), log_block=st.integers(4, 7), seed=st.integers(0, 2**16))
+def test_random_shapes_both_variants_agree(rows, n, log_block, seed):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = randn(rows, n, device=device, seed=seed)
+    ref = oracle(x)
+    for kernel in KERNELS:
+        assert err(kernel(x, block_size=2**log_block), ref) <= 1e-5
+
+
+def test_default_block():
+    assert softmax_block(1, "cpu") == 16 and softmax_block(100, "cpu") == 128
+    assert softmax_block(10**6, "cpu") == 1024  # capped: longer rows loop over blocks
+
+
+@pytest.mark.parametrize(
+    "x, kwargs, exc, match",
+    [
+        ([1.0, 2.0], {}, TypeError, "torch.Tensor"),
+        (torch.zeros(2, 3, dtype=torch.float64), {}, TypeError, "float16"),
+        (torch.zeros(2, 3, dtype=torch.int32), {}, TypeError, "float16"),
+        (torch.tensor(1.0), {}, ValueError, "0-d"),
+        (torch.zeros(2, 3), {"block_size": 24}, ValueError, "block_size"),
+        (torch.zeros(2, 3), {"block_size": 8}, ValueError, "block_size"),
+        (torch.zeros(2, 3), {"block_size": True}, TypeError, "block_size"),
+    ],
+)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bad_input_raises(kernel, x, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        kernel(x, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1000, 4096, 65536])
+def test_gpu_realistic(kernel, dtype, n):
+    x = randn(4096 * 1024 // n, n, dtype=dtype, device="cuda", seed=n)
+    x[0] = float("-inf")
+    y = kernel(x)
+    ref = torch.nan_to_num(torch.softmax(x.double(), dim=-1), nan=0.0)
+    assert float((y.double() - ref).abs().max()) <= TOL[dtype]

@@ -1,0 +1,223 @@
+"""Tests of ``flash_attn_with_kvcache`` (flashtile/ops/kvcache.py): append then attend.
+
+Oracle: :func:`ops_oracle.attention64` (dense float64 from reference/masks.py)
+run element by element on the element's own length ``L_b = cache_seqlens[b] + Nnew``,
+so causal / window / ALiBi are bottom-right aligned per element.  Tolerances
+are :func:`ops_oracle.tolerance` (fp32 in the interpreter 2e-5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ops_oracle import assert_close64, attention64
+
+from flashtile.ops.kvcache import flash_attn_with_kvcache
+
+
+def oracle(q, k_full, v_full, lens, *, causal, window=(-1, -1), softcap=0.0, alibi=None):
+    """q (B, Nq, Hq, d), k_full / v_full (B, N, Hk, d) holding each element's keys in [0, lens[b])."""
+    outs, lses = [], []
+    for b, length in enumerate(lens):
+        sl = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b]).double().cpu()
+        o, l = attention64(
+            q[b : b + 1].transpose(1, 2).double().cpu(),
+            k_full[b : b + 1, :length].transpose(1, 2).double().cpu(),
+            v_full[b : b + 1, :length].transpose(1, 2).double().cpu(),
+            scale=q.shape[-1] ** -0.5, causal=causal, window=window, softcap=softcap, alibi=sl,
+        )
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rand(*shape, device, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def scattered_pool(b, max_pages, page_size, hk, d, device, spare=2, seed=0):
+    """A page pool with random contents and a block table whose pages are a random permutation."""
+    total = b * max_pages + spare
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[: b * max_pages]
+    table = perm.view(b, max_pages).to(device=device, dtype=torch.int32)
+    k_pool = rand(total, page_size, hk, d, device=device, seed=seed + 1)
+    v_pool = rand(total, page_size, hk, d, device=device, seed=seed + 2)
+    return k_pool, v_pool, table
+
+
+def logical(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The contiguous view (B, max_pages * page_size, Hk, d) of a paged pool."""
+    b, pages = table.shape
+    return pool[table.long()].reshape(b, pages * pool.shape[1], *pool.shape[2:])
+
+
+# --------------------------------------------------------------------------- #
+# append + attend
+# --------------------------------------------------------------------------- #
+def test_append_contiguous(device):
+    b, n, hq, hk, d, n_new = 3, 48, 4, 2, 32, 2
+    k_cache, v_cache = rand(b, n, hk, d, device=device, seed=1), rand(b, n, hk, d, device=device, seed=2)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k_new, v_new = rand(b, n_new, hk, d, device=device, seed=3), rand(b, n_new, hk, d, device=device, seed=4)
+    q = rand(b, n_new, hq, d, device=device, seed=5)
+    lens = torch.tensor([5, 0, 46], dtype=torch.int32, device=device)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, num_splits=2, return_lse=True)
+    # the cache holds the new rows at [L_b, L_b + Nnew) and nothing else changed
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    for i, length in enumerate(lens.tolist()):
+        expect_k[i, length : length + n_new] = k_new[i]
+        expect_v[i, length : length + n_new] = v_new[i]
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    assert torch.equal(lens.cpu(), torch.tensor([5, 0, 46], dtype=torch.int32)), "cache_seqlens is not advanced"
+    ref_out, ref_lse = oracle(q, expect_k, expect_v, [l + n_new for l in lens.tolist()], causal=True)
+    assert_close64(out, ref_out, torch.float32, device, "out")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_append_paged(device, page_size):
+    """New tokens cross a page boundary; pages are scattered; GQA Hq = 4 Hk."""
+    b, hq, hk, d, n_new, max_pages = 2, 8, 2, 16, 3, 4
+    k_pool, v_pool, table = scattered_pool(b, max_pages, page_size, hk, d, device, seed=page_size)
+    before_k, before_v = logical(k_pool, table), logical(v_pool, table)
+    spare = torch.ones(k_pool.shape[0], dtype=torch.bool)
+    spare[table.flatten().long().cpu()] = False
+    spare_before = k_pool[spare.to(device)].clone()
+    k_new, v_new = rand(b, n_new, hk, d, device=device, seed=7), rand(b, n_new, hk, d, device=device, seed=8)
+    q = rand(b, 1, hq, d, device=device, seed=9)
+    lens = torch.tensor([page_size - 1, 1], dtype=torch.int32, device=device)
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table, num_splits=3)
+    after_k, after_v = logical(k_pool, table), logical(v_pool, table)
+    for i, length in enumerate(lens.tolist()):
+        before_k[i, length : length + n_new] = k_new[i]
+        before_v[i, length : length + n_new] = v_new[i]
+    assert torch.equal(after_k, before_k) and torch.equal(after_v, before_v)
+    assert torch.equal(k_pool[spare.to(device)], spare_before), "pages outside the block table were written"
+    ref_out, _ = oracle(q, after_k, after_v, [l + n_new for l in lens.tolist()], causal=True)
+    assert_close64(out, ref_out, torch.float32, device, "out")
+
+
+def test_int_and_none_seqlens_mqa_mods(device):
+    """cache_seqlens as an int and as None (the full cache); MQA; window, softcap, ALiBi; no append."""
+    b, n, hq, d = 2, 40, 4, 16
+    k_cache, v_cache = rand(b, n, 1, d, device=device, seed=11), rand(b, n, 1, d, device=device, seed=12)
+    q = rand(b, 2, hq, d, device=device, seed=13)
+    alibi = torch.rand(b, hq, generator=torch.Generator().manual_seed(0)).to(device)
+    kw = dict(causal=True, window_size=(9, 0), softcap=3.0, alibi_slopes=alibi)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=25, return_lse=True, **kw)
+    ref_out, ref_lse = oracle(q, k_cache, v_cache, [25, 25], causal=True, window=(9, 0), softcap=3.0, alibi=alibi)
+    assert_close64(out, ref_out, torch.float32, device, "out (int cache_seqlens)")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse (int cache_seqlens)")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, causal=False)
+    ref_out, _ = oracle(q, k_cache, v_cache, [n, n], causal=False)
+    assert_close64(out, ref_out, torch.float32, device, "out (cache_seqlens=None)")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy reports the intended overflow
+def test_unified_max_through_api(device):
+    b, n, hq, hk, d = 2, 64, 4, 2, 32
+    k_cache, v_cache = rand(b, n, hk, d, device=device, seed=21), rand(b, n, hk, d, device=device, seed=22)
+    q = rand(b, 1, hq, d, device=device, seed=23)
+    q[1] *= 200.0  # element 1 leaves the safe range around phi = 0 and is recomputed
+    lens = torch.tensor([60, 64], dtype=torch.int32, device=device)
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, unified_max=0.0, num_splits=2, return_lse=True
+    )
+    ref_out, ref_lse = oracle(q, k_cache, v_cache, [60, 64], causal=True)
+    assert_close64(out, ref_out, torch.float32, device, "out")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+
+
+def test_inputs_requiring_grad_run_without_autograd(device):
+    q = rand(1, 1, 2, 16, device=device, seed=31).requires_grad_()
+    k_cache, v_cache = rand(1, 16, 1, 16, device=device, seed=32), rand(1, 16, 1, 16, device=device, seed=33)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16)
+    assert not out.requires_grad and out.grad_fn is None
+    ref_out, _ = oracle(q.detach(), k_cache, v_cache, [16], causal=True)
+    assert_close64(out, ref_out, torch.float32, device, "out")
+
+
+# --------------------------------------------------------------------------- #
+# validation: every bad input raises before the cache is written
+# --------------------------------------------------------------------------- #
+def _base(device):
+    b, hq, hk, d, page = 2, 4, 2, 16, 16
+    k_pool, v_pool, table = scattered_pool(b, 2, page, hk, d, device, seed=40)
+    q = rand(b, 1, hq, d, device=device, seed=41)
+    k_new, v_new = rand(b, 1, hk, d, device=device, seed=42), rand(b, 1, hk, d, device=device, seed=43)
+    lens = torch.tensor([3, 30], dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_pool, v_cache=v_pool, k=k_new, v=v_new, cache_seqlens=lens, block_table=table)
+
+
+def _bad_table(a):
+    t = a["block_table"].clone()
+    t[1, 1] = a["k_cache"].shape[0]  # page 1 of element 1 is used (30 + 1 keys > 16)
+    return t
+
+
+BAD = [
+    ("block_table", lambda a: dict(block_table=_bad_table(a)), ValueError),
+    ("block_table", lambda a: dict(block_table=a["block_table"].long()), TypeError),
+    ("block_table", lambda a: dict(block_table=a["block_table"][:1]), ValueError),
+    ("cache too small", lambda a: dict(cache_seqlens=a["cache_seqlens"] + torch.tensor([0, 2], dtype=torch.int32)
+                                       .to(a["q"].device)), ValueError),
+    ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), ValueError),
+    ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"].float()), TypeError),
+    (">= 0", lambda a: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32, device=a["q"].device)), ValueError),
+    ("page_size", lambda a: dict(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), ValueError),
+    ("multiple of the heads", lambda a: dict(q=a["q"][:, :, :3]), ValueError),
+    ("head_dim", lambda a: dict(q=a["q"][..., :8]), ValueError),
+    ("dtype", lambda a: dict(q=a["q"].double()), TypeError),
+    ("dtype of k_cache", lambda a: dict(k=a["k"].half(), v=a["v"].half()), TypeError),
+    ("k and v", lambda a: dict(v=None), ValueError),
+    ("seqlen_new", lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), ValueError),
+    ("num_splits", lambda a: dict(num_splits=-1), ValueError),
+    ("unified_max", lambda a: dict(unified_max=math.nan), ValueError),
+    ("window_size", lambda a: dict(window_size=(-2, 0)), ValueError),
+    ("alibi_slopes", lambda a: dict(alibi_slopes=torch.ones(3, device=a["q"].device)), ValueError),
+]
+
+
+@pytest.mark.parametrize("match, change, exc", BAD, ids=[f"{i}-{m}" for i, (m, _, _) in enumerate(BAD)])
+def test_bad_inputs_raise_before_writing(device, match, change, exc):
+    args = _base(device)
+    snapshot = (args["k_cache"].clone(), args["v_cache"].clone())
+    args.update(change(args))
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**args)
+    pool_k = args["k_cache"] if args["k_cache"].shape == snapshot[0].shape else None
+    if pool_k is not None:
+        assert torch.equal(pool_k, snapshot[0]) and torch.equal(args["v_cache"], snapshot[1])
+
+
+def test_contiguous_cache_batch_mismatch(device):
+    q = rand(2, 1, 2, 16, device=device, seed=50)
+    k_cache = rand(3, 16, 1, 16, device=device, seed=51)
+    with pytest.raises(ValueError, match="batch of k_cache"):
+        flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=4)
+
+
+# --------------------------------------------------------------------------- #
+# GPU
+# --------------------------------------------------------------------------- #
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, cache", [(1, 16384), (8, 4096)])
+def test_gpu_decode_step_paged(batch, cache):
+    """One decoding step at realistic sizes: bf16, Hq 32, Hk 8, d 128, page 256, append 1 token."""
+    hq, hk, d, page = 32, 8, 128, 256
+    pages = cache // page
+    k_pool, v_pool, table = scattered_pool(batch, pages, page, hk, d, "cuda", seed=batch)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    q = rand(batch, 1, hq, d, device="cuda", seed=1).bfloat16()
+    k_new = rand(batch, 1, hk, d, device="cuda", seed=2).bfloat16()
+    v_new = rand(batch, 1, hk, d, device="cuda", seed=3).bfloat16()
+    lens = torch.full((batch,), cache - 1, dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table)
+    kf, vf = logical(k_pool, table).float(), logical(v_pool, table).float()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), enable_gqa=True
+    ).transpose(1, 2)
+    err = (out.float() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2, f"max error {err:.2e}"
