@@ -115,6 +115,13 @@ def flash_attn_fwd(
     (zeros without dropout).  ``deterministic`` is only read by the backward;
     it is an input here so that autograd's setup_context can save it.
     """
+    return _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
+                     window_left, window_right, softcap, dropout_p, deterministic, seq_major)
+
+
+def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
+              window_left, window_right, softcap, dropout_p, deterministic, seq_major):
+    """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path)."""
     from flashtile.kernels.fa2_fwd import fa2_forward
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
@@ -168,6 +175,13 @@ def flash_attn_bwd(
     Replays the forward's dropout from ``rng_state``; ``deterministic=True``
     asks the kernel for a fixed accumulation order (bitwise-reproducible dQ).
     """
+    return _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
+                     softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
+              softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major):
+    """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
     from flashtile.kernels.fa2_bwd import fa2_backward
 
     seed, offset = (int(x) for x in rng_state.tolist())
@@ -211,14 +225,37 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx, dout, _dlse, _drng):
+def _grads(ctx, dout, bwd):
     q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, *ctx.options)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, *ctx.options)
     # no gradient for bias, alibi_slopes, block_mask (the wrappers refuse ones that require it) nor options
     return (dq, dk, dv, None, None, None) + (None,) * len(ctx.options)
 
 
+def _backward(ctx, dout, _dlse, _drng):
+    return _grads(ctx, dout, flash_attn_bwd)
+
+
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward/backward without the custom-op dispatcher, for eager calls.
+
+    ``torch.library`` dispatch costs ~60 us of host time per call (measured on
+    the CPU with the kernel stubbed out), which is longer than the whole
+    kernel for short sequences; outside ``torch.compile`` nothing needs the op
+    boundary, so eager calls take this path and compiled graphs the op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _drng):
+        return _grads(ctx, dout, _bwd_impl)
 
 
 def attention(
@@ -246,7 +283,8 @@ def attention(
     mask, (mask_block_q, mask_block_k) = (None, (0, 0)) if block_mask is None else (
         block_mask.mask.to(q.device), block_mask.block_size
     )
-    return flash_attn_fwd(
+    op = flash_attn_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
+    return op(
         q, k, v, bias, alibi_slopes, mask, mask_block_q, mask_block_k,
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]),
         float(softcap), float(dropout_p), bool(deterministic), bool(seq_major),
