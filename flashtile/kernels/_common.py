@@ -9,12 +9,52 @@ pattern the forward used.
 
 from __future__ import annotations
 
+import os
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Host-side checks shared by the kernel wrappers
+# --------------------------------------------------------------------------- #
+def interpreting(device: torch.device | str) -> bool:
+    """True when the kernels run through Triton's interpreter (CPU tensors or TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.device(device).type == "cpu"
+
+
+def check_kernel_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: int = 4) -> None:
+    """Each tensor is a ``ndim``-D fp16/bf16/fp32 tensor; all share one dtype and one
+    device, and that device matches the execution mode (CPU only with the interpreter)."""
+    for name, x in zip(names, tensors):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    listed = ", ".join(names)
+    if len({x.dtype for x in tensors}) != 1:
+        raise TypeError(f"{listed} must share one dtype, got {', '.join(str(x.dtype) for x in tensors)}")
+    if len({x.device for x in tensors}) != 1:
+        raise ValueError(f"{listed} must be on one device, got {', '.join(str(x.device) for x in tensors)}")
+    device = tensors[0].device
+    env_on = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if device.type == "cpu" and not env_on:
+        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels")
+    if device.type != "cpu" and env_on:
+        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; got tensors on {device}")
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels vectorise along the last dim: copy only when its stride is not 1."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 @triton.jit

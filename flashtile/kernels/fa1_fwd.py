@@ -60,17 +60,15 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import allowed
+from flashtile.kernels._common import SUPPORTED_DTYPES, allowed, check_kernel_tensors, interpreting, unit_last_stride
 
 __all__ = ["fa1_forward", "fa1_tiles", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 _MIN_TILE = 16  # smallest tl.dot operand dimension
 _MAX_TILE = 128
@@ -253,10 +251,6 @@ def _num_warps(block_m: int, block_n: int) -> int:
 # --------------------------------------------------------------------------- #
 # Python wrapper
 # --------------------------------------------------------------------------- #
-def _interpreting(device: torch.device) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type == "cpu"
-
-
 def _check_sram(sram_elems: object, d: int) -> None:
     if isinstance(sram_elems, bool) or not isinstance(sram_elems, numbers.Integral):
         raise TypeError(f"sram_elems must be an int (SRAM size M in elements), got {type(sram_elems).__name__}")
@@ -265,17 +259,7 @@ def _check_sram(sram_elems: object, d: int) -> None:
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(x.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_kernel_tensors(("q", "k", "v"), (q, k, v))
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} must equal v shape {tuple(v.shape)}")
     b, h, _, d = q.shape
@@ -285,14 +269,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels")
-    if q.device.type != "cpu" and _interpreting(q.device):
-        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; got tensors on {q.device}")
-
-
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def fa1_forward(
@@ -330,7 +306,7 @@ def fa1_forward(
         out.zero_()
         lse = torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=device)
         return (out, lse) if return_lse else out
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
 
     block_m, block_n = fa1_tiles(sram_elems, d)
     block_d = max(_MIN_TILE, triton.next_power_of_2(d))
@@ -345,7 +321,7 @@ def fa1_forward(
         h, nq, nk, d, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, CAUSAL=causal,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
-        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(device),
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
         num_warps=_num_warps(block_m, block_n), num_stages=1,
     )
     if not return_lse:

@@ -57,12 +57,21 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import kv_block_lists
-from flashtile.kernels._common import LN2, LOG2E, allowed, dropout_keep, score_mods
+from flashtile.kernels._common import (
+    LN2,
+    LOG2E,
+    SUPPORTED_DTYPES,
+    allowed,
+    check_kernel_tensors,
+    dropout_keep,
+    interpreting,
+    score_mods,
+    unit_last_stride,
+)
 from flashtile.reference.masks import BlockMask, normalize_window
 
 __all__ = ["fa2_forward", "fwd_config", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
@@ -387,10 +396,6 @@ def _fa2_fwd_kernel(
 # --------------------------------------------------------------------------- #
 # Tile configuration
 # --------------------------------------------------------------------------- #
-def _interpreting(device: torch.device | str) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.device(device).type == "cpu"
-
-
 def fwd_config(
     d: int,
     dtype: torch.dtype,
@@ -415,7 +420,7 @@ def fwd_config(
     remove the spills.  ``causal`` is part of the key for tuning; the
     starting table does not use it yet.
     """
-    if _interpreting(device):
+    if interpreting(device):
         return 16, 32, 4, 1
     wide = dtype == torch.float32  # 4-byte tiles: halve BLOCK_N to keep the shared-memory footprint
     # Measured on an H200, bf16 (bench/results/tune_fa2_fwd_H200_2026-11-23_run{1,2}.json): 128x64 with
@@ -481,17 +486,7 @@ def _autotuned_kernel():
 # Python wrapper
 # --------------------------------------------------------------------------- #
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(x.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_kernel_tensors(("q", "k", "v"), (q, k, v))
     b, hq, _, d = q.shape
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
@@ -504,17 +499,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     hk = k.shape[1]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"number of q heads ({hq}) must be a multiple of k/v heads ({hk}) (GQA/MQA)")
-    if _interpreting(q.device) and q.device.type != "cpu":
-        raise ValueError("TRITON_INTERPRET=1 runs kernels on CPU tensors; got tensors on " + str(q.device))
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError(
-            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels"
-        )
-
-
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    # the kernel vectorises along d; any other stride pattern is fine
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def _check_alibi(alibi: torch.Tensor, b: int, hq: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
@@ -653,7 +637,7 @@ def fa2_forward(
         result.zero_()
         lse.fill_(float("-inf"))
         return result, lse
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
 
     heavy = dropout_p > 0 or bias is not None
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
@@ -678,9 +662,9 @@ def fa2_forward(
         HAS_DROPOUT=dropout_p > 0, IS_BLOCK_SPARSE=block_mask is not None,
         EVEN_D=block_d == d,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
-        UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(device),
+        UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
     )
-    if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not _interpreting(device):
+    if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
         grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
         _autotuned_kernel()[grid](*args, **flags)
     else:
