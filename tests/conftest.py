@@ -10,6 +10,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI replays the same examples every run (a red CI then means a real regression, not a new draw);
+# locally hypothesis keeps exploring.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -69,7 +69,9 @@ def assert_matches(out, lse, ref_out, ref_lse, tol):
     assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows with no allowed key"
     assert (out[empty] == 0).all(), "rows with no allowed key must output exactly 0"
     if ref_out.numel():
-        err = (out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-12)
+        # normwise, as the device method prescribes: one bf16 rounding of P and of O already
+        # puts single elements near 2^-7 relative, so a max-element metric flickers around 1e-2
+        err = (out - ref_out).norm() / ref_out.norm().clamp_min(1e-12)
         assert err <= tol, f"out relative error {err:.3g} > {tol}"
     live = ~empty
     if live.any():
