@@ -120,22 +120,26 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile_base(
-    K, BlockTable, off_b, off_hk, start_n,
-    stride_kb, stride_kn, stride_kh, stride_bt_b,
+def _tile_offsets(
+    BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Scalar 64-bit pointer to key ``start_n`` of (batch b, kv head h).
+    """64-bit element offsets of key ``start_n`` in K and in V, relative to the
+    (batch element, kv head) base pointers.
 
     Paged: the tile lies inside logical page ``start_n // PAGE_SIZE`` (BLOCK_N
-    divides PAGE_SIZE), found in the block table; ``stride_kb`` is then the
-    page stride.  Contiguous: ``stride_kb`` is the batch stride."""
+    divides PAGE_SIZE), so one scalar block-table load per tile serves both K
+    and V; ``stride_kb`` is then the page stride and the base pointers carry
+    only the head offset.  Contiguous: the base pointers carry the batch offset."""
     if PAGED:
         page = tl.load(BlockTable + off_b.to(tl.int64) * stride_bt_b + start_n // PAGE_SIZE).to(tl.int64)
-        base = K + page * stride_kb + (start_n % PAGE_SIZE).to(tl.int64) * stride_kn
+        row = (start_n % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kb + row * stride_kn
+        v_off = page * stride_vb + row * stride_vn
     else:
-        base = K + off_b.to(tl.int64) * stride_kb + start_n.to(tl.int64) * stride_kn
-    return base + off_hk.to(tl.int64) * stride_kh
+        k_off = start_n.to(tl.int64) * stride_kn
+        v_off = start_n.to(tl.int64) * stride_vn
+    return k_off, v_off
 
 
 @triton.jit
@@ -163,10 +167,12 @@ def _tile_scores(
 def _decode_split_kernel(
     Q, K, V, BlockTable, SeqlensK, BatchIdx, Alibi,
     OPart, LPart, FPart,  # workspaces (slots, Hq, Nq, S, d) fp32, (slots, Hq, Nq, S) fp32 and int8
+    Out, Lse,  # final outputs, written here directly when WRITE_OUT (one split, safe path)
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_bt_b, stride_alibi_b, stride_alibi_h,
+    stride_ob, stride_on, stride_oh,
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits,
     sm_scale, softcap, window_left, window_right,
     phi2, lo2, hi2,  # unified max and its safe range, base-2 units
@@ -175,14 +181,22 @@ def _decode_split_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, WRITE_OUT: tl.constexpr,
 ):
-    """One split of one (batch slot, kv head) for ``BLOCK_M`` packed (head, token) rows."""
+    """One split of one (batch slot, kv head) for ``BLOCK_M`` packed (head, token) rows.
+
+    ``EVEN_D`` (head_dim == BLOCK_D) drops the head-dim mask: a mask that varies
+    along the contiguous axis stops Triton from issuing 16-byte vector loads,
+    and the K/V loads are the whole cost of decoding."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     slot = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    off_b = tl.load(BatchIdx + slot)
+    if HAS_BATCH_IDX:
+        off_b = tl.load(BatchIdx + slot)
+    else:
+        off_b = slot
     seqlen_k = tl.load(SeqlensK + off_b)
 
     # packed rows: r -> (q head off_hk * G + r // Nq, token r % Nq)
@@ -192,6 +206,8 @@ def _decode_split_kernel(
     offs_h = off_hk * kv_group + offs_r // seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D  # all true, and known constant along d
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qb) + (offs_t * stride_qn + offs_h * stride_qh)[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     slope = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
@@ -211,6 +227,15 @@ def _decode_split_kernel(
     start = kv_lo + split * per_split * BLOCK_N
     end = tl.minimum(kv_lo + (split + 1) * per_split * BLOCK_N, kv_hi)
 
+    # (batch element, kv head) base pointers; the paged batch offset comes per tile
+    k_head = K + off_hk.to(tl.int64) * stride_kh
+    v_head = V + off_hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        k_head += off_b.to(tl.int64) * stride_kb
+        v_head += off_b.to(tl.int64) * stride_vb
+    k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
+    v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
+
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -221,14 +246,11 @@ def _decode_split_kernel(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
         kv_ok = offs_n < seqlen_k
-        k_base = _kv_tile_base(
-            K, BlockTable, off_b, off_hk, start_n, stride_kb, stride_kn, stride_kh, stride_bt_b, PAGED, PAGE_SIZE
+        k_off, v_off = _tile_offsets(
+            BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_SIZE
         )
-        v_base = _kv_tile_base(
-            V, BlockTable, off_b, off_hk, start_n, stride_vb, stride_vn, stride_vh, stride_bt_b, PAGED, PAGE_SIZE
-        )
-        k = tl.load(k_base + offs_n0[None, :] * stride_kn + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n0[:, None] * stride_vn + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
@@ -261,12 +283,18 @@ def _decode_split_kernel(
         o_part = acc / l_safe[:, None]
         l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
 
-    # workspace row of (slot, head, token) is contiguous over the S splits
-    prow = ((slot * n_heads_q + offs_h) * seqlen_q + offs_t).to(tl.int64) * n_splits + split
-    tl.store(OPart + prow[:, None] * BLOCK_D + offs_d[None, :], o_part, mask=row_ok[:, None])
-    tl.store(LPart + prow, l_part, mask=row_ok)
-    if UNIFIED:
-        tl.store(FPart + prow, flag.to(tl.int8), mask=row_ok)
+    if WRITE_OUT:
+        # a single split is already the answer (the merge of one partial is the identity)
+        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t * stride_on + offs_h * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o_part.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(Lse + (off_b * n_heads_q + offs_h) * seqlen_q + offs_t, l_part, mask=row_ok)
+    else:
+        # workspace row of (slot, head, token) is contiguous over the S splits
+        prow = ((slot * n_heads_q + offs_h) * seqlen_q + offs_t).to(tl.int64) * n_splits + split
+        tl.store(OPart + prow[:, None] * BLOCK_D + offs_d[None, :], o_part, mask=row_ok[:, None])
+        tl.store(LPart + prow, l_part, mask=row_ok)
+        if UNIFIED:
+            tl.store(FPart + prow, flag.to(tl.int8), mask=row_ok)
 
 
 @triton.jit
@@ -274,14 +302,17 @@ def _decode_merge_kernel(
     OPart, LPart, FPart, Out, Lse, Flags, BatchIdx,
     stride_ob, stride_on, stride_oh,
     n_heads_q, seqlen_q, head_dim, n_splits, phi,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
 ):
     """Merge the S partials of output row (slot, q head h, token t) (FA1 Algorithm 1, lines 11-12)."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     off_h = pid // seqlen_q
     off_t = pid % seqlen_q
-    off_b = tl.load(BatchIdx + slot)
+    if HAS_BATCH_IDX:
+        off_b = tl.load(BatchIdx + slot)
+    else:
+        off_b = slot
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < n_splits
@@ -322,6 +353,16 @@ def _interpreting(device: torch.device | str) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.device(device).type == "cpu"
 
 
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 for the interpreter), looked up once per device."""
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return _SM_COUNT[device]
+
+
 def _lowbit(x: int) -> int:
     """Largest power of two dividing x."""
     return x & -x
@@ -351,21 +392,26 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     return block_m, block_n, warps, stages
 
 
-def num_splits_heuristic(batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int) -> int:
+def num_splits_heuristic(batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64) -> int:
     """Number of kv splits when ``num_splits=0``.
 
     Without splitting the grid has ``P = batch_kv_heads * row_tiles`` programs.
-    Aim for at least two waves, ``2 * sm_count`` programs (one program per SM
-    at a time is the pessimistic occupancy of a 4-warp, 3-stage kernel; two
-    waves hide the tail), so ``S = ceil(2 sm_count / P)``, but never chunks
-    shorter than 256 keys (``S <= max_seqlen // 256``): shorter chunks spend more
-    on the partial write and merge than they gain.  Clamped to [1, MAX_SPLITS].
+    Decoding is a streaming read: two programs per SM already saturate HBM
+    (each keeps ``num_stages`` K/V tiles in flight), and a grid slightly above
+    one wave of resident programs leaves a long tail.  Measured on an H200
+    (bf16, d 128, 64-key tiles, 3 programs resident per SM): P S = 256 ran at
+    95 % of copy bandwidth, P S = 512 at 85 %.  So ``S = floor(2 sm_count / P)``
+    (at most two programs per SM, one wave), at least 1, and at most the
+    ``T = ceil(max_seqlen / block_n)`` tiles (one tile per split, best for
+    short caches where latency rules).  S is then balanced: the kernel gives
+    each split ``ceil(T / S)`` tiles, so ``S = ceil(T / ceil(T / S))`` is the
+    same work with no empty split.  Clamped to [1, MAX_SPLITS].
     ``max_seqlen`` is the cache's capacity, known without a device sync.
     """
     programs = max(1, batch_kv_heads * row_tiles)
-    want = -(-2 * sm_count // programs)
-    cap = max(1, max_seqlen // 256)
-    return int(max(1, min(want, cap, MAX_SPLITS)))
+    tiles = max(1, -(-max_seqlen // block_n))
+    s = max(1, min(2 * sm_count // programs, tiles, MAX_SPLITS))
+    return int(-(-tiles // -(-tiles // s)))
 
 
 def default_unified_range(dtype: torch.dtype, max_seqlen: int) -> tuple[float, float]:
@@ -477,30 +523,28 @@ def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, 
     return softmax_scale, softcap, (phi, lo, hi)
 
 
-def _launch(
-    q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, flags, *,
-    has_alibi, n_splits, scale, softcap, left, right, unified, page_size, cfg,
+def _launch_split(
+    q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, o_part, l_part, f_part, *,
+    slots, has_alibi, n_splits, scale, softcap, left, right, unified, page_size, cfg,
 ):
-    """Kernel 1 then kernel 2 for the batch elements listed in ``batch_idx``."""
-    slots = batch_idx.shape[0]
+    """Kernel 1 over ``slots`` batch slots (slot i is element ``batch_idx[i]``, or i when batch_idx is None).
+    With one split on the safe path it writes ``out`` and ``lse`` itself (no merge)."""
     b, nq, hq, d = q.shape
     hk = k_cache.shape[2]
     block_m, block_n, warps, stages = cfg
     block_d = max(16, triton.next_power_of_2(d))
-    dev = q.device
-    o_part = torch.empty((slots, hq, nq, n_splits, block_d), dtype=torch.float32, device=dev)
-    l_part = torch.empty((slots, hq, nq, n_splits), dtype=torch.float32, device=dev)
-    f_part = torch.empty((slots, hq, nq, n_splits) if unified else (1,), dtype=torch.int8, device=dev)
     alibi, s_ab, s_ah = alibi_args
     phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
     bt = block_table if block_table is not None else seqlens_k
     grid = (slots * hk, n_splits, triton.cdiv((hq // hk) * nq, block_m))
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, bt, seqlens_k, batch_idx, alibi, o_part, l_part, f_part,
+        q, k_cache, v_cache, bt, seqlens_k, seqlens_k if batch_idx is None else batch_idx, alibi,
+        o_part, l_part, f_part, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0) if block_table is not None else 0, s_ab, s_ah,
+        out.stride(0), out.stride(1), out.stride(2),
         hq, hk, hq // hk, nq, d, n_splits,
         scale, softcap, left, right,
         phi * LOG2E, lo * LOG2E, hi * LOG2E,
@@ -509,16 +553,55 @@ def _launch(
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=has_alibi,
         UNIFIED=unified is not None,
-        DOT_PRECISION="tf32", UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(dev),
+        DOT_PRECISION="tf32", UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(q.device),
+        EVEN_D=block_d == d, HAS_BATCH_IDX=batch_idx is not None,
+        WRITE_OUT=_writes_out(n_splits, unified),
         num_warps=warps, num_stages=stages,
     )
+
+
+def _launch_merge(o_part, l_part, f_part, out, lse, flags, batch_idx, *, slots, n_splits, unified):
+    """Kernel 2: one program per output row (slot, head, token)."""
+    b, nq, hq, d = out.shape
+    block_d = o_part.shape[-1]
+    phi = unified[0] if unified is not None else 0.0
     _decode_merge_kernel[(nq * hq, slots)](
-        o_part, l_part, f_part, out, lse, flags, batch_idx,
+        o_part, l_part, f_part, out, lse, flags, lse if batch_idx is None else batch_idx,
         out.stride(0), out.stride(1), out.stride(2),
         hq, nq, d, n_splits, phi,
         BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, UNIFIED=unified is not None,
+        HAS_BATCH_IDX=batch_idx is not None,
         num_warps=4 if block_d >= 128 else 2,
     )
+
+
+def _writes_out(n_splits: int, unified) -> bool:
+    return n_splits == 1 and unified is None
+
+
+def _launch(
+    q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, flags, *,
+    has_alibi, n_splits, scale, softcap, left, right, unified, page_size, cfg,
+):
+    """Kernel 1 then (unless it wrote the output itself) kernel 2, for the batch
+    elements listed in ``batch_idx`` (None: all of them, slot = element)."""
+    slots = q.shape[0] if batch_idx is None else batch_idx.shape[0]
+    _, nq, hq, d = q.shape
+    block_d = max(16, triton.next_power_of_2(d))
+    dev = q.device
+    if _writes_out(n_splits, unified):
+        o_part = l_part = f_part = lse  # unused pointers
+    else:
+        o_part = torch.empty((slots, hq, nq, n_splits, block_d), dtype=torch.float32, device=dev)
+        l_part = torch.empty((slots, hq, nq, n_splits), dtype=torch.float32, device=dev)
+        f_part = torch.empty((slots, hq, nq, n_splits), dtype=torch.int8, device=dev) if unified else l_part
+    _launch_split(
+        q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, o_part, l_part, f_part,
+        slots=slots, has_alibi=has_alibi, n_splits=n_splits, scale=scale, softcap=softcap, left=left, right=right,
+        unified=unified, page_size=page_size, cfg=cfg,
+    )
+    if not _writes_out(n_splits, unified):
+        _launch_merge(o_part, l_part, f_part, out, lse, flags, batch_idx, slots=slots, n_splits=n_splits, unified=unified)
 
 
 def flash_decode(
@@ -568,7 +651,9 @@ def flash_decode(
 
     out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
-    flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev)
+    # flags are only written on the FlashDecoding++ path; the safe path returns zeros if asked
+    need_flags = unified is not None or return_recomputed
+    flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev) if need_flags else lse
     if out.numel() == 0:
         return (out, lse, flags) if return_recomputed else (out, lse)
     if q.stride(-1) != 1:
@@ -578,8 +663,7 @@ def flash_decode(
     page_size = k_cache.shape[1] if block_table is not None else 1
     cfg = decode_config(d, (hq // hk) * nq, page_size if block_table is not None else None, dev)
     if num_splits == 0:
-        sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        num_splits = num_splits_heuristic(b * hk, triton.cdiv((hq // hk) * nq, cfg[0]), capacity, sm)
+        num_splits = num_splits_heuristic(b * hk, triton.cdiv((hq // hk) * nq, cfg[0]), capacity, _sm_count(dev), cfg[1])
     if block_table is not None:
         block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     kw = dict(
@@ -587,8 +671,7 @@ def flash_decode(
         left=left, right=right, page_size=page_size, cfg=cfg,
     )
     with torch.no_grad():
-        every = torch.arange(b, dtype=torch.int32, device=dev)
-        _launch(q, k_cache, v_cache, block_table, seqlens_k, every, alibi_args, out, lse, flags, unified=unified, **kw)
+        _launch(q, k_cache, v_cache, block_table, seqlens_k, None, alibi_args, out, lse, flags, unified=unified, **kw)
         if unified is not None:
             # FlashDecoding++ fallback: batch elements with a flagged row rerun the max-based path
             redo = (flags.view(b, -1) != 0).any(dim=1).nonzero().flatten().to(torch.int32)

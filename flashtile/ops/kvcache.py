@@ -21,7 +21,16 @@ in flash-attn): the caller advances it.
 
 Validation reads ``cache_seqlens`` and the used block-table entries on the host
 (one device sync) so that a bad index fails with a ``ValueError`` before any
-write or launch, instead of corrupting memory.  Decoding is inference: there
+write or launch, instead of corrupting memory.  The sync also stalls the host
+until the GPU drains, so a validated (cache_seqlens, block_table) pair is
+remembered: a later call with the *same tensor objects*, unmodified (PyTorch's
+version counter of each is unchanged: every in-place torch op bumps it), the
+same capacity, page pool and ``Nnew`` skips the read.  The layers of one
+decoding step share these tensors, so a model syncs once per step, not once
+per layer.  (A write that bypasses the version counter, e.g. a custom kernel
+storing into ``cache_seqlens``, is not seen; such callers pass fresh tensors.)
+An int ``cache_seqlens`` with a contiguous cache is checked on the host
+without any sync.  Decoding is inference: there
 is no autograd; inputs that require grad are read under ``torch.no_grad()``
 and the outputs do not require grad.
 """
@@ -29,6 +38,7 @@ and the outputs do not require grad.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -132,14 +142,14 @@ def _seqlens(cache_seqlens: object, q: torch.Tensor, b: int, capacity: int) -> t
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
-    return cache_seqlens.to(torch.int32)
+    return cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
 
 
 def _check_lengths(
-    lens: torch.Tensor, n_new: int, capacity: int, block_table: torch.Tensor | None, num_pages: int, page_size: int
+    host: list[int], n_new: int, capacity: int, block_table: torch.Tensor | None, num_pages: int, page_size: int
 ) -> None:
-    """Every element's final length fits its cache, and every page it uses exists (one host sync)."""
-    host = lens.tolist()
+    """Every element's final length fits its cache, and every page it uses exists
+    (the block-table check reads one bool back: a device sync)."""
     for b, length in enumerate(host):
         if length < 0:
             raise ValueError(f"cache_seqlens[{b}] = {length} must be >= 0")
@@ -161,6 +171,42 @@ def _check_lengths(
             f"block_table[{b}, {p}] = {int(block_table[b, p])} is out of range: entries of used pages "
             f"must lie in [0, num_pages) = [0, {num_pages})"
         )
+
+
+# validated (cache_seqlens, block_table) pairs: key -> ((weakref, version, data_ptr) per tensor)
+_VALIDATED: dict[tuple, tuple] = {}
+_VALIDATED_MAX = 16
+
+
+def _fingerprint(x: torch.Tensor | None) -> tuple:
+    """Identity and content version of a tensor: the same live object, storage and version counter."""
+    return (None,) if x is None else (weakref.ref(x), x._version, x.data_ptr())
+
+
+def _same(fp: tuple, x: torch.Tensor | None) -> bool:
+    if x is None:
+        return fp == (None,)
+    ref, version, ptr = fp
+    return ref() is x and x._version == version and x.data_ptr() == ptr
+
+
+def _validate_lengths(
+    cache_seqlens: object, lens: torch.Tensor, n_new: int, capacity: int,
+    block_table: torch.Tensor | None, num_pages: int, page_size: int,
+) -> None:
+    """:func:`_check_lengths`, skipped when this exact, unmodified pair of tensors passed it before."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        key = (id(cache_seqlens), id(block_table), n_new, capacity, num_pages, page_size)
+        hit = _VALIDATED.get(key)
+        if hit is not None and _same(hit[0], cache_seqlens) and _same(hit[1], block_table):
+            return
+        _check_lengths(lens.tolist(), n_new, capacity, block_table, num_pages, page_size)
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.pop(next(iter(_VALIDATED)))
+        _VALIDATED[key] = (_fingerprint(cache_seqlens), _fingerprint(block_table))
+        return
+    host = [capacity if cache_seqlens is None else int(cache_seqlens)] * lens.shape[0]
+    _check_lengths(host, n_new, capacity, block_table, num_pages, page_size)
 
 
 def _append(
@@ -233,13 +279,13 @@ def flash_attn_with_kvcache(
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
     lens = _seqlens(cache_seqlens, q, dims.batch, capacity)
-    _check_lengths(lens, n_new, capacity, block_table, k_cache.shape[0], page_size)
+    _validate_lengths(cache_seqlens, lens, n_new, capacity, block_table, k_cache.shape[0], page_size)
 
     with torch.no_grad():
         if n_new:
             _append(k_cache, v_cache, k, v, lens, block_table)
         out, lse = flash_decode(
-            q, k_cache, v_cache, lens + n_new, block_table=block_table, softmax_scale=scale,
+            q, k_cache, v_cache, lens + n_new if n_new else lens, block_table=block_table, softmax_scale=scale,
             causal=False, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
             num_splits=num_splits, unified_max=None if unified_max is None else float(unified_max),
         )

@@ -271,18 +271,26 @@ def test_default_unified_range():
 # split heuristic and argument checks
 # --------------------------------------------------------------------------- #
 def test_num_splits_heuristic():
-    # 132 SMs: one element with 8 kv heads at 32k keys -> ceil(264 / 8) = 33 splits (2 waves)
-    assert num_splits_heuristic(8, 1, 32768, 132) == 33
-    # chunks never shorter than 256 keys: a 1k cache allows 4 splits
-    assert num_splits_heuristic(8, 1, 1024, 132) == 4
-    # enough (batch, kv head) programs for two waves already: no split
-    assert num_splits_heuristic(64 * 8, 1, 131072, 132) == 1
-    # short caches never split; huge grids of tiny problems neither
-    assert num_splits_heuristic(1, 1, 255, 132) == 1
+    # 132 SMs, 64-key tiles: one element with 8 kv heads at 32k keys -> floor(264 / 8) = 33 splits,
+    # balanced over 512 tiles: ceil(512 / 33) = 16 tiles each -> 32 splits, none empty
+    assert num_splits_heuristic(8, 1, 32768, 132) == 32
+    # at most one split per tile: a 1k cache (16 tiles) allows 16, with 128-key tiles 8
+    assert num_splits_heuristic(8, 1, 1024, 132) == 16
+    assert num_splits_heuristic(8, 1, 1024, 132, block_n=128) == 8
+    # 8 elements x 8 kv heads: floor(264 / 64) = 4 (one wave; 5 would spill into a second)
+    assert num_splits_heuristic(64, 1, 131072, 132) == 4
+    # two programs per SM already: no split
+    assert num_splits_heuristic(64 * 8, 1, 4096, 132) == 1
+    # a one-tile cache never splits; huge grids of tiny problems neither
+    assert num_splits_heuristic(1, 1, 64, 132) == 1
     assert num_splits_heuristic(1, 1, 10**7, 10**4) == MAX_SPLITS
     for programs in (1, 3, 8, 40, 300):
-        s = num_splits_heuristic(programs, 1, 1 << 20, 132)
-        assert programs * s >= min(2 * 132, programs * MAX_SPLITS)
+        for seqlen in (1000, 1 << 20):
+            s = num_splits_heuristic(programs, 1, seqlen, 132)
+            tiles = -(-seqlen // 64)
+            per = -(-tiles // s)
+            assert 1 <= s <= MAX_SPLITS and (s - 1) * per < tiles, "no empty split"
+            assert programs * s <= max(programs, 2 * 132), "at most one wave of two programs per SM"
 
 
 def test_bad_inputs_raise(device):

@@ -192,6 +192,25 @@ def test_bad_inputs_raise_before_writing(device, match, change, exc):
         assert torch.equal(pool_k, snapshot[0]) and torch.equal(args["v_cache"], snapshot[1])
 
 
+def test_validation_memo_sees_in_place_changes(device):
+    """A validated (cache_seqlens, block_table) pair is remembered, but an in-place
+    write to either (version counter bump) forces the check again: still raises before writing."""
+    args = _base(device)
+    args.pop("k"), args.pop("v")
+    flash_attn_with_kvcache(**args)  # validated and remembered
+    flash_attn_with_kvcache(**args)  # memo hit: same objects, unchanged
+    snapshot = args["k_cache"].clone()
+    args["cache_seqlens"][1] = args["block_table"].shape[1] * args["k_cache"].shape[1] + 1
+    with pytest.raises(ValueError, match="cache too small"):
+        flash_attn_with_kvcache(**args)
+    args["cache_seqlens"][1] = 30
+    flash_attn_with_kvcache(**args)
+    args["block_table"][1, 1] = args["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(**args)
+    assert torch.equal(args["k_cache"], snapshot)
+
+
 def test_contiguous_cache_batch_mismatch(device):
     q = rand(2, 1, 2, 16, device=device, seed=50)
     k_cache = rand(3, 16, 1, 16, device=device, seed=51)
