@@ -407,10 +407,14 @@ def num_splits_heuristic(batch_kv_heads: int, row_tiles: int, max_seqlen: int, s
     each split ``ceil(T / S)`` tiles, so ``S = ceil(T / ceil(T / S))`` is the
     same work with no empty split.  Clamped to [1, MAX_SPLITS].
     ``max_seqlen`` is the cache's capacity, known without a device sync.
+    Grids already past one wave of two programs per SM take
+    ``S = ceil(4 sm_count / P)`` (two waves' worth): at batch 64 x 8 kv heads
+    (P = 512) two splits beat one by 6-15 % on an H200 (bench/NOTES.md).
     """
     programs = max(1, batch_kv_heads * row_tiles)
     tiles = max(1, -(-max_seqlen // block_n))
-    s = max(1, min(2 * sm_count // programs, tiles, MAX_SPLITS))
+    per_wave = 2 * sm_count // programs if programs <= 2 * sm_count else -(-4 * sm_count // programs)
+    s = max(1, min(per_wave, tiles, MAX_SPLITS))
     return int(-(-tiles // -(-tiles // s)))
 
 
