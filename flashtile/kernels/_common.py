@@ -44,7 +44,11 @@ def check_kernel_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], 
         raise TypeError(f"{listed} must share one dtype, got {', '.join(str(x.dtype) for x in tensors)}")
     if len({x.device for x in tensors}) != 1:
         raise ValueError(f"{listed} must be on one device, got {', '.join(str(x.device) for x in tensors)}")
-    device = tensors[0].device
+    check_device_mode(tensors[0].device)
+
+
+def check_device_mode(device: torch.device) -> None:
+    """CPU tensors run only through the interpreter, and the interpreter only on CPU tensors."""
     env_on = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if device.type == "cpu" and not env_on:
         raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels")

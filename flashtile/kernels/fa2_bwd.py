@@ -56,13 +56,20 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import BlockLists, kv_block_lists, q_block_lists
-from flashtile.kernels._common import LOG2E, allowed, dropout_keep, score_mods
+from flashtile.kernels._common import (
+    LOG2E,
+    SUPPORTED_DTYPES,
+    allowed,
+    check_device_mode,
+    dropout_keep,
+    score_mods,
+    unit_last_stride,
+)
 from flashtile.reference.masks import BlockMask, normalize_window
 
 __all__ = ["BwdConfig", "bwd_config", "fa2_backward"]
 
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
 
@@ -717,18 +724,13 @@ def _check_tensor(x, name: str, shape: tuple[int, ...], dtype: torch.dtype, devi
         raise ValueError(f"{name} must be on {device} (the device of q), got {x.device}")
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    """The kernels assume unit stride along d (any other strides are fine)."""
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
 def _check_inputs(dout, q, k, v, out, lse) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, N, d), got shape {tuple(x.shape)}")
-    if q.dtype not in _SUPPORTED_DTYPES:
+    if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     b, hq, nq, d = q.shape
     _, hk, nk, _ = k.shape
@@ -744,6 +746,7 @@ def _check_inputs(dout, q, k, v, out, lse) -> None:
         raise TypeError("lse must be a floating-point torch.Tensor (float32 from fa2_forward)")
     if tuple(lse.shape) != (b, hq, nq):
         raise ValueError(f"lse must have shape {(b, hq, nq)} = (B, Hq, Nq), got {tuple(lse.shape)}")
+    check_device_mode(q.device)
 
 
 def _check_scalars(softmax_scale, softcap, dropout_p, philox_seed, philox_offset) -> tuple[float, float, float]:
@@ -861,7 +864,7 @@ def fa2_backward(
             ret.zero_()
         return dq_ret, dk_ret, dv_ret
 
-    q, k, v, dout, out = (_unit_last(x) for x in (q, k, v, dout, out))
+    q, k, v, dout, out = (unit_last_stride(x) for x in (q, k, v, dout, out))
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     cfg = _fit_block_mask(bwd_config(d, q.dtype, bool(causal), nq, nk, dev), block_mask)
     d_pad = max(16, triton.next_power_of_2(d))
