@@ -67,6 +67,7 @@ from typing import Sequence
 
 import torch
 
+from flashtile.reference import _checks as checks
 from flashtile.reference._common import AttnResult, IOCounts, check_qkv, expand_kv
 from flashtile.reference.masks import BlockMask, allowed_mask, apply_score_mods, normalize_window
 
@@ -150,50 +151,6 @@ class _Problem:
         return _COST_DROPOUT if self.keep is not None else 0
 
 
-def _check_real(x: object, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return x
-
-
-def _check_dtype(dtype: torch.dtype | None) -> None:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-
-
-def _broadcast_bool(x: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    try:
-        return torch.broadcast_to(x, shape)
-    except RuntimeError:
-        raise ValueError(f"{name} of shape {tuple(x.shape)} is not broadcastable to (B, Hq, Nq, Nk) = {shape}") from None
-
-
-def _check_alibi(slopes: torch.Tensor | None, b: int, h: int, dtype: torch.dtype) -> torch.Tensor | None:
-    if slopes is None:
-        return None
-    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
-        raise TypeError("alibi_slopes must be a floating torch.Tensor of shape (Hq,) or (B, Hq)")
-    if tuple(slopes.shape) not in ((h,), (b, h)):
-        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({h},) or (B, Hq) = ({b}, {h}), got {tuple(slopes.shape)}")
-    return slopes.to(dtype)
-
-
-def _check_dropout(p: object, mask: torch.Tensor | None, shape: tuple[int, ...]) -> tuple[float, torch.Tensor | None]:
-    p = _check_real(p, "dropout_p")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
-    if mask is None:
-        if p > 0:
-            raise ValueError("dropout_p > 0 needs an explicit dropout_mask (bool, True = keep) broadcastable to (B, Hq, Nq, Nk)")
-        return p, None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError("dropout_mask must be a torch.bool tensor (True = keep) broadcastable to (B, Hq, Nq, Nk)")
-    return p, _broadcast_bool(mask, shape, "dropout_mask")
-
-
 def _problem(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,14 +166,12 @@ def _problem(
     dtype: torch.dtype | None,
 ) -> _Problem:
     """Validate every argument and build the dense masks of the masks.py definition."""
-    _check_dtype(dtype)
+    checks.compute_dtype(dtype)
     q, k, v, added = check_qkv(q, k, v, dtype)
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_real(softmax_scale, "softmax_scale")
-    softcap = _check_real(softcap, "softcap")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+    scale = checks.softmax_scale(softmax_scale, d)
+    cap = checks.softcap(softcap)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     normalize_window(causal, window_size)  # raises on a bad window before any work
@@ -224,19 +179,19 @@ def _problem(
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a flashtile.reference.masks.BlockMask, got {type(block_mask).__name__}")
         block_mask.check_seqlens(nq, nk)
-        _broadcast_bool(block_mask.mask[..., :1, :1], (b, h, 1, 1), "block_mask.mask leading dims")
+        checks.broadcast_bool(block_mask.mask[..., :1, :1], (b, h, 1, 1), "block_mask.mask leading dims")
     shape = (b, h, nq, nk)
-    p, keep = _check_dropout(dropout_p, dropout_mask, shape)
+    p, keep = checks.dropout(dropout_p, dropout_mask, shape)
     allowed = allowed_mask(nq, nk, causal=causal, window_size=window_size, block_mask=block_mask, device=q.device)
-    allowed = _broadcast_bool(allowed, shape, "the element mask")
+    allowed = checks.broadcast_bool(allowed, shape, "the element mask")
     return _Problem(
         q=q,
         k=expand_kv(k, h),
         v=expand_kv(v, h),
         added=added,
         scale=scale,
-        softcap=softcap,
-        alibi=_check_alibi(alibi_slopes, b, h, q.dtype),
+        softcap=cap,
+        alibi=checks.alibi_slopes(alibi_slopes, b, h, q.dtype),
         dropout_p=p,
         keep=keep,
         allowed=allowed,
@@ -249,16 +204,6 @@ def _restore(x: torch.Tensor, added: int) -> torch.Tensor:
     for _ in range(added):
         x = x[0]
     return x
-
-
-def _check_block_sizes(block_sizes: object, name: str = "block_sizes") -> tuple[int, int]:
-    try:
-        br, bc = block_sizes  # type: ignore[misc]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair of positive ints (Br, Bc), got {block_sizes!r}") from None
-    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in (br, bc)):
-        raise ValueError(f"{name} must be a pair of positive ints (Br, Bc), got {block_sizes!r}")
-    return int(br), int(bc)
 
 
 def _ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -405,7 +350,7 @@ def _fa1_blocks(
 ) -> tuple[int, int]:
     """(Br, Bc) of one FA1 call: from the block mask, else block_sizes, else the SRAM size M."""
     if block_mask is not None:
-        if block_sizes is not None and _check_block_sizes(block_sizes) != block_mask.block_size:
+        if block_sizes is not None and checks.block_sizes(block_sizes) != block_mask.block_size:
             raise ValueError(
                 f"block_sizes {tuple(block_sizes)} must equal block_mask.block_size {block_mask.block_size} "
                 "(Algorithm 5 tiles by the mask's blocks); omit block_sizes"
@@ -419,7 +364,7 @@ def _fa1_blocks(
             "Bc = ceil(M/4d), Br = min(Bc, d)) or block_sizes=(Br, Bc)"
         )
     if block_sizes is not None:
-        return _check_block_sizes(block_sizes)
+        return checks.block_sizes(block_sizes)
     return fa1_block_sizes(sram_size, d)  # type: ignore[arg-type]
 
 
@@ -657,13 +602,13 @@ def flash_attn2(
     """
     pb = _problem(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask, block_mask, dtype)
     if block_mask is not None:
-        if block_sizes is not None and _check_block_sizes(block_sizes) != block_mask.block_size:
+        if block_sizes is not None and checks.block_sizes(block_sizes) != block_mask.block_size:
             raise ValueError(
                 f"block_sizes {tuple(block_sizes)} must equal block_mask.block_size {block_mask.block_size}; omit block_sizes"
             )
         br, bc = block_mask.block_size
     else:
-        br, bc = _check_block_sizes((64, 64) if block_sizes is None else block_sizes)
+        br, bc = checks.block_sizes((64, 64) if block_sizes is None else block_sizes)
     live = _tile_nonempty(pb, br, bc)
     out = torch.zeros_like(pb.q)
     lse = torch.full(pb.q.shape[:-1], _NEG_INF, dtype=pb.q.dtype)
@@ -732,11 +677,11 @@ def _single_head(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, torch.Tensor) and x.dim() != 2:
             raise ValueError(f"{name} must be 2-D (N, d) for the single-head derivations, got shape {tuple(x.shape)}")
-    _check_dtype(dtype)
+    checks.compute_dtype(dtype)
     q4, k4, v4, _ = check_qkv(q, k, v, dtype)
     qh, kh, vh = q4[0, 0], k4[0, 0], v4[0, 0]
     d = qh.shape[1]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_real(softmax_scale, "softmax_scale")
+    scale = checks.softmax_scale(softmax_scale, d)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     allowed = allowed_mask(qh.shape[0], kh.shape[0], causal=causal)

@@ -110,7 +110,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from flashtile.reference._common import IOCounts, as_float, check_qkv, expand_kv
+from flashtile.reference import _checks as checks
+from flashtile.reference._common import IOCounts, check_qkv, expand_kv
 from flashtile.reference.masks import BlockMask, allowed_mask, apply_score_mods, normalize_window
 
 __all__ = ["BackwardResult", "flash_attn_backward", "standard_attention_backward"]
@@ -162,71 +163,6 @@ class _Problem:
 # Input checks
 
 
-def _check_scale(softmax_scale: float | None, d: int) -> float:
-    """Default ``1/sqrt(d)``; otherwise a finite real number."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None (= 1/sqrt(d)), got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return float(softmax_scale)
-
-
-def _check_softcap(softcap: float) -> float:
-    """0 disables the cap; otherwise a finite positive number."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be a finite float >= 0 (0.0 = off), got {softcap}")
-    return float(softcap)
-
-
-def _check_slopes(alibi_slopes: torch.Tensor | None, b: int, hq: int, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """ALiBi slopes of shape (Hq,) or (B, Hq), returned as (B, Hq)."""
-    if alibi_slopes is None:
-        return None
-    slopes = as_float(alibi_slopes, "alibi_slopes", dtype)
-    if tuple(slopes.shape) not in ((hq,), (b, hq)):
-        raise ValueError(
-            f"alibi_slopes must have shape (Hq,) = {(hq,)} or (B, Hq) = {(b, hq)}, got {tuple(slopes.shape)}"
-        )
-    return slopes.expand(b, hq)
-
-
-def _check_dropout(
-    dropout_p: float, dropout_mask: torch.Tensor | None, added: int, shape: tuple[int, int, int, int]
-) -> tuple[float, torch.Tensor | None]:
-    """``dropout_p`` in [0, 1); an explicit bool keep mask broadcastable to (B, Hq, Nq, Nk), required when p > 0.
-
-    The mask carries the rank of the inputs (2-D inputs: (Nq, Nk), 3-D: (H, Nq, Nk)).
-    As in the forward references, a given mask is used whatever p is (with
-    p = 0 it drops entries and scales the kept ones by 1).
-    """
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_mask is None:
-        if dropout_p == 0.0:
-            return 0.0, None
-        raise ValueError(
-            f"dropout_p = {dropout_p} > 0 needs dropout_mask, a bool keep mask broadcastable to (B, Hq, Nq, Nk) = {shape}"
-        )
-    if not isinstance(dropout_mask, torch.Tensor) or dropout_mask.dtype != torch.bool:
-        raise TypeError("dropout_mask must be a torch.bool tensor (True = keep)")
-    keep = dropout_mask
-    for _ in range(added):
-        keep = keep.unsqueeze(0)
-    try:
-        keep = keep.broadcast_to(shape)
-    except RuntimeError:
-        raise ValueError(
-            f"dropout_mask of shape {tuple(dropout_mask.shape)} does not broadcast to (B, Hq, Nq, Nk) = {shape}"
-        ) from None
-    return float(dropout_p), keep
-
-
 def _check_block_mask(block_mask: BlockMask | None, b: int, hq: int, nq: int, nk: int) -> torch.Tensor | None:
     """The block grid of ``block_mask`` as a bool (B, Hq, Tr, Tc) view (its leading dims broadcast)."""
     if block_mask is None:
@@ -243,25 +179,6 @@ def _check_block_mask(block_mask: BlockMask | None, b: int, hq: int, nq: int, nk
         raise ValueError(
             f"block_mask.mask of shape {tuple(block_mask.mask.shape)} does not broadcast to (B, Hq, Tr, Tc) = {grid}"
         ) from None
-
-
-def _check_block_sizes(block_sizes: Sequence[int]) -> tuple[int, int]:
-    """(Br, Bc), two positive ints."""
-    try:
-        br, bc = block_sizes
-    except (TypeError, ValueError):
-        raise ValueError(f"block_sizes must be a pair (Br, Bc) of positive ints, got {block_sizes!r}") from None
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (br, bc)):
-        raise ValueError(f"block_sizes must be a pair (Br, Bc) of positive ints, got {block_sizes!r}")
-    return br, bc
-
-
-def _check_like(x: torch.Tensor, name: str, shape: torch.Size, dtype: torch.dtype | None) -> torch.Tensor:
-    """``x`` floating with exactly ``shape`` (that of the argument named in the message)."""
-    x = as_float(x, name, dtype)
-    if x.shape != shape:
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    return x
 
 
 def _prepare(
@@ -281,26 +198,25 @@ def _prepare(
     dtype: torch.dtype | None,
 ) -> _Problem:
     """Validate every argument shared by the two backward functions."""
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None (keep q's), got {dtype!r}")
+    checks.compute_dtype(dtype)
     q_shape = q.shape if isinstance(q, torch.Tensor) else None
     q4, k4, v4, added = check_qkv(q, k, v, dtype)
-    dout4 = _check_like(dout, "dout", q_shape, dtype).reshape(q4.shape)
+    dout4 = checks.tensor_like(dout, "dout", q_shape, dtype).reshape(q4.shape)
     b, hq, nq, d = q4.shape
     nk = k4.shape[2]
     left, right = normalize_window(bool(causal), window_size)
-    p, keep = _check_dropout(dropout_p, dropout_mask, added, (b, hq, nq, nk))
+    p, keep = checks.dropout(dropout_p, dropout_mask, (b, hq, nq, nk))
     return _Problem(
         q=q4,
         k=k4,
         v=v4,
         dout=dout4,
         added=added,
-        scale=_check_scale(softmax_scale, d),
+        scale=checks.softmax_scale(softmax_scale, d),
         left=left,
         right=right,
-        softcap=_check_softcap(softcap),
-        slopes=_check_slopes(alibi_slopes, b, hq, q4.dtype),
+        softcap=checks.softcap(softcap),
+        slopes=checks.alibi_slopes(alibi_slopes, b, hq, q4.dtype),
         dropout_p=p,
         keep=keep,
         block_mask=block_mask,
@@ -516,11 +432,11 @@ def flash_attn_backward(
     Shapes: q, out, dout (B, Hq, Nq, d); k, v (B, Hk, Nk, d) with Hq a
     multiple of Hk (GQA: q head h uses kv head h // (Hq/Hk)); lse (B, Hq, Nq)
     natural log, -inf on fully masked rows.  2-D (N, d) and 3-D (H, N, d)
-    inputs are accepted (lse then (Nq,) or (H, Nq), dropout_mask of the same
-    rank) and the gradients come back in the input's rank.  The options have
-    the meaning of :mod:`flashtile.reference.masks`; ``dropout_mask`` is the
-    bool keep mask the forward used, broadcastable to (B, Hq, Nq, Nk),
-    required when ``dropout_p > 0``.  ``block_sizes = (Br, Bc)`` are the tiles,
+    inputs are accepted (lse then (Nq,) or (H, Nq)) and the gradients come
+    back in the input's rank.  The options have the meaning of
+    :mod:`flashtile.reference.masks`; ``dropout_mask`` is the bool keep mask
+    the forward used, of any rank that broadcasts to (B, Hq, Nq, Nk) (the
+    forward accepts the same masks), required when ``dropout_p > 0``.  ``block_sizes = (Br, Bc)`` are the tiles,
     replaced by ``block_mask.block_size`` when a block mask is given.
     Computation in ``dtype`` (None: q's dtype).
 
@@ -539,11 +455,11 @@ def flash_attn_backward(
         block_mask=block_mask, dtype=dtype,
     )
     b, hq, hk, nq, nk, d = pb.dims
-    out4 = _check_like(out, "out", q.shape, dtype).reshape(pb.q.shape)
-    lse4 = _check_like(lse, "lse", q.shape[:-1], dtype).reshape(b, hq, nq)
+    out4 = checks.tensor_like(out, "out", q.shape, dtype).reshape(pb.q.shape)
+    lse4 = checks.tensor_like(lse, "lse", q.shape[:-1], dtype).reshape(b, hq, nq)
     if torch.isnan(lse4).any() or torch.isposinf(lse4).any():
         raise ValueError("lse must be finite or -inf (fully masked rows); it contains NaN or +inf")
-    br, bc = block_mask.block_size if block_mask is not None else _check_block_sizes(block_sizes)
+    br, bc = block_mask.block_size if block_mask is not None else checks.block_sizes(block_sizes)
 
     counts = IOCounts()
     d_rows = _preprocess(out4, pb.dout)

@@ -91,6 +91,7 @@ from typing import Sequence
 
 import torch
 
+from flashtile.reference import _checks as checks
 from flashtile.reference._common import AttnResult, IOCounts, as_float, check_qkv, expand_kv
 from flashtile.reference.masks import allowed_mask, apply_score_mods, normalize_window
 
@@ -111,14 +112,6 @@ _HEADROOM = math.log(16.0)
 # ---------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------
-
-
-def _check_num_splits(num_splits: int) -> int:
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits}")
-    return num_splits
 
 
 def _check_order(order: Sequence[int] | torch.Tensor | None, n: int) -> list[int]:
@@ -155,29 +148,6 @@ def _check_seqlens(cache_seqlens: torch.Tensor | Sequence[int] | None, batch: in
                 f"cache_seqlens[{b}] = {length} must lie in [0, {nk}] (the cache holds Nk = {nk} keys)"
             )
     return out
-
-
-def _check_slopes(alibi_slopes: torch.Tensor | None, batch: int, hq: int) -> torch.Tensor | None:
-    """ALiBi slopes as a float64 (B, Hq) tensor (None stays None)."""
-    if alibi_slopes is None:
-        return None
-    slopes = as_float(alibi_slopes, "alibi_slopes")
-    if tuple(slopes.shape) == (hq,):
-        return slopes.expand(batch, hq)
-    if tuple(slopes.shape) == (batch, hq):
-        return slopes
-    raise ValueError(f"alibi_slopes must have shape (Hq,) = ({hq},) or (B, Hq) = ({batch}, {hq}), got {tuple(slopes.shape)}")
-
-
-def _check_scalar(value: float, name: str, *, minimum: float | None = None) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {value!r}") from None
-    if not math.isfinite(x) or (minimum is not None and x < minimum):
-        bound = "finite" if minimum is None else f"finite and >= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return x
 
 
 # ---------------------------------------------------------------------------
@@ -245,15 +215,15 @@ def _prepare(
     alibi_slopes: torch.Tensor | None,
     dtype: torch.dtype | None,
 ) -> _Decode:
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float64, torch.float16) or None, got {dtype!r}")
+    checks.compute_dtype(dtype)
     q, k, v, added = check_qkv(q, k_cache, v_cache, dtype)
     batch, hq, _, d = q.shape
     lengths = _check_seqlens(cache_seqlens, batch, k.shape[2])
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else _check_scalar(softmax_scale, "softmax_scale")
-    cap = _check_scalar(softcap, "softcap", minimum=0.0)
+    scale = checks.softmax_scale(softmax_scale, d)
+    cap = checks.softcap(softcap)
     window = normalize_window(bool(causal), window_size)
-    slopes = _check_slopes(alibi_slopes, batch, hq)
+    # float64 whatever the compute dtype, as before: the score code casts them once
+    slopes = checks.alibi_slopes(alibi_slopes, batch, hq, torch.float64)
     return _Decode(q, expand_kv(k, hq), expand_kv(v, hq), lengths, scale, cap, slopes, bool(causal), window, added)
 
 
@@ -263,7 +233,7 @@ def chunk_bounds(length: int, num_splits: int) -> list[tuple[int, int]]:
     Chunk c is ``[floor(c L / S), floor((c+1) L / S))``: sizes differ by at most
     one, and ``S - L`` chunks are empty when ``S > L``.
     """
-    num_splits = _check_num_splits(num_splits)
+    num_splits = checks.positive_int(num_splits, "num_splits")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
     cuts = [c * length // num_splits for c in range(num_splits + 1)]
@@ -382,7 +352,7 @@ def flash_decoding(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dtype=dtype,
     )
-    n_splits = _check_num_splits(num_splits)
+    n_splits = checks.positive_int(num_splits, "num_splits")
     perm = _check_order(order, n_splits)
     batch, hq, nq, d = prob.shape
     out = prob.q.new_zeros(batch, hq, nq, d)
@@ -453,7 +423,7 @@ def estimate_phi(sample_scores: torch.Tensor | Sequence[float], quantile: float 
     are ignored); ``quantile = 1`` returns the sample maximum.
     """
     x = torch.as_tensor(sample_scores, dtype=torch.float64).flatten()
-    q = _check_scalar(quantile, "quantile")
+    q = checks.check_real(quantile, "quantile")
     if not 0.0 < q <= 1.0:
         raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
     if torch.isnan(x).any() or (x == math.inf).any():
@@ -542,7 +512,7 @@ def _check_range(safe_range: tuple[float, float] | None, prob: _Decode) -> tuple
         lo, hi = safe_range
     except (TypeError, ValueError):
         raise ValueError(f"safe_range must be a pair (a, b) of finite floats with a < b, got {safe_range!r}") from None
-    lo, hi = _check_scalar(lo, "safe_range[0]"), _check_scalar(hi, "safe_range[1]")
+    lo, hi = checks.check_real(lo, "safe_range[0]"), checks.check_real(hi, "safe_range[1]")
     if not lo < hi:
         raise ValueError(f"safe_range must be a pair (a, b) of finite floats with a < b, got {safe_range!r}")
     return lo, hi
@@ -612,8 +582,8 @@ def flashdecoding_pp(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dtype=dtype,
     )
-    phi = _check_scalar(phi, "phi")
-    n_splits = _check_num_splits(num_splits)
+    phi = checks.check_real(phi, "phi")
+    n_splits = checks.positive_int(num_splits, "num_splits")
     lo, hi = _check_range(safe_range, prob)
     batch, hq, nq, d = prob.shape
     out = prob.q.new_zeros(batch, hq, nq, d)
