@@ -83,6 +83,10 @@ class BwdConfig(NamedTuple):
     ``block_m``/``block_n``: q rows per inner step / kv rows per program of the
     dK/dV kernel; ``dq_block_m``/``dq_block_n``: q rows per program / kv rows
     per inner step of the dQ kernel (also the preprocess tile).
+    ``atomic_dq``: when the caller allows non-determinism, accumulate dQ with
+    fp32 atomics inside the dK/dV kernel (True) or run the separate dQ kernel
+    (False: recomputes S and dP, but needs no fp32 buffer, no memset, no
+    conversion pass and no atomics; always used with ``deterministic=True``).
     """
 
     block_m: int
@@ -91,6 +95,7 @@ class BwdConfig(NamedTuple):
     dq_block_n: int
     num_warps: int
     num_stages: int
+    atomic_dq: bool = True
 
 
 def _cap(tile: int, n: int) -> int:
@@ -115,19 +120,20 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, nq: int, nk: int, devic
     if torch.device(device).type != "cuda":
         return BwdConfig(block_m=16, block_n=32, dq_block_m=32, dq_block_n=16, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    # Measured on an H200, bf16, fwd+bwd (bench/results/tune_fa2_bwd_H200_2026-11-23_run2.json):
-    # 64-row q steps over a 128-row kv tile with 8 warps won at d = 64 (3 stages) and d = 128 (2 stages)
-    # at every N; 4 warps at d = 128 spill (two fp32 (128, 128) accumulators = 256 registers/thread)
-    # and ran at half the speed.
+    # Measured on an H100, bf16, fwd+bwd (bench/results/tune_fa2_bwd_H100_2026-11-23.json; the H200
+    # runs of the same script agree): 64-row q steps over a 128-row kv tile with 8 warps and 3 stages
+    # win at d = 64 and d = 128; 4 warps at d = 128 spill (two fp32 (128, 128) accumulators = 256
+    # registers/thread) and run at half the speed.  The separate dQ kernel beats fp32 atomics at
+    # d = 128 for every N (by 2-14%) and at d = 64 up to N = 4k; atomics win at d = 64 from N = 8k.
     if d <= 64:
-        cfg = BwdConfig(64, 128, 128, 64, 8, 3)
+        cfg = BwdConfig(64, 128, 128, 64, 8, 3, atomic_dq=nk >= 8192)
     elif d <= 128:
-        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(64, 128, 128, 64, 8, 2)
+        cfg = BwdConfig(32, 64, 64, 32, 4, 2) if wide else BwdConfig(64, 128, 128, 64, 8, 3, atomic_dq=False)
     else:
         cfg = BwdConfig(16, 32, 32, 16, 4, 1) if wide else BwdConfig(32, 64, 64, 32, 8, 1)
-    return BwdConfig(
-        _cap(cfg.block_m, nq), _cap(cfg.block_n, nk), _cap(cfg.dq_block_m, nq), _cap(cfg.dq_block_n, nk),
-        cfg.num_warps, cfg.num_stages,
+    return cfg._replace(
+        block_m=_cap(cfg.block_m, nq), block_n=_cap(cfg.block_n, nk),
+        dq_block_m=_cap(cfg.dq_block_m, nq), dq_block_n=_cap(cfg.dq_block_n, nk),
     )
 
 
@@ -881,7 +887,7 @@ def fa2_backward(
     slopes_t = slopes if slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
     bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
-    atomic = not deterministic
+    atomic = not deterministic and cfg.atomic_dq
     dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
     features = dict(

@@ -169,17 +169,29 @@ def _fwd_tiles(
                 bias = _load_bias(bias_ptrs, offs_m, offs_n, seqlen_q, seqlen_k, not EVEN_M, MASKED and not EVEN_N)
                 s = s + bias
             s = s * _LOG2E  # natural units -> base 2
+            if MASKED:
+                ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s_scale = 1.0
         else:
-            s = qk * qk_scale  # scale and log2 e folded into one multiply
-        if MASKED:
-            ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
-            s = tl.where(ok, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # safe max: a row with no allowed key so far keeps m = -inf; subtracting 0
-        # instead makes P = exp2(-inf) = 0 rather than exp2(nan)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
+            # plain scores stay unscaled: rowmax(qk) * qk_scale is the scaled max
+            # (qk_scale >= 0, the wrapper makes it so), and the scale rides in the
+            # exp2 argument below as one fused multiply-add per element
+            s = qk
+            if MASKED:
+                ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            s_scale = qk_scale
+        if MASKED or HAS_BIAS:
+            # safe max: a row with no allowed key so far keeps m = -inf; subtracting 0
+            # instead makes P = exp2(-inf) = 0 rather than exp2(nan).  Unmasked tiles
+            # without a bias (which may hold -inf) have finite scores, so finite m_new.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        p = tl.math.exp2(s * s_scale - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
@@ -638,6 +650,13 @@ def fa2_forward(
         lse.fill_(float("-inf"))
         return result, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    plain = softcap == 0 and alibi_slopes is None and bias is None
+    if plain and softmax_scale <= 0:
+        # the kernel's fast path takes the row max of unscaled scores and multiplies
+        # it by the scale, which needs a scale > 0 (0 * -inf is NaN on masked rows):
+        # (-q)·k |scale| is the same score exactly (negation is exact), and a zero
+        # scale makes every score 0, as zero queries at scale 1 do
+        q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
 
     heavy = dropout_p > 0 or bias is not None
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)

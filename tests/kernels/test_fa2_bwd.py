@@ -401,6 +401,21 @@ def test_deterministic_is_bitwise_reproducible(device):
     assert_grads(first, ref, tolerance(BF16, device))
 
 
+def test_nondeterministic_follows_config_choice_of_dq_kernel(device, monkeypatch):
+    """deterministic=False with a config that prefers the dQ kernel (atomic_dq=False) runs
+    exactly the deterministic kernels, so it gives the same bits as deterministic=True."""
+    import flashtile.kernels.fa2_bwd as fb
+
+    q, k, v, do = inputs(1, 2, 1, 40, 56, 16, BF16, device, seed=43)
+    det, ref, _, _ = run(q, k, v, do, causal=True, deterministic=True)
+    base = fb.bwd_config
+    monkeypatch.setattr(fb, "bwd_config", lambda *a, **kw: base(*a, **kw)._replace(atomic_dq=False))
+    routed, _, _, _ = run(q, k, v, do, causal=True, deterministic=False)
+    for a, c in zip(det, routed):
+        assert torch.equal(a, c)
+    assert_grads(routed, ref, tolerance(BF16, device))
+
+
 # --------------------------------------------------------------------------- #
 # configuration and argument checks
 # --------------------------------------------------------------------------- #
@@ -408,8 +423,9 @@ def test_bwd_config_interpreter_and_gpu_tiles():
     assert bwd_config(64, F16, False, 64, 64, "cpu") == BwdConfig(16, 32, 32, 16, 4, 1)
     small_d = bwd_config(64, BF16, True, 8192, 8192, "cuda")
     big_d = bwd_config(256, BF16, True, 8192, 8192, "cuda")
-    assert small_d == BwdConfig(64, 128, 128, 64, 8, 3)
-    assert bwd_config(128, BF16, True, 8192, 8192, "cuda") == BwdConfig(64, 128, 128, 64, 8, 2)
+    assert small_d == BwdConfig(64, 128, 128, 64, 8, 3, atomic_dq=True)
+    assert not bwd_config(64, BF16, True, 2048, 2048, "cuda").atomic_dq  # measured: the dQ kernel wins below 8k
+    assert bwd_config(128, BF16, True, 8192, 8192, "cuda") == BwdConfig(64, 128, 128, 64, 8, 3, atomic_dq=False)
     assert big_d == BwdConfig(32, 64, 64, 32, 8, 1)
     assert big_d.block_m * big_d.block_n < small_d.block_m * small_d.block_n
     assert bwd_config(128, F32, False, 8192, 8192, "cuda").block_n < bwd_config(128, BF16, False, 8192, 8192, "cuda").block_n

@@ -590,3 +590,11 @@ def test_gpu_block_sparse_bf16():
     ref_out, ref_lse = oracle(q[:, :, :512], k, v, block_mask=BlockMask(mask.mask[:4], (128, 128)))
     # first 512 rows: block-mask rows 0..3 (Nq < Nk for the oracle shifts nothing: no causal/window)
     assert_matches(out[:, :, :512], lse[:, :, :512], ref_out, ref_lse, 1e-2)
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonpositive_scale(device, scale, causal):
+    # the fast path takes the row max of unscaled scores; a negative scale is routed
+    # through -q, and a zero scale gives uniform weights over the allowed keys
+    run_and_check(device, nq=40, nk=56, scale=scale, causal=causal)
