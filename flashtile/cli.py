@@ -89,14 +89,22 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
         return 2
     with console.status("decoding benchmark") as status:
         payload = run_decode_bench(args.out, progress=lambda what: status.update(str(what)))
-    table = Table(title=f"decode bf16 on {payload['env']['device']}: GB/s of K+V read (ratio = ours / peer)")
-    points = payload.get("points", [])
-    cols = sorted({k for p in points for k in p.get("gbps", {})})
-    for c in ("batch", "cache", *cols):
+    table = Table(title=f"decode bf16 on {payload['env']['device']}: GB/s of K+V read; × = peer time / our time")
+    cols = ("batch", "cache", "ours GB/s", "paged GB/s", "× sdpa-flash", "× sdpa-cudnn", "× gather+sdpa (paged)",
+            "graphs: × sdpa-flash", "host µs ours / sdpa")
+    for c in cols:
         table.add_column(c, justify="right")
-    for p in points:
-        g = p.get("gbps", {})
-        table.add_row(str(p.get("batch")), str(p.get("cache")), *(f"{g[c]:.0f}" if g.get(c) else "—" for c in cols))
+
+    def fmt(x, spec):
+        return format(x, spec) if x else "—"
+
+    for p in payload.get("points", []):
+        g, sp, h = p.get("gbps", {}), p.get("speedup", {}), p.get("host_us", {})
+        table.add_row(
+            str(p["batch"]), str(p["cache"]), fmt(g.get("flashtile"), ".0f"), fmt(g.get("flashtile-paged"), ".0f"),
+            fmt(sp.get("sdpa-flash"), ".2f"), fmt(sp.get("sdpa-cudnn"), ".2f"), fmt(sp.get("paged_vs_gather+sdpa"), ".2f"),
+            fmt(sp.get("graph: sdpa-flash"), ".2f"), f"{fmt(h.get('flashtile'), '.0f')} / {fmt(h.get('sdpa-flash'), '.0f')}",
+        )
     console.print(table)
     console.print(f"device copy bandwidth: {payload.get('copy_gbps', float('nan')):.0f} GB/s (read + write)")
     return 0

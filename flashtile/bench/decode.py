@@ -11,10 +11,12 @@ random inputs:
 * ``flashtile-paged``  — the same with 256-key pages in random physical order
 * ``flashtile-pp``     — contiguous, FlashDecoding++ (``unified_max=0``; includes its flag read-back sync)
 * ``flashtile-kernel`` — :func:`flashtile.kernels.decode.flash_decode` on the contiguous cache: the
-  kernels without the API's validation, whose host read of ``cache_seqlens`` is one sync per call
+  kernel wrapper with its own argument checks, without the API's cache_seqlens/block-table validation
 * ``sdpa-flash``       — SDPA, FLASH_ATTENTION backend, ``enable_gqa=True``, on (B, H, L, d) views of the contiguous cache
 * ``sdpa-cudnn``       — SDPA, CUDNN_ATTENTION backend, same views
 * ``gather+sdpa``      — the paged baseline: gather the pages into a contiguous cache, then SDPA flash
+* ``flashtile-graph`` / ``sdpa-flash-graph`` — ``flashtile`` and ``sdpa-flash`` captured in a CUDA graph
+  and replayed: device time without the host (``speedup["graph: sdpa-flash"]`` pairs these two)
 
 (with Nq = 1 the bottom-right causal mask allows every key, so SDPA runs unmasked.)
 Throughput is the rate the K/V cache is read, ``2 B L Hk d * 2 bytes / time``,
@@ -27,6 +29,7 @@ bandwidth is its practical ceiling.  Ratios: ``speedup[peer] = t_peer / t_ours``
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -37,7 +40,11 @@ __all__ = ["run_decode_bench", "copy_bandwidth", "PROVIDERS", "GRID"]
 
 HQ, HK, D, PAGE = 32, 8, 128, 256
 GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
-PROVIDERS = ("flashtile", "flashtile-paged", "flashtile-pp", "flashtile-kernel", "sdpa-flash", "sdpa-cudnn", "gather+sdpa")
+PROVIDERS = (
+    "flashtile", "flashtile-paged", "flashtile-pp", "flashtile-kernel", "sdpa-flash", "sdpa-cudnn", "gather+sdpa",
+    "flashtile-graph", "sdpa-flash-graph",
+)
+HOST_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash")
 MEMORY_LIMIT = 60e9  # bytes the three cache copies of a point may take
 
 
@@ -92,15 +99,54 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
         vg = v_pool[table.long()].view(b, pages * PAGE, HK, D)
         return flash(qh, kg.transpose(1, 2), vg.transpose(1, 2)).transpose(1, 2)
 
+    ours = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)  # noqa: E731
+    sdpa = lambda: flash(qh, kh, vh).transpose(1, 2)  # noqa: E731
     return {
-        "flashtile": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens),
+        "flashtile": ours,
         "flashtile-paged": lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table),
         "flashtile-pp": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, unified_max=0.0),
         "flashtile-kernel": lambda: flash_decode(q, k, v, lens, causal=True)[0],
         "sdpa-flash": lambda: flash(qh, kh, vh).transpose(1, 2),
         "sdpa-cudnn": lambda: cudnn(qh, kh, vh).transpose(1, 2),
         "gather+sdpa": gather_sdpa,
+        "flashtile-graph": _graphed(ours),
+        "sdpa-flash-graph": _graphed(sdpa),
     }
+
+
+def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``fn`` captured in a CUDA graph (how serving engines run a decoding step): the
+    replay has no Python and no launch overhead, so its time is the device's.  Captured
+    lazily, on first use, so a provider that fails to capture is reported, not fatal."""
+    state: dict = {}
+
+    def run() -> torch.Tensor:
+        if not state:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["out"] = fn()
+        state["graph"].replay()
+        return state["out"]
+
+    return run
+
+
+def host_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Host microseconds per call: wall clock of ``n`` back-to-back calls with no sync
+    inside (the device queue absorbs the launches), after one warm call."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def _point(batch: int, cache: int, copy_gbps: float) -> dict:
@@ -130,12 +176,20 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
             row["err"][name] = rel_err(out, base) if isinstance(base, torch.Tensor) else None
     mine = row["ms"].get("flashtile")
     row["speedup"] = {
-        peer: (t / mine if mine and t else None) for peer, t in row["ms"].items() if not peer.startswith("flashtile")
+        peer: (t / mine if mine and t else None)
+        for peer, t in row["ms"].items()
+        if not peer.startswith("flashtile") and not peer.endswith("-graph")
     }
+    if row["ms"].get("flashtile-graph") and row["ms"].get("sdpa-flash-graph"):
+        row["speedup"]["graph: sdpa-flash"] = row["ms"]["sdpa-flash-graph"] / row["ms"]["flashtile-graph"]
     paged = row["ms"].get("flashtile-paged")
     if paged and row["ms"].get("gather+sdpa"):
         row["speedup"]["paged_vs_gather+sdpa"] = row["ms"]["gather+sdpa"] / paged
     row["of_copy_bw"] = {name: g / copy_gbps for name, g in row["gbps"].items()}
+    # do_bench flushes L2 before each call, which gives the host a head start of the flush's
+    # duration: a call whose host time exceeds it is timed partly on the host.  Reported so
+    # that a reader sees which side bounds a short-cache point.
+    row["host_us"] = {name: host_us(fns[name]) for name in HOST_TIMED if row["ms"].get(name)}
     del q, k, v, k_pool, v_pool, table, lens, fns, ref, base
     torch.cuda.empty_cache()
     return row

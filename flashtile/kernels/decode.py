@@ -72,19 +72,23 @@ the packed rows' token indices.  Every visited tile is masked elementwise
 
 from __future__ import annotations
 
+import functools
 import math
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, allowed, score_mods
+from flashtile.kernels._common import LN2, LOG2E, allowed, check_kernel_tensors, interpreting, score_mods, unit_last_stride
 from flashtile.reference.decoding import default_safe_range
 from flashtile.reference.masks import normalize_window
 
 __all__ = [
     "flash_decode",
+    "run_decode",
+    "decode_plan",
+    "alibi_args",
     "decode_config",
     "num_splits_heuristic",
     "default_unified_range",
@@ -349,18 +353,10 @@ def _decode_merge_kernel(
 # --------------------------------------------------------------------------- #
 # configuration
 # --------------------------------------------------------------------------- #
-def _interpreting(device: torch.device | str) -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.device(device).type == "cpu"
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (8 for the interpreter), looked up once per device."""
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return _SM_COUNT[device]
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _lowbit(x: int) -> int:
@@ -381,7 +377,7 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     page.  Interpreter: 16-key tiles so small test caches span many tiles.
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    if _interpreting(device):
+    if interpreting(device):
         block_n, warps, stages = 16, 4, 1
     elif d <= 64:
         block_n, warps, stages = 128, 4, 3
@@ -440,20 +436,53 @@ def default_unified_range(dtype: torch.dtype, max_seqlen: int) -> tuple[float, f
 # --------------------------------------------------------------------------- #
 # Python wrapper
 # --------------------------------------------------------------------------- #
-def _check_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {tuple(x.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (q.device == k_cache.device == v_cache.device):
-        raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels")
+class DecodePlan(NamedTuple):
+    """Launch parameters of one problem shape: tiles, warps, stages, split count and row tiles."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    n_splits: int
+    row_tiles: int  # tiles of BLOCK_M packed (head, token) rows per kv head
+    block_s: int  # merge tile over the splits: next power of two >= n_splits, at least 2
+    interpret: bool  # Triton's interpreter runs the kernels (CPU tensors or TRITON_INTERPRET=1)
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_plan(
+    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
+    device: torch.device,
+) -> DecodePlan:
+    """:func:`decode_config` and the split count for one shape.  Pure function of its
+    integer arguments, memoised: a decoding loop asks for the same shape every step,
+    and the host time of a short-cache step is the budget (bench/NOTES.md)."""
+    rows = (hq // hk) * nq
+    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device)
+    row_tiles = triton.cdiv(rows, block_m)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(b * hk, row_tiles, capacity, _sm_count(device), block_n)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    return DecodePlan(block_m, block_n, block_d, warps, stages, num_splits, row_tiles, block_s, interpreting(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_constexprs(
+    plan: DecodePlan, d: int, dtype: torch.dtype, page_size: int | None, has_left: bool, has_right: bool,
+    has_softcap: bool, has_alibi: bool, unified: bool, has_batch_idx: bool,
+) -> dict:
+    """Compile-time switches and launch options of kernel 1 (memoised: built once per
+    configuration, not once per call; callers pass it as ``**kwargs``, which copies)."""
+    return dict(
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
+        PAGED=page_size is not None, PAGE_SIZE=page_size or 1,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
+        UNIFIED=unified, DOT_PRECISION="tf32", UPCAST_DOT=dtype == torch.bfloat16 and plan.interpret,
+        EVEN_D=plan.block_d == d, HAS_BATCH_IDX=has_batch_idx, WRITE_OUT=plan.n_splits == 1 and not unified,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
 
 
 def _check_shapes(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int, int, int]:
@@ -468,6 +497,8 @@ def _check_shapes(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int,
         raise ValueError(f"head_dim of k_cache/v_cache ({dk}) must equal head_dim of q ({d})")
     if hk == 0 or hq % hk:
         raise ValueError(f"heads of q ({hq}) must be a multiple of the heads of k_cache/v_cache ({hk}) (GQA/MQA)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have unit stride on head_dim (the kernel vectorises along d)")
     if block_table is None:
         if k_cache.shape[0] != b:
             raise ValueError(f"batch of k_cache ({k_cache.shape[0]}) must equal batch of q ({b}) without a block_table")
@@ -493,13 +524,18 @@ def _check_seqlens_k(seqlens_k: torch.Tensor, b: int, device: torch.device) -> t
     return seqlens_k.to(torch.int32).contiguous()
 
 
+def alibi_args(alibi: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(fp32 slopes, batch stride, head stride) of validated slopes of shape (Hq,) or (B, Hq)."""
+    alibi = alibi.to(torch.float32)
+    return (alibi, 0, alibi.stride(0)) if alibi.dim() == 1 else (alibi, alibi.stride(0), alibi.stride(1))
+
+
 def _check_alibi(alibi: torch.Tensor, b: int, hq: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
     if not isinstance(alibi, torch.Tensor) or not alibi.is_floating_point():
         raise TypeError(f"alibi_slopes must be a floating-point torch.Tensor of shape ({hq},) or ({b}, {hq})")
     if tuple(alibi.shape) not in ((hq,), (b, hq)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({hq},) or (B, Hq) = ({b}, {hq}), got {tuple(alibi.shape)}")
-    alibi = alibi.to(device=device, dtype=torch.float32)
-    return (alibi, 0, alibi.stride(0)) if alibi.dim() == 1 else (alibi, alibi.stride(0), alibi.stride(1))
+    return alibi_args(alibi.to(device))
 
 
 def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, dtype, capacity):
@@ -527,85 +563,109 @@ def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, 
     return softmax_scale, softcap, (phi, lo, hi)
 
 
-def _launch_split(
-    q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, o_part, l_part, f_part, *,
-    slots, has_alibi, n_splits, scale, softcap, left, right, unified, page_size, cfg,
+def _launch(
+    plan: DecodePlan, q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi, out, lse, flags, *,
+    scale, softcap, left, right, unified,
 ):
-    """Kernel 1 over ``slots`` batch slots (slot i is element ``batch_idx[i]``, or i when batch_idx is None).
-    With one split on the safe path it writes ``out`` and ``lse`` itself (no merge)."""
+    """Kernel 1 over the batch slots (slot i is element ``batch_idx[i]``, or i when
+    batch_idx is None), then kernel 2 unless one split on the safe path wrote the
+    output itself."""
     b, nq, hq, d = q.shape
     hk = k_cache.shape[2]
-    block_m, block_n, warps, stages = cfg
-    block_d = max(16, triton.next_power_of_2(d))
-    alibi, s_ab, s_ah = alibi_args
-    phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
-    bt = block_table if block_table is not None else seqlens_k
-    grid = (slots * hk, n_splits, triton.cdiv((hq // hk) * nq, block_m))
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, bt, seqlens_k, seqlens_k if batch_idx is None else batch_idx, alibi,
-        o_part, l_part, f_part, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        bt.stride(0) if block_table is not None else 0, s_ab, s_ah,
-        out.stride(0), out.stride(1), out.stride(2),
-        hq, hk, hq // hk, nq, d, n_splits,
-        scale, softcap, left, right,
-        phi * LOG2E, lo * LOG2E, hi * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PAGED=block_table is not None, PAGE_SIZE=page_size,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=has_alibi,
-        UNIFIED=unified is not None,
-        DOT_PRECISION="tf32", UPCAST_DOT=q.dtype == torch.bfloat16 and _interpreting(q.device),
-        EVEN_D=block_d == d, HAS_BATCH_IDX=batch_idx is not None,
-        WRITE_OUT=_writes_out(n_splits, unified),
-        num_warps=warps, num_stages=stages,
-    )
-
-
-def _launch_merge(o_part, l_part, f_part, out, lse, flags, batch_idx, *, slots, n_splits, unified):
-    """Kernel 2: one program per output row (slot, head, token)."""
-    b, nq, hq, d = out.shape
-    block_d = o_part.shape[-1]
-    phi = unified[0] if unified is not None else 0.0
-    _decode_merge_kernel[(nq * hq, slots)](
-        o_part, l_part, f_part, out, lse, flags, lse if batch_idx is None else batch_idx,
-        out.stride(0), out.stride(1), out.stride(2),
-        hq, nq, d, n_splits, phi,
-        BLOCK_S=max(2, triton.next_power_of_2(n_splits)), BLOCK_D=block_d, UNIFIED=unified is not None,
-        HAS_BATCH_IDX=batch_idx is not None,
-        num_warps=4 if block_d >= 128 else 2,
-    )
-
-
-def _writes_out(n_splits: int, unified) -> bool:
-    return n_splits == 1 and unified is None
-
-
-def _launch(
-    q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, flags, *,
-    has_alibi, n_splits, scale, softcap, left, right, unified, page_size, cfg,
-):
-    """Kernel 1 then (unless it wrote the output itself) kernel 2, for the batch
-    elements listed in ``batch_idx`` (None: all of them, slot = element)."""
-    slots = q.shape[0] if batch_idx is None else batch_idx.shape[0]
-    _, nq, hq, d = q.shape
-    block_d = max(16, triton.next_power_of_2(d))
+    slots = b if batch_idx is None else batch_idx.shape[0]
+    s = plan.n_splits
+    write_out = s == 1 and unified is None
     dev = q.device
-    if _writes_out(n_splits, unified):
+    if write_out:
         o_part = l_part = f_part = lse  # unused pointers
     else:
-        o_part = torch.empty((slots, hq, nq, n_splits, block_d), dtype=torch.float32, device=dev)
-        l_part = torch.empty((slots, hq, nq, n_splits), dtype=torch.float32, device=dev)
-        f_part = torch.empty((slots, hq, nq, n_splits), dtype=torch.int8, device=dev) if unified else l_part
-    _launch_split(
-        q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi_args, out, lse, o_part, l_part, f_part,
-        slots=slots, has_alibi=has_alibi, n_splits=n_splits, scale=scale, softcap=softcap, left=left, right=right,
-        unified=unified, page_size=page_size, cfg=cfg,
+        # one fp32 workspace: partial outputs (rows x S x BLOCK_D), then partial LSEs (rows x S)
+        n_o = slots * hq * nq * s * plan.block_d
+        ws = torch.empty(n_o + slots * hq * nq * s, dtype=torch.float32, device=dev)
+        o_part, l_part = ws[:n_o], ws[n_o:]
+        f_part = torch.empty(slots * hq * nq * s, dtype=torch.int8, device=dev) if unified is not None else l_part
+    slopes, s_ab, s_ah = alibi if alibi is not None else (seqlens_k, 0, 0)
+    phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
+    paged = block_table is not None
+    bt = block_table if paged else seqlens_k
+    constexprs = _split_constexprs(
+        plan, d, q.dtype, k_cache.shape[1] if paged else None, left >= 0, right >= 0, softcap > 0,
+        alibi is not None, unified is not None, batch_idx is not None,
     )
-    if not _writes_out(n_splits, unified):
-        _launch_merge(o_part, l_part, f_part, out, lse, flags, batch_idx, slots=slots, n_splits=n_splits, unified=unified)
+    sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
+    _decode_split_kernel[(slots * hk, s, plan.row_tiles)](
+        q, k_cache, v_cache, bt, seqlens_k, seqlens_k if batch_idx is None else batch_idx, slopes,
+        o_part, l_part, f_part, out, lse,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        bt.stride(0) if paged else 0, s_ab, s_ah,
+        so[0], so[1], so[2],
+        hq, hk, hq // hk, nq, d, s,
+        scale, softcap, left, right,
+        phi * LOG2E, lo * LOG2E, hi * LOG2E,
+        **constexprs,
+    )
+    if not write_out:
+        _decode_merge_kernel[(nq * hq, slots)](
+            o_part, l_part, f_part, out, lse, flags if flags is not None else lse,
+            lse if batch_idx is None else batch_idx,
+            so[0], so[1], so[2],
+            hq, nq, d, s, phi,
+            BLOCK_S=plan.block_s, BLOCK_D=plan.block_d, UNIFIED=unified is not None,
+            HAS_BATCH_IDX=batch_idx is not None,
+            num_warps=4 if plan.block_d >= 128 else 2,
+        )
+
+
+def run_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, int, int] | None,
+    *,
+    scale: float,
+    softcap: float,
+    left: int,
+    right: int,
+    num_splits: int,
+    unified: tuple[float, float, float] | None,
+    return_flags: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The launches of :func:`flash_decode` without its argument checks: ``(out, lse, flags)``.
+
+    For callers that validated everything already (``flash_attn_with_kvcache``):
+    q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
+    (B,) within the capacity, used block-table entries in range (unit stride
+    on dim 1), ``alibi`` from :func:`alibi_args` or None, the window already
+    normalised, ``unified`` = (phi, lo, hi) or None.  ``flags`` is None unless
+    ``unified`` is set or ``return_flags`` asks for (zero) flags.
+    """
+    b, nq, hq, d = q.shape
+    hk = k_cache.shape[2]
+    dev = q.device
+    paged = block_table is not None
+    rows = k_cache.shape[1]
+    plan = decode_plan(
+        b, nq, hq, hk, d, rows if paged else None, block_table.shape[1] * rows if paged else rows, num_splits, dev
+    )
+    out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
+    flags = None
+    if unified is not None:
+        flags = torch.empty((b, hq, nq), dtype=torch.int32, device=dev)  # kernel 2 writes every row
+    elif return_flags:
+        flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev)
+    if out.numel() == 0:
+        return out, lse, flags
+    kw = dict(scale=scale, softcap=softcap, left=left, right=right)
+    _launch(plan, q, k_cache, v_cache, block_table, seqlens_k, None, alibi, out, lse, flags, unified=unified, **kw)
+    if unified is not None:
+        # FlashDecoding++ fallback: batch elements with a flagged row rerun the max-based path (a host read)
+        redo = (flags.view(b, -1) != 0).any(dim=1).nonzero().flatten().to(torch.int32)
+        if redo.numel():
+            _launch(plan, q, k_cache, v_cache, block_table, seqlens_k, redo, alibi, out, lse, flags, unified=None, **kw)
+    return out, lse, flags
 
 
 def flash_decode(
@@ -641,44 +701,20 @@ def flash_decode(
     with ``return_recomputed`` a third value (B, Hq, Nq) int32 holds each
     row's flag bits (1 above, 2 below, 4 overflow), all zero on the safe path;
     every batch element with a nonzero flag was recomputed, all of its rows,
-    by the safe path.  Forward only: runs under
-    ``torch.no_grad`` semantics.
+    by the safe path.  Forward only (no autograd).
     """
-    _check_tensors(q, k_cache, v_cache)
+    check_kernel_tensors(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     b, nq, hq, hk, d, capacity = _check_shapes(q, k_cache, v_cache, block_table)
     left, right = normalize_window(causal, window_size)
-    dev = q.device
-    seqlens_k = _check_seqlens_k(seqlens_k, b, dev)
+    seqlens_k = _check_seqlens_k(seqlens_k, b, q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     scale, softcap, unified = _check_scalars(scale, softcap, num_splits, unified_max, safe_range, q.dtype, capacity)
-    alibi_args = _check_alibi(alibi_slopes, b, hq, dev) if alibi_slopes is not None else (seqlens_k, 0, 0)
-
-    out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
-    # flags are only written on the FlashDecoding++ path; the safe path returns zeros if asked
-    need_flags = unified is not None or return_recomputed
-    flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev) if need_flags else lse
-    if out.numel() == 0:
-        return (out, lse, flags) if return_recomputed else (out, lse)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have unit stride on head_dim (the kernel vectorises along d)")
-    page_size = k_cache.shape[1] if block_table is not None else 1
-    cfg = decode_config(d, (hq // hk) * nq, page_size if block_table is not None else None, dev)
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(b * hk, triton.cdiv((hq // hk) * nq, cfg[0]), capacity, _sm_count(dev), cfg[1])
-    if block_table is not None:
-        block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    kw = dict(
-        has_alibi=alibi_slopes is not None, n_splits=num_splits, scale=scale, softcap=softcap,
-        left=left, right=right, page_size=page_size, cfg=cfg,
+    alibi = _check_alibi(alibi_slopes, b, hq, q.device) if alibi_slopes is not None else None
+    if block_table is not None and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    out, lse, flags = run_decode(
+        unit_last_stride(q), k_cache, v_cache, seqlens_k, block_table, alibi,
+        scale=scale, softcap=softcap, left=left, right=right, num_splits=num_splits, unified=unified,
+        return_flags=return_recomputed,
     )
-    with torch.no_grad():
-        _launch(q, k_cache, v_cache, block_table, seqlens_k, None, alibi_args, out, lse, flags, unified=unified, **kw)
-        if unified is not None:
-            # FlashDecoding++ fallback: batch elements with a flagged row rerun the max-based path
-            redo = (flags.view(b, -1) != 0).any(dim=1).nonzero().flatten().to(torch.int32)
-            if redo.numel():
-                _launch(q, k_cache, v_cache, block_table, seqlens_k, redo, alibi_args, out, lse, flags, unified=None, **kw)
     return (out, lse, flags) if return_recomputed else (out, lse)

@@ -30,8 +30,15 @@ decoding step share these tensors, so a model syncs once per step, not once
 per layer.  (A write that bypasses the version counter, e.g. a custom kernel
 storing into ``cache_seqlens``, is not seen; such callers pass fresh tensors.)
 An int ``cache_seqlens`` with a contiguous cache is checked on the host
-without any sync.  Decoding is inference: there
-is no autograd; inputs that require grad are read under ``torch.no_grad()``
+without any sync.
+
+CUDA graphs: the safe path (``unified_max=None``) can be captured, as
+inference engines capture a decoding step to take the host out of it.
+During capture the length / block-table check is skipped (device memory
+cannot be read then, and each replay uses whatever the caller has written
+into the captured ``cache_seqlens`` and ``block_table`` since): keeping them
+in range is then the caller's contract.  Decoding is inference: there
+is no autograd: the kernels read inputs that require grad as plain data
 and the outputs do not require grad.
 """
 
@@ -42,7 +49,8 @@ import weakref
 
 import torch
 
-from flashtile.kernels.decode import MAX_SPLITS, flash_decode
+from flashtile.kernels._common import unit_last_stride
+from flashtile.kernels.decode import MAX_SPLITS, alibi_args, default_unified_range, run_decode
 from flashtile.ops import validate
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -279,14 +287,29 @@ def flash_attn_with_kvcache(
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
     lens = _seqlens(cache_seqlens, q, dims.batch, capacity)
-    _validate_lengths(cache_seqlens, lens, n_new, capacity, block_table, k_cache.shape[0], page_size)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # CUDA-graph capture: device memory cannot be read back, and a replay sees the contents
+        # the caller writes into cache_seqlens / block_table later, which no check here could see
+        if unified_max is not None:
+            raise ValueError(
+                "unified_max (FlashDecoding++) decides its exact fallback on the host from per-row flags, "
+                "which cannot happen inside a CUDA graph: capture with unified_max=None"
+            )
+    else:
+        _validate_lengths(cache_seqlens, lens, n_new, capacity, block_table, k_cache.shape[0], page_size)
 
-    with torch.no_grad():
-        if n_new:
+    if n_new:
+        with torch.no_grad():  # the caches may be leaves that require grad; the append is not differentiable
             _append(k_cache, v_cache, k, v, lens, block_table)
-        out, lse = flash_decode(
-            q, k_cache, v_cache, lens + n_new if n_new else lens, block_table=block_table, softmax_scale=scale,
-            causal=False, window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, unified_max=None if unified_max is None else float(unified_max),
-        )
+        lens = lens + n_new
+    if paged and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    # everything is validated: launch without flash_decode's second round of checks (host time is
+    # the cost of a short-cache step)
+    out, lse, _ = run_decode(
+        unit_last_stride(q), k_cache, v_cache, lens, block_table,
+        alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+        scale=scale, softcap=softcap, left=left, right=right, num_splits=num_splits,
+        unified=None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity)),
+    )
     return (out, lse) if return_lse else out

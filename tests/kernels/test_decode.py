@@ -354,3 +354,22 @@ def test_gpu_realistic(batch, cache, paged_):
     assert_close(lse, ref_lse, 1e-2, "lse")
     out_pp, lse_pp = flash_decode(q, k, v, lens, causal=True, unified_max=0.0)
     assert_close(out_pp, ref_out, 1e-2, "out (unified max)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, cache, splits, nq, hk", [(1, 4096, 64, 1, 8), (8, 2048, 128, 4, 8), (4, 1024, 16, 4, 1)]  # MQA: 2 row tiles
+)
+def test_gpu_fused_merge_is_race_free(batch, cache, splits, nq, hk):
+    """The last-arriving split merges its tile: if any partial were read before it was
+    visible, results would differ between runs or from the oracle.  Many splits and row
+    tiles per launch, repeated 30 times: every run must give the same bits."""
+    q, k, v = make(batch, cache, 32, hk, 128, dtype=torch.bfloat16, device="cuda", nq=nq, seed=splits)
+    lens = torch.randint(64, cache + 1, (batch,), dtype=torch.int32, device="cuda")  # ragged, no empty rows
+    ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)
+    first, first_lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
+    assert_close(first, ref_out, 1e-2, "out")
+    assert_close(first_lse, ref_lse, 1e-2, "lse")
+    for _ in range(30):
+        out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)

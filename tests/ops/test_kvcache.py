@@ -240,3 +240,38 @@ def test_gpu_decode_step_paged(batch, cache):
     ).transpose(1, 2)
     err = (out.float() - ref).abs().max() / ref.abs().max()
     assert err < 1e-2, f"max error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    """A decoding step captured in a CUDA graph: each replay appends the token written into the
+    static k/v buffers at the length written into the static cache_seqlens, and matches eager."""
+    batch, cache, hq, hk, d, page = 4, 2048, 32, 8, 128, 256
+    k_pool, v_pool, table = scattered_pool(batch, cache // page, page, hk, d, "cuda", seed=7)
+    k_pool, v_pool = k_pool.bfloat16(), v_pool.bfloat16()
+    q, k_new, v_new = (rand(batch, 1, h, d, device="cuda", seed=s).bfloat16() for h, s in ((hq, 8), (hk, 9), (hk, 10)))
+    lens = torch.tensor([100, 700, 1500, 2000], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles, validates
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    with pytest.raises(ValueError, match="CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table, unified_max=0.0)
+    for t in range(3):  # new inputs written into the captured buffers, as a serving loop does
+        q.copy_(rand(batch, 1, hq, d, device="cuda", seed=20 + t))
+        k_new.copy_(rand(batch, 1, hk, d, device="cuda", seed=30 + t))
+        lens += 1
+        graph.replay()
+        k_snapshot, v_snapshot = k_pool.clone(), v_pool.clone()
+        eager = flash_attn_with_kvcache(q, k_snapshot, v_snapshot, k_new, v_new, cache_seqlens=lens, block_table=table)
+        assert torch.equal(k_snapshot, k_pool) and torch.equal(v_snapshot, v_pool)  # same append, same place
+        assert torch.equal(static_out, eager)
