@@ -10,28 +10,21 @@ Writes $OUT/decode_probe.json and prints a table.
 import json
 import os
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from flashtile.bench.decode import host_us as _bench_host_us
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
 HQ, HK, D = 32, 8, 128
 
 
-def host_us(fn, n=300):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+def host_us(fn):
+    return _bench_host_us(fn, n=300)
 
 
 def graph_us(fn):
