@@ -80,6 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile.kernels._launch import KernelLauncher
 from flashtile.kernels._common import LN2, LOG2E, allowed, check_kernel_tensors, interpreting, score_mods, unit_last_stride
 from flashtile.reference.decoding import default_safe_range
 from flashtile.reference.masks import normalize_window
@@ -88,6 +89,8 @@ __all__ = [
     "flash_decode",
     "run_decode",
     "decode_plan",
+    "decode_launch",
+    "DecodeLaunch",
     "alibi_args",
     "decode_config",
     "num_splits_heuristic",
@@ -170,16 +173,17 @@ def _tile_scores(
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, BlockTable, SeqlensK, BatchIdx, Alibi,
-    OPart, LPart, FPart,  # workspaces (slots, Hq, Nq, S, d) fp32, (slots, Hq, Nq, S) fp32 and int8
+    Work,  # fp32 workspace: partial outputs (slots, Hq, Nq, S, BLOCK_D), then at lse_offset partial LSEs (slots, Hq, Nq, S)
+    FPart,  # int8 flags per partial (FlashDecoding++ only)
     Out, Lse,  # final outputs, written here directly when WRITE_OUT (one split, safe path)
+    sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
+    # ints (fixed for a problem signature: kernels/_launch.py binds them once)
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_bt_b, stride_alibi_b, stride_alibi_h,
     stride_ob, stride_on, stride_oh,
-    n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits,
-    sm_scale, softcap, window_left, window_right,
-    phi2, lo2, hi2,  # unified max and its safe range, base-2 units
+    n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, window_left, window_right, lse_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -295,17 +299,18 @@ def _decode_split_kernel(
     else:
         # workspace row of (slot, head, token) is contiguous over the S splits
         prow = ((slot * n_heads_q + offs_h) * seqlen_q + offs_t).to(tl.int64) * n_splits + split
-        tl.store(OPart + prow[:, None] * BLOCK_D + offs_d[None, :], o_part, mask=row_ok[:, None])
-        tl.store(LPart + prow, l_part, mask=row_ok)
+        tl.store(Work + prow[:, None] * BLOCK_D + offs_d[None, :], o_part, mask=row_ok[:, None])
+        tl.store(Work + lse_offset + prow, l_part, mask=row_ok)
         if UNIFIED:
             tl.store(FPart + prow, flag.to(tl.int8), mask=row_ok)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    OPart, LPart, FPart, Out, Lse, Flags, BatchIdx,
+    Work, FPart, Out, Lse, Flags, BatchIdx,
+    phi,
     stride_ob, stride_on, stride_oh,
-    n_heads_q, seqlen_q, head_dim, n_splits, phi,
+    n_heads_q, seqlen_q, head_dim, n_splits, lse_offset,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
 ):
     """Merge the S partials of output row (slot, q head h, token t) (FA1 Algorithm 1, lines 11-12)."""
@@ -321,9 +326,9 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < n_splits
     prow = ((slot * n_heads_q + off_h) * seqlen_q + off_t).to(tl.int64) * n_splits
-    o = tl.load(OPart + (prow + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.load(Work + (prow + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     if UNIFIED:
-        den_parts = tl.load(LPart + prow + offs_s, mask=s_ok, other=0.0)
+        den_parts = tl.load(Work + lse_offset + prow + offs_s, mask=s_ok, other=0.0)
         num = tl.sum(o, 0)
         den = tl.sum(den_parts, 0)
         flag = tl.max(tl.load(FPart + prow + offs_s, mask=s_ok, other=0).to(tl.int32), 0)
@@ -336,7 +341,7 @@ def _decode_merge_kernel(
         lse = tl.where(live, phi + tl.log(den_safe), float("-inf"))
         tl.store(Flags + (off_b * n_heads_q + off_h) * seqlen_q + off_t, flag)
     else:
-        lses = tl.load(LPart + prow + offs_s, mask=s_ok, other=float("-inf"))
+        lses = tl.load(Work + lse_offset + prow + offs_s, mask=s_ok, other=float("-inf"))
         m = tl.max(lses, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         w = tl.math.exp2((lses - m_safe) * _LOG2E)  # -inf partials (empty, masked) weigh 0
@@ -392,25 +397,23 @@ def num_splits_heuristic(batch_kv_heads: int, row_tiles: int, max_seqlen: int, s
     """Number of kv splits when ``num_splits=0``.
 
     Without splitting the grid has ``P = batch_kv_heads * row_tiles`` programs.
-    Decoding is a streaming read: two programs per SM already saturate HBM
-    (each keeps ``num_stages`` K/V tiles in flight), and a grid slightly above
-    one wave of resident programs leaves a long tail.  Measured on an H200
-    (bf16, d 128, 64-key tiles, 3 programs resident per SM): P S = 256 ran at
-    95 % of copy bandwidth, P S = 512 at 85 %.  So ``S = floor(2 sm_count / P)``
-    (at most two programs per SM, one wave), at least 1, and at most the
-    ``T = ceil(max_seqlen / block_n)`` tiles (one tile per split, best for
-    short caches where latency rules).  S is then balanced: the kernel gives
-    each split ``ceil(T / S)`` tiles, so ``S = ceil(T / ceil(T / S))`` is the
-    same work with no empty split.  Clamped to [1, MAX_SPLITS].
-    ``max_seqlen`` is the cache's capacity, known without a device sync.
-    Grids already past one wave of two programs per SM take
-    ``S = ceil(4 sm_count / P)`` (two waves' worth): at batch 64 x 8 kv heads
-    (P = 512) two splits beat one by 6-15 % on an H200 (bench/NOTES.md).
+    Decoding is a streaming read, and one program per SM already keeps HBM
+    busy (each has ``num_stages`` K/V tiles in flight).  Measured on an H100
+    (bf16, Hq 32, Hk 8, d 128, 64-key tiles, CUDA-graph replays,
+    ``bench/results/decode_tiles_H100_2026-11-23.json``): one program per SM
+    beat two by 2-3 % at every point (B=1: 16 splits, not 32, at 4k-128k;
+    B=8: 2, not 4; B=64: 1, not 2), and fewer than one per SM loses the SMs
+    left idle.  So ``S = floor(sm_count / P)``, at least 1 (a grid of more
+    programs than SMs is not split), and at most the
+    ``T = ceil(max_seqlen / block_n)`` tiles (one tile per split, the most a
+    short cache can use).  S is then balanced: the kernel gives each split
+    ``ceil(T / S)`` tiles, so ``S = ceil(T / ceil(T / S))`` is the same work
+    with no empty split.  Clamped to [1, MAX_SPLITS].  ``max_seqlen`` is the
+    cache's capacity, known without a device sync.
     """
     programs = max(1, batch_kv_heads * row_tiles)
     tiles = max(1, -(-max_seqlen // block_n))
-    per_wave = 2 * sm_count // programs if programs <= 2 * sm_count else -(-4 * sm_count // programs)
-    s = max(1, min(per_wave, tiles, MAX_SPLITS))
+    s = max(1, min(sm_count // programs, tiles, MAX_SPLITS))
     return int(-(-tiles // -(-tiles // s)))
 
 
@@ -466,23 +469,6 @@ def decode_plan(
     block_d = max(16, triton.next_power_of_2(d))
     block_s = max(2, triton.next_power_of_2(num_splits))
     return DecodePlan(block_m, block_n, block_d, warps, stages, num_splits, row_tiles, block_s, interpreting(device))
-
-
-@functools.lru_cache(maxsize=1024)
-def _split_constexprs(
-    plan: DecodePlan, d: int, dtype: torch.dtype, page_size: int | None, has_left: bool, has_right: bool,
-    has_softcap: bool, has_alibi: bool, unified: bool, has_batch_idx: bool,
-) -> dict:
-    """Compile-time switches and launch options of kernel 1 (memoised: built once per
-    configuration, not once per call; callers pass it as ``**kwargs``, which copies)."""
-    return dict(
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d,
-        PAGED=page_size is not None, PAGE_SIZE=page_size or 1,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap, HAS_ALIBI=has_alibi,
-        UNIFIED=unified, DOT_PRECISION="tf32", UPCAST_DOT=dtype == torch.bfloat16 and plan.interpret,
-        EVEN_D=plan.block_d == d, HAS_BATCH_IDX=has_batch_idx, WRITE_OUT=plan.n_splits == 1 and not unified,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
 
 
 def _check_shapes(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int, int, int]:
@@ -563,57 +549,107 @@ def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, 
     return softmax_scale, softcap, (phi, lo, hi)
 
 
-def _launch(
-    plan: DecodePlan, q, k_cache, v_cache, block_table, seqlens_k, batch_idx, alibi, out, lse, flags, *,
-    scale, softcap, left, right, unified,
-):
-    """Kernel 1 over the batch slots (slot i is element ``batch_idx[i]``, or i when
-    batch_idx is None), then kernel 2 unless one split on the safe path wrote the
-    output itself."""
+class DecodeLaunch:
+    """Kernel 1 and kernel 2 for one problem signature, their static arguments bound once.
+
+    A signature is everything but the data: the shapes, strides and dtype of q
+    and the caches, the block table's row stride and page size, the ALiBi
+    slopes' strides, the window, whether softcap / FlashDecoding++ / a batch
+    index are on, and the :class:`DecodePlan`.  :func:`decode_launch` memoises
+    one instance per signature; calling it allocates the fp32 workspace and
+    launches both kernels through :class:`~flashtile.kernels._launch.KernelLauncher`
+    (Triton's argument binding done once per signature, bench/NOTES.md attempt 10).
+    """
+
+    def __init__(
+        self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
+        q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
+        left: int, right: int, has_softcap: bool, unified: bool, slots: int | None,
+    ) -> None:
+        has_batch_idx = slots is not None  # slot i runs batch element batch_idx[i]
+        slots = b if slots is None else slots
+        s = plan.n_splits
+        self.write_out = s == 1 and not unified
+        self.rows = slots * hq * nq * s  # partials: one per (slot, head, token, split)
+        self.lse_offset = self.rows * plan.block_d
+        self.unified = unified
+        so = (nq * hq * d, hq * d, d)  # the output is allocated contiguous
+        static = (
+            *q_strides[:3], *k_strides[:3], *v_strides[:3],
+            bt_stride or 0, *(alibi_strides or (0, 0)), *so,
+            hq, hk, hq // hk, nq, d, s, left, right, self.lse_offset,
+            # constexprs, in the kernel's order
+            plan.block_m, plan.block_n, plan.block_d, page_size is not None, page_size or 1,
+            left >= 0, right >= 0, has_softcap, alibi_strides is not None,
+            unified, "tf32", dtype == torch.bfloat16 and plan.interpret,
+            plan.block_d == d, has_batch_idx, self.write_out,
+        )
+        options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+        # q, caches, block table, lengths, batch index and slopes come from the caller; the workspace,
+        # flags and outputs are fresh allocations (aligned)
+        self.split = KernelLauncher(
+            _decode_split_kernel, (slots * hk, s, plan.row_tiles), static, options, check=range(7)
+        )
+        self.merge = None
+        if not self.write_out:
+            merge_static = (*so, hq, nq, d, s, self.lse_offset, plan.block_s, plan.block_d, unified, has_batch_idx)
+            self.merge = KernelLauncher(
+                _decode_merge_kernel, (nq * hq, slots), merge_static, dict(num_warps=4 if plan.block_d >= 128 else 2),
+                check=(5,),
+            )
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+        block_table: torch.Tensor | None, batch_idx: torch.Tensor | None, alibi: torch.Tensor | None,
+        out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
+        scale: float, softcap: float, unified: tuple[float, float, float] | None,
+    ) -> None:
+        """Launch kernel 1 over the batch slots (slot i is element ``batch_idx[i]``, or i), then
+        kernel 2 unless one split on the safe path wrote ``out`` / ``lse`` itself.  Unused
+        pointer slots get a tensor that is already at hand (never dereferenced)."""
+        if self.write_out:
+            work = f_part = lse
+        else:
+            work = torch.empty(self.lse_offset + self.rows, dtype=torch.float32, device=q.device)
+            f_part = torch.empty(self.rows, dtype=torch.int8, device=q.device) if self.unified else work
+        phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
+        self.split(
+            q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
+            seqlens_k if batch_idx is None else batch_idx, seqlens_k if alibi is None else alibi,
+            work, f_part, out, lse,
+            scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
+        )
+        if self.merge is not None:
+            self.merge(
+                work, f_part, out, lse, lse if flags is None else flags, lse if batch_idx is None else batch_idx, phi
+            )
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_launch(*signature) -> DecodeLaunch:
+    return DecodeLaunch(*signature)
+
+
+def decode_launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
+    num_splits: int, slots: int | None = None,
+) -> tuple[DecodePlan, DecodeLaunch]:
+    """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature."""
     b, nq, hq, d = q.shape
     hk = k_cache.shape[2]
-    slots = b if batch_idx is None else batch_idx.shape[0]
-    s = plan.n_splits
-    write_out = s == 1 and unified is None
-    dev = q.device
-    if write_out:
-        o_part = l_part = f_part = lse  # unused pointers
-    else:
-        # one fp32 workspace: partial outputs (rows x S x BLOCK_D), then partial LSEs (rows x S)
-        n_o = slots * hq * nq * s * plan.block_d
-        ws = torch.empty(n_o + slots * hq * nq * s, dtype=torch.float32, device=dev)
-        o_part, l_part = ws[:n_o], ws[n_o:]
-        f_part = torch.empty(slots * hq * nq * s, dtype=torch.int8, device=dev) if unified is not None else l_part
-    slopes, s_ab, s_ah = alibi if alibi is not None else (seqlens_k, 0, 0)
-    phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
     paged = block_table is not None
-    bt = block_table if paged else seqlens_k
-    constexprs = _split_constexprs(
-        plan, d, q.dtype, k_cache.shape[1] if paged else None, left >= 0, right >= 0, softcap > 0,
-        alibi is not None, unified is not None, batch_idx is not None,
+    rows = k_cache.shape[1]
+    plan = decode_plan(
+        b, nq, hq, hk, d, rows if paged else None, block_table.shape[1] * rows if paged else rows, num_splits, q.device
     )
-    sq, sk, sv, so = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
-    _decode_split_kernel[(slots * hk, s, plan.row_tiles)](
-        q, k_cache, v_cache, bt, seqlens_k, seqlens_k if batch_idx is None else batch_idx, slopes,
-        o_part, l_part, f_part, out, lse,
-        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-        bt.stride(0) if paged else 0, s_ab, s_ah,
-        so[0], so[1], so[2],
-        hq, hk, hq // hk, nq, d, s,
-        scale, softcap, left, right,
-        phi * LOG2E, lo * LOG2E, hi * LOG2E,
-        **constexprs,
+    launch = _decode_launch(
+        plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
+        block_table.stride(0) if paged else None, rows if paged else None,
+        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified, slots,
     )
-    if not write_out:
-        _decode_merge_kernel[(nq * hq, slots)](
-            o_part, l_part, f_part, out, lse, flags if flags is not None else lse,
-            lse if batch_idx is None else batch_idx,
-            so[0], so[1], so[2],
-            hq, nq, d, s, phi,
-            BLOCK_S=plan.block_s, BLOCK_D=plan.block_d, UNIFIED=unified is not None,
-            HAS_BATCH_IDX=batch_idx is not None,
-            num_warps=4 if plan.block_d >= 128 else 2,
-        )
+    return plan, launch
 
 
 def run_decode(
@@ -631,6 +667,7 @@ def run_decode(
     num_splits: int,
     unified: tuple[float, float, float] | None,
     return_flags: bool = False,
+    launch: DecodeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The launches of :func:`flash_decode` without its argument checks: ``(out, lse, flags)``.
 
@@ -639,16 +676,14 @@ def run_decode(
     (B,) within the capacity, used block-table entries in range (unit stride
     on dim 1), ``alibi`` from :func:`alibi_args` or None, the window already
     normalised, ``unified`` = (phi, lo, hi) or None.  ``flags`` is None unless
-    ``unified`` is set or ``return_flags`` asks for (zero) flags.
+    ``unified`` is set or ``return_flags`` asks for (zero) flags.  ``launch``:
+    the :func:`decode_launch` of these arguments, when the caller kept it.
     """
     b, nq, hq, d = q.shape
-    hk = k_cache.shape[2]
     dev = q.device
-    paged = block_table is not None
-    rows = k_cache.shape[1]
-    plan = decode_plan(
-        b, nq, hq, hk, d, rows if paged else None, block_table.shape[1] * rows if paged else rows, num_splits, dev
-    )
+    kw = dict(left=left, right=right, softcap=softcap, num_splits=num_splits)
+    if launch is None:
+        launch = decode_launch(q, k_cache, v_cache, block_table, alibi, unified=unified is not None, **kw)[1]
     out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
     flags = None
@@ -658,13 +693,16 @@ def run_decode(
         flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev)
     if out.numel() == 0:
         return out, lse, flags
-    kw = dict(scale=scale, softcap=softcap, left=left, right=right)
-    _launch(plan, q, k_cache, v_cache, block_table, seqlens_k, None, alibi, out, lse, flags, unified=unified, **kw)
+    slopes = alibi[0] if alibi is not None else None
+    launch(q, k_cache, v_cache, seqlens_k, block_table, None, slopes, out, lse, flags, scale, softcap, unified)
     if unified is not None:
         # FlashDecoding++ fallback: batch elements with a flagged row rerun the max-based path (a host read)
         redo = (flags.view(b, -1) != 0).any(dim=1).nonzero().flatten().to(torch.int32)
         if redo.numel():
-            _launch(plan, q, k_cache, v_cache, block_table, seqlens_k, redo, alibi, out, lse, flags, unified=None, **kw)
+            _, safe = decode_launch(
+                q, k_cache, v_cache, block_table, alibi, unified=False, slots=int(redo.numel()), **kw
+            )
+            safe(q, k_cache, v_cache, seqlens_k, block_table, redo, slopes, out, lse, flags, scale, softcap, None)
     return out, lse, flags
 
 

@@ -32,6 +32,13 @@ storing into ``cache_seqlens``, is not seen; such callers pass fresh tensors.)
 An int ``cache_seqlens`` with a contiguous cache is checked on the host
 without any sync.
 
+The other checks read only shapes, strides, dtypes, devices and Python
+values, so their outcome is remembered per *call signature*
+(:func:`_call_key`): a decoding loop pays for them, and for building the
+kernels' launch, once per shape, and every later step goes straight to the
+launches (two kernels bound once, :mod:`flashtile.kernels._launch`).  Both
+memos are bounded, module-level dictionaries.
+
 CUDA graphs: the safe path (``unified_max=None``) can be captured, as
 inference engines capture a decoding step to take the host out of it.
 During capture the length / block-table check is skipped (device memory
@@ -46,11 +53,12 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from flashtile.kernels._common import unit_last_stride
-from flashtile.kernels.decode import MAX_SPLITS, alibi_args, default_unified_range, run_decode
+from flashtile.kernels.decode import MAX_SPLITS, DecodeLaunch, alibi_args, decode_launch, default_unified_range, run_decode
 from flashtile.ops import validate
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -135,12 +143,10 @@ def _check_block_table(block_table: object, q: torch.Tensor, b: int) -> None:
         raise ValueError(f"block_table must be on the device of q ({q.device}), got {block_table.device}")
 
 
-def _seqlens(cache_seqlens: object, q: torch.Tensor, b: int, capacity: int) -> torch.Tensor:
-    """``cache_seqlens`` as an int32 (B,) tensor on q's device (None: the full capacity is in use)."""
-    if cache_seqlens is None:
-        return torch.full((b,), capacity, dtype=torch.int32, device=q.device)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+def _seqlens_check(cache_seqlens: object, q: torch.Tensor, b: int) -> None:
+    """``cache_seqlens`` is None (the full capacity is in use), an int, or an int32/int64 (B,) tensor on q's device."""
+    if cache_seqlens is None or (isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)):
+        return
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(
             "cache_seqlens must be an int, an int32 torch.Tensor of shape (batch,) or None, got "
@@ -150,7 +156,6 @@ def _seqlens(cache_seqlens: object, q: torch.Tensor, b: int, capacity: int) -> t
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on the device of q ({q.device}), got {cache_seqlens.device}")
-    return cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
 
 
 def _check_lengths(
@@ -186,13 +191,13 @@ _VALIDATED: dict[tuple, tuple] = {}
 _VALIDATED_MAX = 16
 
 
-def _fingerprint(x: torch.Tensor | None) -> tuple:
+def _fingerprint(x: object) -> tuple:
     """Identity and content version of a tensor: the same live object, storage and version counter."""
-    return (None,) if x is None else (weakref.ref(x), x._version, x.data_ptr())
+    return (weakref.ref(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else (None,)
 
 
-def _same(fp: tuple, x: torch.Tensor | None) -> bool:
-    if x is None:
+def _same(fp: tuple, x: object) -> bool:
+    if not isinstance(x, torch.Tensor):
         return fp == (None,)
     ref, version, ptr = fp
     return ref() is x and x._version == version and x.data_ptr() == ptr
@@ -202,19 +207,23 @@ def _validate_lengths(
     cache_seqlens: object, lens: torch.Tensor, n_new: int, capacity: int,
     block_table: torch.Tensor | None, num_pages: int, page_size: int,
 ) -> None:
-    """:func:`_check_lengths`, skipped when this exact, unmodified pair of tensors passed it before."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        key = (id(cache_seqlens), id(block_table), n_new, capacity, num_pages, page_size)
-        hit = _VALIDATED.get(key)
-        if hit is not None and _same(hit[0], cache_seqlens) and _same(hit[1], block_table):
-            return
-        _check_lengths(lens.tolist(), n_new, capacity, block_table, num_pages, page_size)
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.pop(next(iter(_VALIDATED)))
-        _VALIDATED[key] = (_fingerprint(cache_seqlens), _fingerprint(block_table))
+    """:func:`_check_lengths`, skipped when this exact, unmodified (cache_seqlens, block_table) pair
+    passed it before, and skipped while a CUDA graph is being captured (nothing can be read back then)."""
+    is_tensor = isinstance(cache_seqlens, torch.Tensor)
+    if not is_tensor and block_table is None:  # an int or None against a contiguous cache: host-only, no sync
+        _check_lengths([capacity if cache_seqlens is None else cache_seqlens] * lens.shape[0], n_new, capacity, None, 0, 0)
         return
-    host = [capacity if cache_seqlens is None else int(cache_seqlens)] * lens.shape[0]
+    key = (id(cache_seqlens) if is_tensor else cache_seqlens, id(block_table), n_new, capacity, num_pages, page_size)
+    hit = _VALIDATED.get(key)
+    if hit is not None and _same(hit[0], cache_seqlens) and _same(hit[1], block_table):
+        return
+    if lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    host = lens.tolist() if is_tensor else [capacity if cache_seqlens is None else cache_seqlens] * lens.shape[0]
     _check_lengths(host, n_new, capacity, block_table, num_pages, page_size)
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.pop(next(iter(_VALIDATED)))
+    _VALIDATED[key] = (_fingerprint(cache_seqlens), _fingerprint(block_table))
 
 
 def _append(
@@ -233,6 +242,103 @@ def _append(
         page = torch.gather(block_table.to(torch.int64), 1, pos // page_size)
         k_cache[page, pos % page_size] = k
         v_cache[page, pos % page_size] = v
+
+
+
+class _Call(NamedTuple):
+    """What the checks of one call signature established (see :func:`_call_key`)."""
+
+    dims: validate.AttnDims
+    n_new: int
+    left: int
+    right: int
+    scale: float
+    softcap: float
+    paged: bool
+    page_size: int
+    capacity: int
+    unified: tuple[float, float, float] | None
+    launch: DecodeLaunch | None  # the kernels' bound launch (safe path, q with unit last stride)
+
+
+def _prepare(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, num_splits, return_lse, unified_max,
+) -> _Call:
+    """Every check of the arguments except the contents of cache_seqlens / block_table; raises on bad input."""
+    validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    paged = block_table is not None
+    dims = _check_layout(q, k_cache, v_cache, paged)
+    if paged:
+        _check_block_table(block_table, q, dims.batch)
+    n_new = _check_new_kv(k, v, k_cache, dims)
+    left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
+    scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
+    softcap = validate.check_softcap(softcap)
+    if alibi_slopes is not None:
+        validate.check_alibi(alibi_slopes, q, dims)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
+    _check_flag(return_lse, "return_lse")
+    if unified_max is not None:
+        if isinstance(unified_max, bool) or not isinstance(unified_max, (int, float)) or not math.isfinite(unified_max):
+            raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else page_size
+    _seqlens_check(cache_seqlens, q, dims.batch)
+    unified = None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity))
+    launch = None
+    if unified is None:
+        bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
+        launch = decode_launch(
+            unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+            left=left, right=right, softcap=softcap, unified=False, num_splits=num_splits,
+        )[1]
+    return _Call(dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, launch)
+
+
+def _tensor_key(x: object) -> tuple:
+    """What the checks read from an optional tensor argument (AttributeError if it is no tensor)."""
+    if x is None:
+        return (None,)
+    return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+
+
+def _call_key(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, num_splits, return_lse, unified_max,
+) -> tuple | None:
+    """Everything :func:`_prepare` reads, as a hashable key, or None (then the call is checked in full).
+
+    Shapes, strides, dtypes and devices of the tensors; the Python arguments
+    by value *and type* (``1`` and ``True`` hash alike, but only one of them
+    is a valid ``causal``); for ``cache_seqlens`` its kind and, when an int,
+    its value.  Two calls with equal keys pass or fail the checks alike, so a
+    decoding loop runs them once per signature (their cost is the host time
+    of a short-cache step, bench/NOTES.md attempt 10)."""
+    if type(window_size) is not tuple:
+        return None
+    try:
+        key = (
+            type(q), q.shape, q.stride(), q.dtype, q.device,
+            type(k_cache), k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            type(v_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+            _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
+            (type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+            if isinstance(cache_seqlens, torch.Tensor) else (type(cache_seqlens), cache_seqlens),
+            type(softmax_scale), softmax_scale, type(causal), causal, window_size, tuple(map(type, window_size)),
+            type(softcap), softcap, type(num_splits), num_splits, type(return_lse), return_lse,
+            type(unified_max), unified_max,
+        )
+        hash(key)
+    except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
+        return None
+    return key
+
+
+# checked call signatures -> _Call (bounded; a model decodes with a handful of signatures)
+_CALLS: dict[tuple, _Call] = {}
+_CALLS_MAX = 64
 
 
 def flash_attn_with_kvcache(
@@ -267,49 +373,45 @@ def flash_attn_with_kvcache(
     asynchronous softmax with that fixed max (exact: flagged rows are
     recomputed).  Every bad argument raises before the cache is written.
     """
-    validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
-    paged = block_table is not None
-    dims = _check_layout(q, k_cache, v_cache, paged)
-    if paged:
-        _check_block_table(block_table, q, dims.batch)
-    n_new = _check_new_kv(k, v, k_cache, dims)
-    left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
-    scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
-    softcap = validate.check_softcap(softcap)
-    if alibi_slopes is not None:
-        validate.check_alibi(alibi_slopes, q, dims)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
-    _check_flag(return_lse, "return_lse")
-    if unified_max is not None:
-        if isinstance(unified_max, bool) or not isinstance(unified_max, (int, float)) or not math.isfinite(unified_max):
-            raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
-    page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if paged else page_size
-    lens = _seqlens(cache_seqlens, q, dims.batch, capacity)
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        # CUDA-graph capture: device memory cannot be read back, and a replay sees the contents
-        # the caller writes into cache_seqlens / block_table later, which no check here could see
-        if unified_max is not None:
-            raise ValueError(
-                "unified_max (FlashDecoding++) decides its exact fallback on the host from per-row flags, "
-                "which cannot happen inside a CUDA graph: capture with unified_max=None"
-            )
-    else:
-        _validate_lengths(cache_seqlens, lens, n_new, capacity, block_table, k_cache.shape[0], page_size)
 
-    if n_new:
+    key = _call_key(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, num_splits, return_lse, unified_max,
+    )
+    call = _CALLS.get(key) if key is not None else None
+    if call is None:
+        call = _prepare(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, num_splits, return_lse, unified_max,
+        )
+        if key is not None:
+            if len(_CALLS) >= _CALLS_MAX:
+                _CALLS.pop(next(iter(_CALLS)))
+            _CALLS[key] = call
+    b = call.dims.batch
+    if isinstance(cache_seqlens, torch.Tensor):
+        lens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
+    else:
+        lens = torch.full((b,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32, device=q.device)
+    if call.unified is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            "unified_max (FlashDecoding++) decides its exact fallback on the host from per-row flags, "
+            "which cannot happen inside a CUDA graph: capture with unified_max=None"
+        )
+    _validate_lengths(cache_seqlens, lens, call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
+
+    if call.n_new:
         with torch.no_grad():  # the caches may be leaves that require grad; the append is not differentiable
             _append(k_cache, v_cache, k, v, lens, block_table)
-        lens = lens + n_new
-    if paged and block_table.stride(1) != 1:
+        lens = lens + call.n_new
+    if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     # everything is validated: launch without flash_decode's second round of checks (host time is
     # the cost of a short-cache step)
     out, lse, _ = run_decode(
         unit_last_stride(q), k_cache, v_cache, lens, block_table,
         alibi_args(alibi_slopes) if alibi_slopes is not None else None,
-        scale=scale, softcap=softcap, left=left, right=right, num_splits=num_splits,
-        unified=None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity)),
+        scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
+        unified=call.unified, launch=call.launch,
     )
     return (out, lse) if return_lse else out

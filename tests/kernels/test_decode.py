@@ -271,17 +271,20 @@ def test_default_unified_range():
 # split heuristic and argument checks
 # --------------------------------------------------------------------------- #
 def test_num_splits_heuristic():
-    # 132 SMs, 64-key tiles: one element with 8 kv heads at 32k keys -> floor(264 / 8) = 33 splits,
-    # balanced over 512 tiles: ceil(512 / 33) = 16 tiles each -> 32 splits, none empty
-    assert num_splits_heuristic(8, 1, 32768, 132) == 32
+    # 132 SMs, 64-key tiles: one element with 8 kv heads at 32k keys -> floor(132 / 8) = 16 splits,
+    # 512 tiles: 32 tiles each, none empty
+    assert num_splits_heuristic(8, 1, 32768, 132) == 16
     # at most one split per tile: a 1k cache (16 tiles) allows 16, with 128-key tiles 8
     assert num_splits_heuristic(8, 1, 1024, 132) == 16
     assert num_splits_heuristic(8, 1, 1024, 132, block_n=128) == 8
-    # 8 elements x 8 kv heads: floor(264 / 64) = 4 (one wave; 5 would spill into a second)
-    assert num_splits_heuristic(64, 1, 131072, 132) == 4
-    # past one wave of two programs per SM: ceil(4 * 132 / P) -> 2 splits for P = 512, 1 for P = 1024
-    assert num_splits_heuristic(64 * 8, 1, 4096, 132) == 2
-    assert num_splits_heuristic(128 * 8, 1, 4096, 132) == 1
+    # 8 elements x 8 kv heads: floor(132 / 64) = 2 (one program per SM)
+    assert num_splits_heuristic(64, 1, 131072, 132) == 2
+    # balanced: 3000 keys = 47 tiles, floor(132 / 8) = 16 -> ceil(47 / 3) = 16; 40 tiles -> 14 (ceil(40/3))
+    assert num_splits_heuristic(8, 1, 47 * 64, 132) == 16
+    assert num_splits_heuristic(8, 1, 40 * 64, 132) == 14
+    # a grid with as many programs as SMs, or more, is not split
+    assert num_splits_heuristic(64 * 8, 1, 4096, 132) == 1
+    assert num_splits_heuristic(132, 1, 4096, 132) == 1
     # a one-tile cache never splits; huge grids of tiny problems neither
     assert num_splits_heuristic(1, 1, 64, 132) == 1
     assert num_splits_heuristic(1, 1, 10**7, 10**4) == MAX_SPLITS
@@ -291,9 +294,7 @@ def test_num_splits_heuristic():
             tiles = -(-seqlen // 64)
             per = -(-tiles // s)
             assert 1 <= s <= MAX_SPLITS and (s - 1) * per < tiles, "no empty split"
-            assert programs * s <= max(2 * programs, 4 * 132), "at most two waves of two programs per SM"
-            if programs <= 2 * 132:
-                assert programs * s <= 2 * 132, "small grids: one wave of two programs per SM"
+            assert programs * s <= max(programs, 132), "at most one program per SM, or no split"
 
 
 def test_bad_inputs_raise(device):

@@ -211,6 +211,43 @@ def test_validation_memo_sees_in_place_changes(device):
     assert torch.equal(args["k_cache"], snapshot)
 
 
+@pytest.mark.parametrize(
+    "change, exc",
+    [
+        (dict(causal=1), TypeError),  # 1 == True and hashes alike: the memo keys on the type too
+        (dict(window_size=(3.0, 0)), ValueError),
+        (dict(softmax_scale=True), TypeError),
+        (dict(softcap=-1.0), ValueError),
+        (dict(num_splits=False), ValueError),
+        (dict(window_size=[3, 0]), None),  # a list is accepted (checked in full, not memoised)
+    ],
+)
+def test_signature_memo_still_checks_every_argument(device, change, exc):
+    """Checks run once per call signature; a call that differs in any checked argument,
+    its type included, is checked again (and fails or passes as it would alone)."""
+    args = _base(device)
+    args.pop("k"), args.pop("v")
+    args["window_size"] = (3, 0)
+    first = flash_attn_with_kvcache(**args)
+    assert torch.equal(flash_attn_with_kvcache(**args), first)  # memo hit, same answer
+    args.update(change)
+    if exc is None:
+        torch.testing.assert_close(flash_attn_with_kvcache(**args), first, rtol=0, atol=0)
+    else:
+        with pytest.raises(exc):
+            flash_attn_with_kvcache(**args)
+
+
+def test_signature_memo_int_seqlens_value(device):
+    """An int cache_seqlens is part of the signature by value: a too-large one still raises."""
+    q = rand(2, 1, 2, 16, device=device, seed=52)
+    k_cache = rand(2, 32, 1, 16, device=device, seed=53)
+    v_cache = rand(2, 32, 1, 16, device=device, seed=54)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=20)
+    with pytest.raises(ValueError, match="cache too small"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33)
+
+
 def test_contiguous_cache_batch_mismatch(device):
     q = rand(2, 1, 2, 16, device=device, seed=50)
     k_cache = rand(3, 16, 1, 16, device=device, seed=51)
@@ -275,3 +312,26 @@ def test_gpu_cuda_graph_capture_and_replay():
         eager = flash_attn_with_kvcache(q, k_snapshot, v_snapshot, k_new, v_new, cache_seqlens=lens, block_table=table)
         assert torch.equal(k_snapshot, k_pool) and torch.equal(v_snapshot, v_pool)  # same append, same place
         assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_q_after_aligned_calls():
+    """The kernels are bound once per signature and launched directly after; a q that starts
+    2 bytes off a 16-byte boundary (same shape and strides) must not reuse a kernel compiled
+    for aligned addresses: every call matches the reference."""
+    b, n, hq, hk, d = 2, 3000, 32, 8, 128
+    k = rand(b, n, hk, d, device="cuda", seed=60).bfloat16()
+    v = rand(b, n, hk, d, device="cuda", seed=61).bfloat16()
+    lens = torch.tensor([2999, 1234], dtype=torch.int32, device="cuda")
+    buf = rand(b * hq * d + 8, device="cuda", seed=62).bfloat16()
+    for offset in (0, 0, 1, 1, 0):
+        q = buf[offset : offset + b * hq * d].view(b, 1, hq, d)
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+        for i in range(b):
+            L = int(lens[i])
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[i : i + 1].float().transpose(1, 2), k[i : i + 1, :L].float().transpose(1, 2),
+                v[i : i + 1, :L].float().transpose(1, 2), enable_gqa=True,
+            ).transpose(1, 2)
+            err = (out[i : i + 1].float() - ref).abs().max() / ref.abs().max()
+            assert err < 1e-2, f"offset {offset}, element {i}: max error {err:.2e}"
