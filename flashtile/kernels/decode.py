@@ -393,27 +393,39 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     return block_m, block_n, warps, stages
 
 
-def num_splits_heuristic(batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64) -> int:
+def num_splits_heuristic(
+    batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64, per_sm: int = 1
+) -> int:
     """Number of kv splits when ``num_splits=0``.
 
-    Without splitting the grid has ``P = batch_kv_heads * row_tiles`` programs.
-    Decoding is a streaming read, and one program per SM already keeps HBM
-    busy (each has ``num_stages`` K/V tiles in flight).  Measured on an H100
+    Without splitting the grid has ``P = batch_kv_heads * row_tiles`` programs;
+    splitting aims at ``per_sm`` resident programs per SM.  Decoding is a
+    streaming read.  On a contiguous cache one program per SM already keeps
+    HBM busy (each has ``num_stages`` K/V tiles in flight): measured on an H100
     (bf16, Hq 32, Hk 8, d 128, 64-key tiles, CUDA-graph replays,
-    ``bench/results/decode_tiles_H100_2026-11-23.json``): one program per SM
-    beat two by 2-3 % at every point (B=1: 16 splits, not 32, at 4k-128k;
-    B=8: 2, not 4; B=64: 1, not 2), and fewer than one per SM loses the SMs
-    left idle.  So ``S = floor(sm_count / P)``, at least 1 (a grid of more
-    programs than SMs is not split), and at most the
+    ``bench/results/decode_tiles_H100_2026-11-23.json``) one per SM beat two
+    by 2-3 % at every point (B=1: 16 splits, not 32, at 4k-128k; B=8: 2, not 4;
+    B=64: 1, not 2).  A paged cache wants two (``per_sm=2``): each tile's
+    address waits on a block-table load, and with one program per SM the paged
+    path fell to 0.79-0.86x of the contiguous one at B=1 and 8 (two per SM:
+    0.98-1.05x; ``bench/results/decode_NVIDIA-H100-80GB-HBM3_2026-11-23*.json``).
+    So ``S = floor(per_sm * sm_count / P)``; a grid already past that many
+    programs takes ``ceil(2 per_sm sm_count / P)`` (two waves' worth, 1 when
+    one program per SM).  S is at least 1 and at most the
     ``T = ceil(max_seqlen / block_n)`` tiles (one tile per split, the most a
-    short cache can use).  S is then balanced: the kernel gives each split
+    short cache can use), then balanced: the kernel gives each split
     ``ceil(T / S)`` tiles, so ``S = ceil(T / ceil(T / S))`` is the same work
     with no empty split.  Clamped to [1, MAX_SPLITS].  ``max_seqlen`` is the
     cache's capacity, known without a device sync.
     """
     programs = max(1, batch_kv_heads * row_tiles)
     tiles = max(1, -(-max_seqlen // block_n))
-    s = max(1, min(sm_count // programs, tiles, MAX_SPLITS))
+    slots = per_sm * sm_count
+    if programs <= slots:
+        s = slots // programs
+    else:
+        s = -(-2 * slots // programs) if per_sm > 1 else 1
+    s = max(1, min(s, tiles, MAX_SPLITS))
     return int(-(-tiles // -(-tiles // s)))
 
 
@@ -465,7 +477,9 @@ def decode_plan(
     block_m, block_n, warps, stages = decode_config(d, rows, page_size, device)
     row_tiles = triton.cdiv(rows, block_m)
     if num_splits == 0:
-        num_splits = num_splits_heuristic(b * hk, row_tiles, capacity, _sm_count(device), block_n)
+        num_splits = num_splits_heuristic(
+            b * hk, row_tiles, capacity, _sm_count(device), block_n, per_sm=1 if page_size is None else 2
+        )
     block_d = max(16, triton.next_power_of_2(d))
     block_s = max(2, triton.next_power_of_2(num_splits))
     return DecodePlan(block_m, block_n, block_d, warps, stages, num_splits, row_tiles, block_s, interpreting(device))

@@ -285,6 +285,12 @@ def test_num_splits_heuristic():
     # a grid with as many programs as SMs, or more, is not split
     assert num_splits_heuristic(64 * 8, 1, 4096, 132) == 1
     assert num_splits_heuristic(132, 1, 4096, 132) == 1
+    # a paged cache aims at two programs per SM: floor(264 / 8) = 33 -> balanced over 512 tiles: 32;
+    # past one wave, ceil(4 * 132 / P): 2 splits for P = 512, 1 for P = 1024
+    assert num_splits_heuristic(8, 1, 32768, 132, per_sm=2) == 32
+    assert num_splits_heuristic(64, 1, 131072, 132, per_sm=2) == 4
+    assert num_splits_heuristic(64 * 8, 1, 4096, 132, per_sm=2) == 2
+    assert num_splits_heuristic(128 * 8, 1, 4096, 132, per_sm=2) == 1
     # a one-tile cache never splits; huge grids of tiny problems neither
     assert num_splits_heuristic(1, 1, 64, 132) == 1
     assert num_splits_heuristic(1, 1, 10**7, 10**4) == MAX_SPLITS
@@ -295,6 +301,8 @@ def test_num_splits_heuristic():
             per = -(-tiles // s)
             assert 1 <= s <= MAX_SPLITS and (s - 1) * per < tiles, "no empty split"
             assert programs * s <= max(programs, 132), "at most one program per SM, or no split"
+            s2 = num_splits_heuristic(programs, 1, seqlen, 132, per_sm=2)
+            assert programs * s2 <= max(2 * programs, 4 * 132), "paged: at most two waves of two programs per SM"
 
 
 def test_bad_inputs_raise(device):
