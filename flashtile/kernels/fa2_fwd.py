@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import kv_block_lists
+from flashtile.kernels._launch import KernelLauncher
 from flashtile.kernels._common import (
     LN2,
     LOG2E,
@@ -265,6 +266,8 @@ def _fwd_range(
 @triton.jit(do_not_specialize=["tune_nq", "tune_nk", "philox_seed", "philox_offset", "window_left", "window_right"])
 def _fa2_fwd_kernel(
     Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx,
+    sm_scale, softcap, dropout_p,
+    # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -274,8 +277,7 @@ def _fa2_fwd_kernel(
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
     n_heads, kv_group, seqlen_q, seqlen_k, head_dim,
-    sm_scale, softcap, window_left, window_right,
-    dropout_p, philox_seed, philox_offset,
+    window_left, window_right, philox_seed, philox_offset,
     mask_block_m, mask_block_n,
     tune_nq, tune_nk,  # autotune key buckets (Nq // 128, Nk // 128); unused by the body
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -598,6 +600,16 @@ def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, hea
     return block_m, block_n, num_warps, num_stages
 
 
+@functools.lru_cache(maxsize=256)
+def _launcher(
+    grid: tuple[int, int, int], static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device: torch.device
+) -> KernelLauncher:
+    """The forward kernel bound to one problem signature (grid, strides, sizes, switches, dtypes, device),
+    launched from Triton's compiled object after the first call (host time: bench/NOTES.md, attempt 13).
+    EVEN_M / EVEN_N, which ``triton.heuristics`` derives per call, are part of ``static``."""
+    return KernelLauncher(_fa2_fwd_kernel.fn, grid, static, dict(num_warps=num_warps, num_stages=num_stages), check=range(9))
+
+
 def fa2_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -662,16 +674,17 @@ def fa2_forward(
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
     counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
     block_d = max(16, triton.next_power_of_2(d))
-    args = (
-        q, k, v, target, lse, bias_t, alibi, counts, idx,
+    if hq > 65535 or b > 65535:  # CUDA's limit on the y and z grid dimensions
+        raise ValueError(f"heads={hq} and batch={b} must each be at most 65535")
+    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, softmax_scale, softcap, dropout_p)
+    ints = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         target.stride(0), target.stride(1), target.stride(2),
         *bias_strides, s_ab, s_ah, *cnt_strides, *idx_strides,
         hq, hq // hk, nq, nk, d,
-        softmax_scale, softcap, left, right,
-        dropout_p, int(philox_seed), int(philox_offset),
+        left, right, int(philox_seed), int(philox_offset),
         br, bc, nq // 128, nk // 128,
     )
     flags = dict(
@@ -685,12 +698,21 @@ def fa2_forward(
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
         grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
-        _autotuned_kernel()[grid](*args, **flags)
-    else:
+        _autotuned_kernel()[grid](*dynamic, *ints, **flags)
+    elif dropout_p > 0:
+        # the Philox seed / offset change every call (and may outgrow int32): Triton binds them
         grid = (triton.cdiv(nq, block_m), hq, b)
-        if hq > 65535 or b > 65535:  # CUDA's limit on the y and z grid dimensions
-            raise ValueError(f"heads={hq} and batch={b} must each be at most 65535")
-        _fa2_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **flags)
+        _fa2_fwd_kernel[grid](*dynamic, *ints, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                              num_stages=num_stages, **flags)
+    else:
+        constexprs = (
+            block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+            flags["HAS_ALIBI"], flags["HAS_BIAS"], False, flags["IS_BLOCK_SPARSE"],
+            nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], "tf32", flags["UPCAST_DOT"],
+        )
+        launch = _launcher((triton.cdiv(nq, block_m), hq, b), ints + constexprs, num_warps, num_stages,
+                           (q.dtype, bias_t.dtype, alibi.dtype, counts.dtype, idx.dtype), device)
+        launch(*dynamic)
 
     if result is not target:  # ``out`` had a non-unit stride on d
         result.copy_(target)
