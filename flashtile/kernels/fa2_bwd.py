@@ -48,6 +48,7 @@ not fp32 round-off.  Under the interpreter the products are exact fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -56,6 +57,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import BlockLists, kv_block_lists, q_block_lists
+from flashtile.kernels._launch import KernelLauncher
 from flashtile.kernels._common import (
     LOG2E,
     SUPPORTED_DTYPES,
@@ -471,6 +473,8 @@ def _dkdv_inner(
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex,
+    softmax_scale, softcap, dropout_p, dropout_scale,
+    # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -483,8 +487,7 @@ def _bwd_dkdv_kernel(
     stride_cb, stride_ch, stride_cn,
     stride_ib, stride_ih, stride_in,
     H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    softmax_scale, softcap, window_left, window_right,
-    dropout_p, dropout_scale, philox_seed, philox_offset,
+    window_left, window_right, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -620,6 +623,8 @@ def _dq_inner(
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex,
+    softmax_scale, softcap, dropout_p, dropout_scale,
+    # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -630,8 +635,7 @@ def _bwd_dq_kernel(
     stride_cb, stride_ch, stride_cm,
     stride_ib, stride_ih, stride_im,
     H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    softmax_scale, softcap, window_left, window_right,
-    dropout_p, dropout_scale, philox_seed, philox_offset,
+    window_left, window_right, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -815,6 +819,22 @@ def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return c, i, [st(c, 0), st(c, 1), c.stride(2), st(i, 0), st(i, 1), i.stride(2)]
 
 
+@functools.lru_cache(maxsize=512)
+def _launcher(kernel, grid: tuple, static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device) -> KernelLauncher:
+    return KernelLauncher(kernel, grid, static, dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _launch(kernel, grid: tuple, dynamic: tuple, static: tuple, num_warps: int, num_stages: int, fast: bool) -> None:
+    """``kernel[grid](*dynamic, *static)``: through a :class:`KernelLauncher` memoised on the
+    static arguments, dtypes and device when ``fast`` (bench/NOTES.md, attempt 13), else through Triton."""
+    if fast:
+        tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
+        dtypes = tuple(t.dtype for t in tensors)
+        _launcher(kernel, grid, static, num_warps, num_stages, dtypes, tensors[0].device)(*dynamic)
+    else:
+        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages)
+
+
 def fa2_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -876,55 +896,60 @@ def fa2_backward(
     d_pad = max(16, triton.next_power_of_2(d))
     on_gpu = dev.type == "cuda"
 
+    # without dropout every int argument is fixed for the problem's signature: the kernels are bound
+    # once and launched from Triton's compiled objects (the Philox seed / offset change every call)
+    fast = dropout_p == 0
     delta = torch.empty(b, hq, nq, dtype=torch.float32, device=dev)
-    _bwd_preprocess[(triton.cdiv(nq, cfg.dq_block_m), b * hq)](
-        out, dout, delta,
-        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        hq, nq, HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=cfg.dq_block_m,
+    _launch(
+        _bwd_preprocess, (triton.cdiv(nq, cfg.dq_block_m), b * hq), (out, dout, delta),
+        (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+         hq, nq, d, d_pad, cfg.dq_block_m), 4, 1, fast,
     )
 
-    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
     slopes_t = slopes if slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
     bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
     atomic = not deterministic and cfg.atomic_dq
     dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
-    features = dict(
-        HEAD_DIM=d, D_PAD=d_pad,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=slopes is not None,
-        HAS_BIAS=bias_x is not None, HAS_DROPOUT=dropout_p > 0, BLOCK_SPARSE=block_mask is not None,
-        DOT_PREC="tf32", UPCAST_DOT=(not on_gpu) and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    features = (
+        left >= 0, right >= 0, softcap > 0, slopes is not None,
+        bias_x is not None, dropout_p > 0, block_mask is not None,
+    )  # HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, BLOCK_SPARSE
+    precision = ("tf32", (not on_gpu) and q.dtype == torch.bfloat16)  # DOT_PREC, UPCAST_DOT
     # p = 1 drops everything: keep is never true, so the scale is never used
     dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
-    scalars = [hq, hk, nq, nk, mask_bm, mask_bn, scale, softcap, left, right,
-               dropout_p, dropout_scale, philox_seed, philox_offset]
+    floats = (scale, softcap, dropout_p, dropout_scale)
+    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right, philox_seed, philox_offset)
 
+    # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
     qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
-    cnt, idx, list_strides = _list_args(qlists, dummy_i32)
-    _bwd_dkdv_kernel[(triton.cdiv(nk, cfg.block_n), b * hk)](
-        q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
-        stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic,
-        EVEN_M=nq % cfg.block_m == 0, EVEN_N=nk % cfg.block_n == 0, **features,
+    cnt, idx, list_strides = _list_args(qlists, delta)
+    _launch(
+        _bwd_dkdv_kernel, (triton.cdiv(nk, cfg.block_n), b * hk),
+        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, *floats),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+         *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
+         stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+         d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
+         *features, atomic, *precision),
+        cfg.num_warps, cfg.num_stages, fast,
     )
 
     if atomic:
         dq_buf.copy_(dq_acc)
     else:
         klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
-        cnt, idx, list_strides = _list_args(klists, dummy_i32)
-        _bwd_dq_kernel[(triton.cdiv(nq, cfg.dq_block_m), b * hq)](
-            q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
-            stride_sb, stride_sh, *bias_strides, *list_strides, *scalars,
-            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-            EVEN_M=nq % cfg.dq_block_m == 0, EVEN_N=nk % cfg.dq_block_n == 0, **features,
+        cnt, idx, list_strides = _list_args(klists, delta)
+        _launch(
+            _bwd_dq_kernel, (triton.cdiv(nq, cfg.dq_block_m), b * hq),
+            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, *floats),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
+             stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+             d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
+             *features, *precision),
+            cfg.num_warps, cfg.num_stages, fast,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):
