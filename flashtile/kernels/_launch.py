@@ -33,11 +33,12 @@ returns no compiled kernel and every call takes Triton's path.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["KernelLauncher"]
+__all__ = ["KernelLauncher", "launch"]
 
 
 def _alignment_key(dynamic: Sequence[Any], check: Sequence[int]) -> int | tuple[bool, ...]:
@@ -114,3 +115,23 @@ class KernelLauncher:
         # a compiled kernel is loaded into the current device's context: launch it only from there
         self._device = torch.cuda.current_device() if device.type == "cuda" else None
         self._runners[_alignment_key(dynamic, self._check)] = compiled[self._grid]
+
+
+@functools.lru_cache(maxsize=512)
+def _bound(kernel: Any, grid: tuple, static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device: Any) -> KernelLauncher:
+    return KernelLauncher(kernel, grid, static, dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def launch(
+    kernel: Any, grid: tuple, dynamic: tuple, static: tuple, *, num_warps: int, num_stages: int, bind: bool = True
+) -> None:
+    """``kernel[grid](*dynamic, *static)``.  With ``bind``, through a :class:`KernelLauncher`
+    memoised on (kernel, grid, static arguments, options, the tensors' dtypes and device): a
+    wrapper called with one problem signature again and again binds once.  ``bind=False``
+    (arguments that change every call, such as a Philox seed) goes through Triton."""
+    if bind:
+        tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
+        dtypes = tuple(t.dtype for t in tensors)
+        _bound(kernel, grid, static, num_warps, num_stages, dtypes, tensors[0].device)(*dynamic)
+    else:
+        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages)

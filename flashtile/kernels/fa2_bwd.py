@@ -48,7 +48,6 @@ not fp32 round-off.  Under the interpreter the products are exact fp32.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -57,7 +56,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import BlockLists, kv_block_lists, q_block_lists
-from flashtile.kernels._launch import KernelLauncher
+from flashtile.kernels._launch import launch
 from flashtile.kernels._common import (
     LOG2E,
     SUPPORTED_DTYPES,
@@ -819,22 +818,6 @@ def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return c, i, [st(c, 0), st(c, 1), c.stride(2), st(i, 0), st(i, 1), i.stride(2)]
 
 
-@functools.lru_cache(maxsize=512)
-def _launcher(kernel, grid: tuple, static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device) -> KernelLauncher:
-    return KernelLauncher(kernel, grid, static, dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def _launch(kernel, grid: tuple, dynamic: tuple, static: tuple, num_warps: int, num_stages: int, fast: bool) -> None:
-    """``kernel[grid](*dynamic, *static)``: through a :class:`KernelLauncher` memoised on the
-    static arguments, dtypes and device when ``fast`` (bench/NOTES.md, attempt 13), else through Triton."""
-    if fast:
-        tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
-        dtypes = tuple(t.dtype for t in tensors)
-        _launcher(kernel, grid, static, num_warps, num_stages, dtypes, tensors[0].device)(*dynamic)
-    else:
-        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages)
-
-
 def fa2_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -900,10 +883,10 @@ def fa2_backward(
     # once and launched from Triton's compiled objects (the Philox seed / offset change every call)
     fast = dropout_p == 0
     delta = torch.empty(b, hq, nq, dtype=torch.float32, device=dev)
-    _launch(
+    launch(
         _bwd_preprocess, (triton.cdiv(nq, cfg.dq_block_m), b * hq), (out, dout, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, nq, d, d_pad, cfg.dq_block_m), 4, 1, fast,
+         hq, nq, d, d_pad, cfg.dq_block_m), num_warps=4, num_stages=1, bind=fast,
     )
 
     slopes_t = slopes if slopes is not None else delta
@@ -926,7 +909,7 @@ def fa2_backward(
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
     qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
     cnt, idx, list_strides = _list_args(qlists, delta)
-    _launch(
+    launch(
         _bwd_dkdv_kernel, (triton.cdiv(nk, cfg.block_n), b * hk),
         (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, *floats),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
@@ -934,7 +917,7 @@ def fa2_backward(
          stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
          d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
          *features, atomic, *precision),
-        cfg.num_warps, cfg.num_stages, fast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast,
     )
 
     if atomic:
@@ -942,14 +925,14 @@ def fa2_backward(
     else:
         klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
         cnt, idx, list_strides = _list_args(klists, delta)
-        _launch(
+        launch(
             _bwd_dq_kernel, (triton.cdiv(nq, cfg.dq_block_m), b * hq),
             (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, *floats),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
              stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
              d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
              *features, *precision),
-            cfg.num_warps, cfg.num_stages, fast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):

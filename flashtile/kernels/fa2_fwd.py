@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._blocksparse import kv_block_lists
-from flashtile.kernels._launch import KernelLauncher
+from flashtile.kernels._launch import launch
 from flashtile.kernels._common import (
     LN2,
     LOG2E,
@@ -600,16 +600,6 @@ def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, hea
     return block_m, block_n, num_warps, num_stages
 
 
-@functools.lru_cache(maxsize=256)
-def _launcher(
-    grid: tuple[int, int, int], static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device: torch.device
-) -> KernelLauncher:
-    """The forward kernel bound to one problem signature (grid, strides, sizes, switches, dtypes, device),
-    launched from Triton's compiled object after the first call (host time: bench/NOTES.md, attempt 13).
-    EVEN_M / EVEN_N, which ``triton.heuristics`` derives per call, are part of ``static``."""
-    return KernelLauncher(_fa2_fwd_kernel.fn, grid, static, dict(num_warps=num_warps, num_stages=num_stages), check=range(9))
-
-
 def fa2_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -699,20 +689,17 @@ def fa2_forward(
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
         grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
         _autotuned_kernel()[grid](*dynamic, *ints, **flags)
-    elif dropout_p > 0:
-        # the Philox seed / offset change every call (and may outgrow int32): Triton binds them
-        grid = (triton.cdiv(nq, block_m), hq, b)
-        _fa2_fwd_kernel[grid](*dynamic, *ints, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                              num_stages=num_stages, **flags)
     else:
+        # EVEN_M / EVEN_N, which the kernel's ``triton.heuristics`` derives per call, are passed
+        # here so the kernel can be bound once per signature; the Philox seed and offset change
+        # every call (and may outgrow int32), so dropout goes through Triton's binding
         constexprs = (
             block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-            flags["HAS_ALIBI"], flags["HAS_BIAS"], False, flags["IS_BLOCK_SPARSE"],
-            nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], "tf32", flags["UPCAST_DOT"],
+            flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"],
+            nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
         )
-        launch = _launcher((triton.cdiv(nq, block_m), hq, b), ints + constexprs, num_warps, num_stages,
-                           (q.dtype, bias_t.dtype, alibi.dtype, counts.dtype, idx.dtype), device)
-        launch(*dynamic)
+        launch(_fa2_fwd_kernel.fn, (triton.cdiv(nq, block_m), hq, b), dynamic, ints + constexprs,
+               num_warps=num_warps, num_stages=num_stages, bind=dropout_p == 0)
 
     if result is not target:  # ``out`` had a non-unit stride on d
         result.copy_(target)
