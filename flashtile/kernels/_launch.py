@@ -99,7 +99,7 @@ class KernelLauncher:
         unchecked = [i for i in tensors if i not in self._check and dynamic[i].data_ptr() % 16]
         if unchecked:
             raise ValueError(f"KernelLauncher: tensor arguments {unchecked} must be 16-byte aligned (they are not checked per call)")
-        dtypes = tuple(a.dtype for a in dynamic if isinstance(a, torch.Tensor))
+        dtypes = tuple(dynamic[i].dtype for i in tensors)
         if self._dtypes is None:
             self._dtypes = dtypes
         elif dtypes != self._dtypes:
