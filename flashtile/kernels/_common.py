@@ -9,6 +9,7 @@ pattern the forward used.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -27,6 +28,23 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def interpreting(device: torch.device | str) -> bool:
     """True when the kernels run through Triton's interpreter (CPU tensors or TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.device(device).type == "cpu"
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (Hopper and later).
+
+    A kernel launched with ``launch_pdl=True`` is started while the kernel before
+    it in the stream is still running; it must call ``gdc_wait()`` before it
+    reads anything that kernel writes (``griddepcontrol`` is an sm_90 instruction)."""
+    device = torch.device(device)
+    if interpreting(device) or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_kernel_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], ndim: int = 4) -> None:

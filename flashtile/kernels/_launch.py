@@ -118,20 +118,29 @@ class KernelLauncher:
 
 
 @functools.lru_cache(maxsize=512)
-def _bound(kernel: Any, grid: tuple, static: tuple, num_warps: int, num_stages: int, dtypes: tuple, device: Any) -> KernelLauncher:
-    return KernelLauncher(kernel, grid, static, dict(num_warps=num_warps, num_stages=num_stages))
+def _bound(
+    kernel: Any, grid: tuple, static: tuple, num_warps: int, num_stages: int, pdl: bool, dtypes: tuple, device: Any
+) -> KernelLauncher:
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if pdl:
+        options["launch_pdl"] = True
+    return KernelLauncher(kernel, grid, static, options)
 
 
 def launch(
-    kernel: Any, grid: tuple, dynamic: tuple, static: tuple, *, num_warps: int, num_stages: int, bind: bool = True
+    kernel: Any, grid: tuple, dynamic: tuple, static: tuple, *, num_warps: int, num_stages: int, bind: bool = True,
+    pdl: bool = False,
 ) -> None:
     """``kernel[grid](*dynamic, *static)``.  With ``bind``, through a :class:`KernelLauncher`
     memoised on (kernel, grid, static arguments, options, the tensors' dtypes and device): a
     wrapper called with one problem signature again and again binds once.  ``bind=False``
-    (arguments that change every call, such as a Philox seed) goes through Triton."""
+    (arguments that change every call, such as a Philox seed) goes through Triton.
+    ``pdl``: programmatic dependent launch (``launch_pdl``; the kernel must ``gdc_wait()``
+    before reading the previous kernel's output, see ``_common.pdl_supported``)."""
     if bind:
         tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
         dtypes = tuple(t.dtype for t in tensors)
-        _bound(kernel, grid, static, num_warps, num_stages, dtypes, tensors[0].device)(*dynamic)
+        _bound(kernel, grid, static, num_warps, num_stages, pdl, dtypes, tensors[0].device)(*dynamic)
     else:
-        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages)
+        extra = {"launch_pdl": True} if pdl else {}
+        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)

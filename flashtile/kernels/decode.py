@@ -79,9 +79,12 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels._launch import KernelLauncher
-from flashtile.kernels._common import LN2, LOG2E, allowed, check_kernel_tensors, interpreting, score_mods, unit_last_stride
+from flashtile.kernels._common import (
+    LN2, LOG2E, allowed, check_kernel_tensors, interpreting, pdl_supported, score_mods, unit_last_stride,
+)
 from flashtile.reference.decoding import default_safe_range
 from flashtile.reference.masks import normalize_window
 
@@ -189,13 +192,15 @@ def _decode_split_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    EVEN_D: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, WRITE_OUT: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, WRITE_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One split of one (batch slot, kv head) for ``BLOCK_M`` packed (head, token) rows.
 
     ``EVEN_D`` (head_dim == BLOCK_D) drops the head-dim mask: a mask that varies
     along the contiguous axis stops Triton from issuing 16-byte vector loads,
     and the K/V loads are the whole cost of decoding."""
+    if USE_PDL:  # the merge kernel may start its programs now; they wait for this grid to finish
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -312,8 +317,14 @@ def _decode_merge_kernel(
     stride_ob, stride_on, stride_oh,
     n_heads_q, seqlen_q, head_dim, n_splits, lse_offset,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """Merge the S partials of output row (slot, q head h, token t) (FA1 Algorithm 1, lines 11-12)."""
+    """Merge the S partials of output row (slot, q head h, token t) (FA1 Algorithm 1, lines 11-12).
+
+    With ``USE_PDL`` it is launched as a programmatic dependent of kernel 1 (its launch
+    overlaps kernel 1's last programs) and waits for kernel 1 before reading the partials."""
+    if USE_PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     off_h = pid // seqlen_q
@@ -579,7 +590,7 @@ class DecodeLaunch:
         self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
         q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
-        left: int, right: int, has_softcap: bool, unified: bool, slots: int | None,
+        left: int, right: int, has_softcap: bool, unified: bool, slots: int | None, pdl: bool = False,
     ) -> None:
         has_batch_idx = slots is not None  # slot i runs batch element batch_idx[i]
         slots = b if slots is None else slots
@@ -597,20 +608,26 @@ class DecodeLaunch:
             plan.block_m, plan.block_n, plan.block_d, page_size is not None, page_size or 1,
             left >= 0, right >= 0, has_softcap, alibi_strides is not None,
             unified, "tf32", dtype == torch.bfloat16 and plan.interpret,
-            plan.block_d == d, has_batch_idx, self.write_out,
-        )
+            plan.block_d == d, has_batch_idx, self.write_out, pdl and not self.write_out,
+        )  # USE_PDL: kernel 1 lets a dependent kernel 2 start early (a no-op for a plain launch)
         options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
         # q, caches, block table, lengths, batch index and slopes come from the caller; the workspace,
         # flags and outputs are fresh allocations (aligned)
         self.split = KernelLauncher(
             _decode_split_kernel, (slots * hk, s, plan.row_tiles), static, options, check=range(7)
         )
-        self.merge = None
+        self.merge = self.merge_pdl = None
         if not self.write_out:
             merge_static = (*so, hq, nq, d, s, self.lse_offset, plan.block_s, plan.block_d, unified, has_batch_idx)
-            self.merge = KernelLauncher(
-                _decode_merge_kernel, (nq * hq, slots), merge_static, dict(num_warps=4 if plan.block_d >= 128 else 2),
-                check=(5,),
+            warps = dict(num_warps=4 if plan.block_d >= 128 else 2)
+            grid = (nq * hq, slots)
+            self.merge = KernelLauncher(_decode_merge_kernel, grid, (*merge_static, False), warps, check=(5,))
+            # eagerly, kernel 2 goes as a programmatic dependent of kernel 1 (its launch hidden behind
+            # kernel 1: -1 to -2 us per call on an H100); inside a CUDA graph, where launches are
+            # back to back already, the plain launch measured 0.3-0.6 us faster (bench/NOTES.md attempt 15)
+            self.merge_pdl = (
+                KernelLauncher(_decode_merge_kernel, grid, (*merge_static, True), dict(warps, launch_pdl=True), check=(5,))
+                if pdl else None
             )
 
     def __call__(
@@ -635,7 +652,8 @@ class DecodeLaunch:
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
         )
         if self.merge is not None:
-            self.merge(
+            pdl = self.merge_pdl is not None and not torch.cuda.is_current_stream_capturing()
+            (self.merge_pdl if pdl else self.merge)(
                 work, f_part, out, lse, lse if flags is None else flags, lse if batch_idx is None else batch_idx, phi
             )
 
@@ -661,7 +679,7 @@ def decode_launch(
     launch = _decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
         block_table.stride(0) if paged else None, rows if paged else None,
-        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified, slots,
+        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified, slots, pdl_supported(q.device),
     )
     return plan, launch
 

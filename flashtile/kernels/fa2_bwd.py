@@ -54,6 +54,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels._blocksparse import BlockLists, kv_block_lists, q_block_lists
 from flashtile.kernels._launch import launch
@@ -63,6 +64,7 @@ from flashtile.kernels._common import (
     allowed,
     check_device_mode,
     dropout_keep,
+    pdl_supported,
     score_mods,
     unit_last_stride,
 )
@@ -256,7 +258,7 @@ def _mm(a, b, DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr):
 @triton.jit
 def _probs(
     qk, offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
-    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right, edge,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr,
 ):
@@ -264,6 +266,8 @@ def _probs(
     rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  With
     TRANS the tile is (BLOCK_N, BLOCK_M) = (Q K^T)^T and P^T comes back.
     Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative.
+    With MASK, the elementwise mask is applied when the runtime scalar ``edge``
+    is true (tiles inside the fully-allowed band skip it).
 
     Without score modifiers S log2 e = qk * (scale log2 e): one multiply.  On
     the transposed tile the _common.py helpers see keys as "queries":
@@ -291,12 +295,13 @@ def _probs(
     else:
         s2 = qk * scale_log2
     if MASK:
-        if TRANS:
-            ok = allowed(offs_n, offs_m, seqlen_k, seqlen_q, window_right, window_left, False, HAS_RIGHT, HAS_LEFT)
-            ok = ok & (offs_n[:, None] < seqlen_k)
-        else:
-            ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, True, HAS_LEFT, HAS_RIGHT)
-        s2 = tl.where(ok, s2, float("-inf"))
+        if edge:  # the tile pair is not inside the fully-allowed band (a scalar, per tile)
+            if TRANS:
+                ok = allowed(offs_n, offs_m, seqlen_k, seqlen_q, window_right, window_left, False, HAS_RIGHT, HAS_LEFT)
+                ok = ok & (offs_n[:, None] < seqlen_k)
+            else:
+                ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, True, HAS_LEFT, HAS_RIGHT)
+            s2 = tl.where(ok, s2, float("-inf"))
     if TRANS:
         p = tl.exp2(s2 - lse2[None, :])
     else:
@@ -397,9 +402,11 @@ def _bwd_preprocess(
     Out, DOut, Delta,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     H_Q, seqlen_q,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4)."""
+    if USE_PDL:  # let the dK/dV kernel start its programs (they wait for D before reading it)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_Q).to(tl.int64)
@@ -417,7 +424,7 @@ def _bwd_preprocess(
 def _dkdv_inner(
     dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
     stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
-    offs_n, offs_d, lo, hi, bh, slope,
+    offs_n, offs_d, lo, hi, clear_lo, clear_hi, bh, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
@@ -436,7 +443,8 @@ def _dkdv_inner(
         dK  += dS^T Q_i           (unscaled; Q_i = (Q_i^T)^T read from shared memory)
 
     and with ATOMIC_DQ dQ_i += scale * (dS^T)^T K_j into the fp32 buffer: the
-    only register transpose, paid by the atomic path alone."""
+    only register transpose, paid by the atomic path alone.  With MASK, blocks
+    starting outside [clear_lo, clear_hi) (the fully-allowed band) are masked."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
@@ -446,7 +454,7 @@ def _dkdv_inner(
         pT, tT = _probs(
             _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
+            (start_m < clear_lo) | (start_m >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
         )
         dpT = _mm(v, tl.trans(do), DOT_PREC, UPCAST_DOT)
         pT_drop = pT
@@ -491,7 +499,7 @@ def _bwd_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
     reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
@@ -511,6 +519,11 @@ def _bwd_dkdv_kernel(
     Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
     v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    if USE_PDL:
+        # programmatic dependent launch: this grid may start while the preprocess kernel runs
+        # (everything read above predates it); D is read only after it has finished
+        gdc_launch_dependents()
+        gdc_wait()
     dk = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     lo, full_lo, full_hi, end = _q_range(
@@ -542,40 +555,24 @@ def _bwd_dkdv_kernel(
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                     stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
-                    offs_n, offs_d, blk_lo, blk_hi, bh, slope,
+                    offs_n, offs_d, blk_lo, blk_hi, full_lo, full_hi, bh, slope,
                     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                     dropout_p, dropout_scale, philox_seed, philox_offset,
                     HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                     HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
                 )
         else:
-            # boundary blocks before the interior, the interior, boundary blocks after
+            # one sweep over the q blocks that see this kv tile; blocks outside the fully-allowed
+            # band [full_lo, full_hi) take the elementwise mask (a scalar branch per block)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                 stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
-                offs_n, offs_d, lo, full_lo, bh, slope,
+                offs_n, offs_d, lo, end, full_lo, full_hi, bh, slope,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
-            )
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
-                stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
-                offs_n, offs_d, full_lo, full_hi, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-                dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, False, DOT_PREC, UPCAST_DOT,
-            )
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
-                stride_qm, stride_dom, stride_dqm, stride_bm, stride_bn,
-                offs_n, offs_d, full_hi, end, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-                dropout_p, dropout_scale, philox_seed, philox_offset,
-                HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+                HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N),
+                DOT_PREC, UPCAST_DOT,
             )
 
     dk = dk * softmax_scale
@@ -587,7 +584,7 @@ def _bwd_dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse2, delta, Kh, Vh, Biash,
     stride_kn, stride_vn, stride_bm, stride_bn,
-    offs_m, offs_d, lo, hi, bh, slope,
+    offs_m, offs_d, lo, hi, clear_lo, clear_hi, bh, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
     dropout_p, dropout_scale, philox_seed, philox_offset,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
@@ -598,9 +595,9 @@ def _dq_inner(
     """dQ_i += dS_ij K_j (unscaled) over kv blocks [lo, hi): the q-outer
     ordering of Alg. 2 line 15, so each dQ_i has a single writer.  K_j^T and
     V_j^T are loaded transposed, so S = Q_i K_j^T, dP = dO_i V_j^T and
-    dQ_i += dS (K_j^T)^T move no register tile through shared memory.
-    Unmasked blocks are never the key tail (see _kv_range), so their loads
-    carry no row mask."""
+    dQ_i += dS (K_j^T)^T move no register tile through shared memory.  With
+    MASK, blocks starting outside [clear_lo, clear_hi) are masked, and K/V loads
+    carry a row mask unless Nk is a multiple of BLOCK_N."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
@@ -608,7 +605,7 @@ def _dq_inner(
         p, t = _probs(
             _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
+            (start_n < clear_lo) | (start_n >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
         )
         dp = _mm(do, vT, DOT_PREC, UPCAST_DOT)
         if HAS_DROPOUT:
@@ -639,7 +636,7 @@ def _bwd_dq_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """dQ of one q tile of one q head, accumulated in registers (deterministic)."""
     pid_m = tl.program_id(0)
@@ -660,6 +657,8 @@ def _bwd_dq_kernel(
     q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
     do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
     lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
+    if USE_PDL:  # started during the dK/dV kernel: wait for it (and so for D) to finish
+        gdc_wait()
     delta = _load_vec(Delta + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     Kh = K + b64 * stride_kb + hk64 * stride_kh
     Vh = V + b64 * stride_vb + hk64 * stride_vh
@@ -682,7 +681,7 @@ def _bwd_dq_kernel(
             blk_hi = tl.minimum((c + 1) * mask_block_n, end)
             dq = _dq_inner(
                 dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
-                offs_m, offs_d, blk_lo, blk_hi, bh, slope,
+                offs_m, offs_d, blk_lo, blk_hi, full_lo, full_hi, bh, slope,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
@@ -691,27 +690,11 @@ def _bwd_dq_kernel(
     else:
         dq = _dq_inner(
             dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
-            offs_m, offs_d, lo, full_lo, bh, slope,
+            offs_m, offs_d, lo, end, full_lo, full_hi, bh, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
             HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
-        )
-        dq = _dq_inner(
-            dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
-            offs_m, offs_d, full_lo, full_hi, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-            dropout_p, dropout_scale, philox_seed, philox_offset,
-            HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_BIAS, HAS_DROPOUT, False, DOT_PREC, UPCAST_DOT,
-        )
-        dq = _dq_inner(
-            dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bm, stride_bn,
-            offs_m, offs_d, full_hi, end, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-            dropout_p, dropout_scale, philox_seed, philox_offset,
-            HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+            HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PREC, UPCAST_DOT,
         )
 
     dq = dq * softmax_scale
@@ -882,19 +865,25 @@ def fa2_backward(
     # without dropout every int argument is fixed for the problem's signature: the kernels are bound
     # once and launched from Triton's compiled objects (the Philox seed / offset change every call)
     fast = dropout_p == 0
+    # preprocess -> dK/dV -> dQ run back to back: each later kernel is launched as a programmatic
+    # dependent of the one before (Hopper), so its programs start while that one drains
+    pdl = pdl_supported(dev)
     delta = torch.empty(b, hq, nq, dtype=torch.float32, device=dev)
+    atomic = not deterministic and cfg.atomic_dq
+    qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
+    klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None and not atomic else None
+    # zeroed before the preprocess kernel, so that nothing runs between it and its dependent
+    dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
+    dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
     launch(
         _bwd_preprocess, (triton.cdiv(nq, cfg.dq_block_m), b * hq), (out, dout, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, nq, d, d_pad, cfg.dq_block_m), num_warps=4, num_stages=1, bind=fast,
+         hq, nq, d, d_pad, cfg.dq_block_m, pdl), num_warps=4, num_stages=1, bind=fast,
     )
 
     slopes_t = slopes if slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
     bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
-    atomic = not deterministic and cfg.atomic_dq
-    dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
-    dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
     features = (
         left >= 0, right >= 0, softcap > 0, slopes is not None,
         bias_x is not None, dropout_p > 0, block_mask is not None,
@@ -907,7 +896,6 @@ def fa2_backward(
     sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right, philox_seed, philox_offset)
 
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
-    qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
     cnt, idx, list_strides = _list_args(qlists, delta)
     launch(
         _bwd_dkdv_kernel, (triton.cdiv(nk, cfg.block_n), b * hk),
@@ -916,14 +904,13 @@ def fa2_backward(
          *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
          stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
          d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
-         *features, atomic, *precision),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast,
+         *features, atomic, *precision, pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
     )
 
     if atomic:
         dq_buf.copy_(dq_acc)
     else:
-        klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
         cnt, idx, list_strides = _list_args(klists, delta)
         launch(
             _bwd_dq_kernel, (triton.cdiv(nq, cfg.dq_block_m), b * hq),
@@ -931,8 +918,8 @@ def fa2_backward(
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
              stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
              d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
-             *features, *precision),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast,
+             *features, *precision, pdl),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):

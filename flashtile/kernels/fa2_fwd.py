@@ -25,10 +25,12 @@ Masking splits the kv range of a query tile into three segments:
                          sequence tail                      (elementwise mask)
 
 and kv tiles outside [lo, hi) are never loaded (the "causal masking" block
-skipping of the FA2 paper's forward pass, extended to both window edges).  The same inner loop serves all three with a
-``MASKED`` constexpr switch.  Block-sparse attention (FA1 Algorithm 5) runs the
-same three-segment walk inside every kv block listed for the query tile's mask
-row by :func:`flashtile.kernels._blocksparse.kv_block_lists`.
+skipping of the FA2 paper's forward pass, extended to both window edges).  One
+loop walks all three segments: a scalar test per tile decides whether the
+elementwise mask is applied, so the K/V pipeline runs across the segment
+edges instead of restarting at each.  Block-sparse attention (FA1 Algorithm 5)
+runs the same walk inside every kv block listed for the query tile's mask row
+by :func:`flashtile.kernels._blocksparse.kv_block_lists`.
 
 Softcap, ALiBi and the additive bias move the scores off the single fused
 ``scale * log2 e`` multiply: with any of them the scores are formed in natural
@@ -119,11 +121,12 @@ def _fwd_tiles(
     bias_base,  # bias rows of this tile at key 0: (BLOCK_M, 1) pointers (unused without HAS_BIAS)
     stride_bias_n,
     offs_m, offs_d, start, end,  # visit kv tiles starting at start, start + BLOCK_N, ... < end
+    clear_lo, clear_hi,  # with MASKED: tiles starting in [clear_lo, clear_hi) skip the elementwise mask
     seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap, slope, window_left, window_right,
     dropout_p, philox_seed, philox_offset, bh,
     BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # elementwise causal / window / tail mask needed on these tiles
+    MASKED: tl.constexpr,  # some tiles need the elementwise causal / window / tail mask
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -131,8 +134,11 @@ def _fwd_tiles(
 ):
     """Online-softmax update over kv tiles [start, end) (FA2 Algorithm 1, lines 6-11).
 
-    Unmasked tiles (``MASKED=False``) are entirely inside the sequence and the
-    window of every row of the tile, so they skip bounds checks and the mask.
+    ``MASKED=False``: every tile is inside the sequence and the window of every
+    row, so loads carry no bounds check and nothing is masked.  ``MASKED=True``:
+    loads are bounds-checked when Nk is ragged, and a tile is masked unless it
+    starts in [clear_lo, clear_hi) (a scalar branch per tile, so one loop, one
+    software pipeline, covers the band and its edges).
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
@@ -171,8 +177,9 @@ def _fwd_tiles(
                 s = s + bias
             s = s * _LOG2E  # natural units -> base 2
             if MASKED:
-                ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
-                s = tl.where(ok, s, float("-inf"))
+                if (start_n < clear_lo) | (start_n >= clear_hi):
+                    ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
+                    s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             s_scale = 1.0
         else:
@@ -181,8 +188,9 @@ def _fwd_tiles(
             # exp2 argument below as one fused multiply-add per element
             s = qk
             if MASKED:
-                ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
-                s = tl.where(ok, s, float("-inf"))
+                if (start_n < clear_lo) | (start_n >= clear_hi):
+                    ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, not EVEN_N, HAS_LEFT, HAS_RIGHT)
+                    s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             s_scale = qk_scale
         if MASKED or HAS_BIAS:
@@ -219,38 +227,34 @@ def _fwd_range(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Visit kv tiles in [lo, hi) split at the fully-allowed band [full_lo, full_hi).
+    """Visit kv tiles in [lo, hi); those in the fully-allowed band [full_lo, full_hi) need no mask.
 
     ``lo`` is a multiple of BLOCK_N; ``full_lo``/``full_hi`` are multiples of
-    BLOCK_N that are clamped here into [lo, hi], so the three segments tile
-    [lo, hi) exactly and any of them may be empty.
+    BLOCK_N, clamped here into [lo, hi].  When a mask is possible (a window
+    edge, the causal diagonal or a ragged last tile) the sweep is still one
+    loop, and a scalar branch per tile skips the elementwise mask inside the
+    band: three loops (edge, band, edge) would each be software-pipelined on
+    their own, and on short rows the K/V loads of a one-tile edge loop wait
+    unhidden (bench/NOTES.md attempt 14: +4-22% at N <= 2k causal on an H100).
     """
     a = tl.minimum(tl.maximum(full_lo, lo), hi)
     b = tl.maximum(tl.minimum(full_hi, hi), a)
-    if HAS_LEFT:  # left window edge: tiles straddling j = i + shift - left
+    if HAS_LEFT or HAS_RIGHT or not EVEN_N:
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
-            offs_m, offs_d, lo, a, seqlen_q, seqlen_k, head_dim,
+            offs_m, offs_d, lo, hi, a, b, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap, slope, window_left, window_right,
             dropout_p, philox_seed, philox_offset, bh,
             BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
             HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
         )
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
-        offs_m, offs_d, a, b, seqlen_q, seqlen_k, head_dim,
-        qk_scale, sm_scale, softcap, slope, window_left, window_right,
-        dropout_p, philox_seed, philox_offset, bh,
-        BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
-        HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
-    )
-    if HAS_RIGHT or not EVEN_N:  # causal diagonal / right window edge / ragged last tile
+    else:  # no mask anywhere: [a, b) = [lo, hi)
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
-            offs_m, offs_d, b, hi, seqlen_q, seqlen_k, head_dim,
+            offs_m, offs_d, a, b, a, b, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap, slope, window_left, window_right,
             dropout_p, philox_seed, philox_offset, bh,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
+            BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
             HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
         )
     return acc, l_i, m_i

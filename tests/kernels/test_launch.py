@@ -127,3 +127,20 @@ def test_gpu_direct_launch_matches_triton_launch():
         la(x, y, out, 1.5)
         torch.testing.assert_close(out, 1.5 * x + y, rtol=0, atol=1e-6)
     assert len(la._runners) == 2  # one compiled launch per alignment
+
+
+def test_launch_passes_programmatic_dependent_launch_option():
+    from flashtile.kernels._launch import launch
+
+    for bind in (True, False):
+        fn = _Jit()
+        launch(fn, (2,), (_aligned(),), (5,), num_warps=4, num_stages=2, bind=bind, pdl=True)
+        launch(fn, (2,), (_aligned(),), (5,), num_warps=4, num_stages=2, bind=bind)
+        assert fn.log[0][3] == {"num_warps": 4, "num_stages": 2, "launch_pdl": True}
+        assert fn.log[1][3] == {"num_warps": 4, "num_stages": 2}  # a separate launcher, without it
+
+
+def test_no_dependent_launch_off_the_gpu():
+    from flashtile.kernels._common import pdl_supported
+
+    assert pdl_supported("cpu") is False
