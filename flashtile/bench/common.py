@@ -27,6 +27,31 @@ def median_ms(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, grad_t
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def median_ms_clean_l2(fn: Callable[[], Any], *, reps: int = 100, warmup: int = 10, flush_bytes: int = 256 << 20) -> float:
+    """Median time of ``fn`` in milliseconds with L2 emptied of dirty lines before each call.
+
+    do_bench empties L2 by *writing* a 256 MB buffer, so the timed call starts with
+    an L2 full of dirty lines (50 MB on an H100) whose write-back to HBM competes
+    with the call's own reads: 50 MB more traffic for a call that reads 134 MB,
+    none of it the call's.  Here the flush *reads* a buffer
+    instead (a sum), which leaves L2 cold for the call's data and clean.  Each
+    call is bracketed by CUDA events; warm-up calls are not timed."""
+    flush = torch.ones(flush_bytes // 4, dtype=torch.float32, device="cuda")
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.sum()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    del flush
+    return float(times[len(times) // 2])
+
+
 def environment() -> dict:
     """Device and software facts recorded next to every result."""
     import triton

@@ -34,6 +34,13 @@ the asymptote) and, per point, one moving the point's own K/V bytes
 (``copy_gbps_same_bytes``), which pays the same fixed costs of a timed call.  Ratios: ``speedup[peer] = t_peer / t_ours``
 (> 1: we are faster), ``of_copy_bw = GB/s / copy_gbps`` and
 ``of_copy_bw_same_bytes = GB/s / copy_gbps_same_bytes``.
+
+do_bench empties L2 before each call by writing 256 MB, which leaves the call an
+L2 full of someone else's dirty lines to write back (50 MB on an H100: 27%
+of the traffic of a 134 MB cache read).  The ``CLEAN_TIMED`` providers are also
+timed after a read-only flush (:func:`flashtile.bench.common.median_ms_clean_l2`):
+``gbps_clean_l2``, ``of_copy_bw_clean_l2`` (against the 2 GB copy, which that
+write-back does not move) and ``speedup["clean L2: sdpa-flash"]``.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from typing import Callable
 
 import torch
 
-from flashtile.bench.common import environment, median_ms, rel_err, write_json
+from flashtile.bench.common import environment, median_ms, median_ms_clean_l2, rel_err, write_json
 
 __all__ = ["run_decode_bench", "copy_bandwidth", "PROVIDERS", "GRID"]
 
@@ -57,14 +64,15 @@ PROVIDERS = (
 )
 ROUNDS = 3  # eager medians per provider, taken in interleaved rounds; the point reports their median
 HOST_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash")
+CLEAN_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash", "sdpa-cudnn")  # also timed after a read-only L2 flush
 MEMORY_LIMIT = 60e9  # bytes the three cache copies of a point may take
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+def copy_bandwidth(nbytes: int = 2 << 30, timer: Callable[[Callable[[], object]], float] = median_ms) -> float:
     """GB/s of ``dst.copy_(src)`` on a ``nbytes`` buffer, counting bytes read + written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    ms = timer(lambda: dst.copy_(src))
     del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
@@ -214,6 +222,18 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
     # call; over a 2 GB copy that is noise, over a 134 MB cache (B=1, 32k) it is ~20% of the time.
     row["copy_gbps_same_bytes"] = copy_bandwidth(kv_bytes // 2)
     row["of_copy_bw_same_bytes"] = {name: g / row["copy_gbps_same_bytes"] for name, g in row["gbps"].items()}
+    # the same providers with L2 flushed by a read (no dirty lines left for the call to write back)
+    clean: dict[str, list[float]] = {}
+    for _ in range(ROUNDS):
+        for name in CLEAN_TIMED:
+            if row["ms"].get(name):
+                clean.setdefault(name, []).append(median_ms_clean_l2(fns[name]))
+    row["ms_clean_l2"] = {name: statistics.median(t) for name, t in clean.items()}
+    row["gbps_clean_l2"] = {name: kv_bytes / (ms * 1e-3) / 1e9 for name, ms in row["ms_clean_l2"].items()}
+    row["of_copy_bw_clean_l2"] = {name: g / copy_gbps for name, g in row["gbps_clean_l2"].items()}
+    row["copy_gbps_same_bytes_clean_l2"] = copy_bandwidth(kv_bytes // 2, timer=median_ms_clean_l2)
+    if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get("sdpa-flash"):
+        row["speedup"]["clean L2: sdpa-flash"] = row["ms_clean_l2"]["sdpa-flash"] / row["ms_clean_l2"]["flashtile"]
     # do_bench flushes L2 before each call, which gives the host a head start of the flush's
     # duration: a call whose host time exceeds it is timed partly on the host.  Reported so
     # that a reader sees which side bounds a short-cache point.
