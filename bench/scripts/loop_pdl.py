@@ -23,6 +23,7 @@ from triton.testing import do_bench
 from flashtile import flash_attn_func
 from flashtile.bench.attention import _reference_rows
 from flashtile.bench.common import environment, median_ms, rel_err
+from flashtile.bench.decode import _graphed
 from flashtile.kernels import decode as dec
 from flashtile.kernels import fa2_bwd
 from flashtile.ops import kvcache
@@ -110,16 +111,8 @@ def attention_point(d, n, causal, window=(-1, -1)):
 
 
 def graph_us(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, return_mode="median") * 1e3
+    """Median µs of ``fn`` replayed from a CUDA graph (the bench's own capture helper)."""
+    return median_ms(_graphed(fn)) * 1e3
 
 
 def decode_point(b, n):
