@@ -86,6 +86,18 @@ def tanh_(x):
 
 
 @triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores (``acc`` may be None).  ``UPCAST_DOT`` is for
+    Triton's interpreter only, whose dot multiplies bf16 *bit patterns* (it stores bf16
+    as uint16): operands go to fp32 first, which is exact for bf16."""
+    if UPCAST_DOT:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return c
+
+
+@triton.jit
 def score_mods(
     s,  # (BLOCK_M, BLOCK_N) fp32 scores already multiplied by softmax_scale
     offs_m,

@@ -83,7 +83,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels._launch import KernelLauncher
 from flashtile.kernels._common import (
-    LN2, LOG2E, allowed, check_kernel_tensors, interpreting, pdl_supported, score_mods, unit_last_stride,
+    LN2, LOG2E, allowed, check_kernel_tensors, interpreting, mma, pdl_supported, score_mods, unit_last_stride,
 )
 from flashtile.reference.decoding import default_safe_range
 from flashtile.reference.masks import normalize_window
@@ -119,17 +119,6 @@ _FLAG_ABOVE, _FLAG_BELOW, _FLAG_OVERFLOW = tl.constexpr(1), tl.constexpr(2), tl.
 # Triton kernels
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """``acc + a @ b``; ``UPCAST_DOT`` works around the interpreter's bf16 dot
-    (it multiplies bf16 bit patterns): fp32 operands, exact for bf16."""
-    if UPCAST_DOT:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        c = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return c
-
-
-@triton.jit
 def _tile_offsets(
     BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -163,7 +152,7 @@ def _tile_scores(
     """Modified scores of one tile in base-2 units, (BLOCK_M, BLOCK_N) fp32, and
     the allowed mask (sequence tail, causal / window).  ``offs_t`` are the packed
     rows' token indices, ``slope`` their ALiBi slopes as a (BLOCK_M, 1) column."""
-    qk = _mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
+    qk = mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
     if HAS_SOFTCAP or HAS_ALIBI:
         s, _ = score_mods(qk * sm_scale, offs_t, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         s = s * _LOG2E
@@ -275,7 +264,7 @@ def _decode_split_kernel(
             flag = flag | tl.max((ok & (dev < lo2)).to(tl.int32), 1) * _FLAG_BELOW
             p = tl.where(ok, tl.math.exp2(dev), 0.0)
             l_i = l_i + tl.sum(p, 1)
-            acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
+            acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
         else:
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -284,7 +273,7 @@ def _decode_split_kernel(
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
             m_i = m_new
 
     if UNIFIED:

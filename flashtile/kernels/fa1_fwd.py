@@ -65,7 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import SUPPORTED_DTYPES, allowed, check_kernel_tensors, interpreting, unit_last_stride
+from flashtile.kernels._common import (
+    SUPPORTED_DTYPES, allowed, check_kernel_tensors, interpreting, mma, unit_last_stride,
+)
 
 __all__ = ["fa1_forward", "fa1_tiles", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
@@ -77,17 +79,6 @@ _MAX_TILE = 128
 # --------------------------------------------------------------------------- #
 # Triton kernel
 # --------------------------------------------------------------------------- #
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """``acc + a @ b``.  ``UPCAST_DOT`` works around the interpreter, whose dot
-    multiplies bf16 bit patterns: operands go to fp32 first (exact for bf16)."""
-    if UPCAST_DOT:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        r = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return r
-
-
 @triton.jit
 def _safe(m):
     """-inf -> 0, so that ``x - safe(m)`` stays -inf (not NaN) on rows with no key yet."""
@@ -132,7 +123,7 @@ def _inner_step(
     m_i = tl.load(m_base + offs_m, mask=row_ok, other=float("-inf"))
 
     # line 9: S_ij = scale * Q_i K_j^T, masked elements -inf (no tile is skipped)
-    s = _dot(q, k, None, DOT_PRECISION, UPCAST_DOT) * sm_scale
+    s = mma(q, k, None, DOT_PRECISION, UPCAST_DOT) * sm_scale
     if CAUSAL or not EVEN_N:
         ok = allowed(offs_m, offs_n, seqlen_q, seqlen_k, -1, 0, not EVEN_N, False, CAUSAL)
         s = tl.where(ok, s, float("-inf"))
@@ -150,7 +141,7 @@ def _inner_step(
 
     # line 12: rescale the old (normalised) O_i back to a numerator, add P~ V_j, renormalise.
     # P~ is rounded to V's dtype for the tensor-core GEMM, as in every FlashAttention kernel.
-    pv = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST_DOT)
+    pv = mma(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST_DOT)
     num = (l_i * alpha)[:, None] * o + beta[:, None] * pv
     inv_l = 1.0 / tl.where(l_new > 0.0, l_new, 1.0)  # l_new = 0 only where num = 0 (no key yet)
     o = num * inv_l[:, None]

@@ -68,6 +68,7 @@ from flashtile.kernels._common import (
     check_kernel_tensors,
     dropout_keep,
     interpreting,
+    mma,
     score_mods,
     unit_last_stride,
 )
@@ -98,18 +99,6 @@ def _load_bias(ptrs, offs_m, offs_n, seqlen_q, seqlen_k, CHECK_M: tl.constexpr, 
     else:
         b = tl.load(ptrs)
     return b.to(tl.float32)
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """``acc + a @ b`` on the tensor cores.  ``UPCAST_DOT`` is for Triton's
-    interpreter only, whose dot multiplies bf16 *bit patterns* (it stores bf16
-    as uint16): operands go to fp32 first, which is exact for bf16."""
-    if UPCAST_DOT:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        c = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return c
 
 
 @triton.jit
@@ -168,7 +157,7 @@ def _fwd_tiles(
                 k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
                 v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
 
-        qk = _mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
+        qk = mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
         if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:
             s, _ = score_mods(qk * sm_scale, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
             if HAS_BIAS:
@@ -209,7 +198,7 @@ def _fwd_tiles(
             p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None]
         # P is rounded to the input dtype for the second GEMM (fp16/bf16 tensor cores)
-        acc = _mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
+        acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
     return acc, l_i, m_i
 
