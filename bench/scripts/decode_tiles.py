@@ -16,7 +16,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from flashtile.bench.decode import host_us
+from flashtile.bench.decode import forced_decode, host_us
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
@@ -84,19 +84,9 @@ def main():
         rows = []
         for bn, warps, stages, smul in itertools.product((64, 128), (4, 8), (2, 3, 4), (0.5, 1, 2)):
             s = max(1, min(dec.MAX_SPLITS, int(base.n_splits * smul)))
-            plan = base._replace(block_n=bn, num_warps=warps, num_stages=stages, n_splits=s,
-                                 block_s=max(2, 1 << (s - 1).bit_length()))
             rec = {"block_n": bn, "warps": warps, "stages": stages, "splits": s}
             try:
-                launch = dec.DecodeLaunch(plan, b, 1, HQ, HK, D, q.dtype, q.stride(), k.stride(), v.stride(),
-                                          None, None, None, -1, 0, False, False, None)
-
-                def run():
-                    o = torch.empty_like(q)
-                    lse = torch.empty(b, HQ, 1, device="cuda", dtype=torch.float32)
-                    launch(q, k, v, lens, None, None, None, o, lse, None, D ** -0.5, 0.0, None)
-                    return o
-
+                run = forced_decode(q, k, v, lens, block_n=bn, num_warps=warps, num_stages=stages, n_splits=s)
                 o = run()
                 rec["err"] = float((o.float() - ref).norm() / ref.norm())
                 assert rec["err"] < 2e-2, rec

@@ -2,8 +2,8 @@
 
 Attention (bf16, batch·seqlen = 16k tokens, heads = 2048/d, as `flashtile bench attention`):
   forward; forward+backward with the backward's kernels launched with and without PDL.
-Decode (bf16, q heads 32, kv heads 8, d 128, as `flashtile bench decode`): eager calls with the
-  merge kernel launched with and without PDL; CUDA-graph replays (which always launch it plainly).
+The decode half of the results (the merge kernel launched with and without PDL) was measured by the
+version of this script before bench/NOTES.md attempt 17, which folded the merge into the split kernel.
 The first version of this script (results/loop_pdl_H100_2026-11-23.json) also toggled a temporary
 ONE_LOOP switch of the kernels, removed after that run (bench/NOTES.md attempt 14).
 Every variant is first checked against fp32 math (sampled rows; gradients against SDPA-flash's),
@@ -18,15 +18,11 @@ import statistics
 import sys
 
 import torch
-from triton.testing import do_bench
 
 from flashtile import flash_attn_func
 from flashtile.bench.attention import _reference_rows
 from flashtile.bench.common import environment, median_ms, rel_err
-from flashtile.bench.decode import _graphed
-from flashtile.kernels import decode as dec
 from flashtile.kernels import fa2_bwd
-from flashtile.ops import kvcache
 
 ROUNDS = 3
 QUICK = "--quick" in sys.argv
@@ -110,51 +106,9 @@ def attention_point(d, n, causal, window=(-1, -1)):
     return row
 
 
-def graph_us(fn):
-    """Median µs of ``fn`` replayed from a CUDA graph (the bench's own capture helper)."""
-    return median_ms(_graphed(fn)) * 1e3
-
-
-def decode_point(b, n):
-    hq, hk, d = 32, 8, 128
-    torch.manual_seed(b * 7 + n)
-    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, n, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    ref = sdpa_flash(q, k, v, False).float()
-    orig = dec.pdl_supported
-    row = {"batch": b, "cache": n, "err": {}}
-    fns_graph, fns_eager = {}, {}
-    f = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)  # noqa: E731
-    for pdl in (False, True):
-        set_decode_pdl(pdl, orig)
-        row["err"][f"pdl={int(pdl)}"] = float((f().float() - ref).norm() / ref.norm())
-        fns_eager[f"ours pdl={int(pdl)}"] = (lambda p=pdl: (set_decode_pdl(p, orig), do_bench(f, return_mode="median") * 1e3)[1])
-    set_decode_pdl(True, orig)
-    fns_graph["ours"] = lambda: graph_us(f)
-    fns_graph["sdpa-flash"] = lambda: graph_us(lambda: sdpa_flash(q, k, v, False))
-    fns_eager["sdpa-flash"] = lambda: do_bench(lambda: sdpa_flash(q, k, v, False), return_mode="median") * 1e3
-    row["graph_us"], row["graph_rounds"] = rounds(fns_graph)
-    row["eager_us"], row["eager_rounds"] = rounds(fns_eager)
-    set_decode_pdl(True, orig)
-    nbytes = 2 * b * n * hk * d * 2
-    row["gbps_graph"] = {k_: nbytes / (us * 1e-6) / 1e9 for k_, us in row["graph_us"].items()}
-    return row
-
-
-def set_decode_pdl(p, orig):
-    dec.pdl_supported = lambda dev: p and orig(dev)
-    dec._decode_launch.cache_clear()
-    kvcache._CALLS.clear()
-
-
-from flashtile.ops.kvcache import flash_attn_with_kvcache  # noqa: E402
-
-
 def main():
     out = {"env": environment(), "command": "PYTHONPATH=. python3 bench/scripts/loop_pdl.py" + (" --quick" if QUICK else ""),
-           "attention": [], "decode": []}
+           "attention": []}
     points = [(128, 1024, True), (128, 2048, True), (64, 1024, True), (64, 2048, True), (128, 4096, True),
               (64, 4096, True), (128, 8192, True), (128, 1000, False), (128, 4096, False)]
     if QUICK:
@@ -168,11 +122,6 @@ def main():
     out["attention"].append(row)
     print(json.dumps({k_: row[k_] for k_ in ("d", "n", "window", "fwd_tflops", "fwd_bwd_tflops")},
                      default=lambda x: round(x, 4)), flush=True)
-    for b, n in ((1, 1024), (1, 4096), (1, 32768), (8, 32768), (1, 131072)):
-        row = decode_point(b, n)
-        out["decode"].append(row)
-        print(json.dumps({k_: row[k_] for k_ in ("batch", "cache", "graph_us", "eager_us", "err")},
-                         default=lambda x: round(x, 3)), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "loop_pdl.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
@@ -186,10 +135,6 @@ def main():
         fb = " ".join(f"{k_.replace('ours ', '')}={v_:.0f}" + (f"({v_ / peer_b:.3f})" if peer_b else "")
                       for k_, v_ in r["fwd_bwd_tflops"].items() if k_ != "sdpa-flash")
         print(f"d={r['d']} n={r['n']} causal={r['causal']} win={r['window']}\n  fwd: {fw}\n  f+b: {fb}")
-    print("\ndecode: us (graph / eager)")
-    for r in out["decode"]:
-        print(r["batch"], r["cache"], {k_: round(v_, 1) for k_, v_ in r["graph_us"].items()},
-              {k_: round(v_, 1) for k_, v_ in r["eager_us"].items()})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ random inputs:
 
 * ``flashtile``        — :func:`flashtile.ops.kvcache.flash_attn_with_kvcache`, contiguous cache
 * ``flashtile-paged``  — the same with 256-key pages in random physical order
-* ``flashtile-pp``     — contiguous, FlashDecoding++ (``unified_max=0``; includes its flag read-back sync)
+* ``flashtile-pp``     — contiguous, FlashDecoding++ (``unified_max=0``)
 * ``flashtile-kernel`` — :func:`flashtile.kernels.decode.flash_decode` on the contiguous cache: the
   kernel wrapper with its own argument checks, without the API's cache_seqlens/block-table validation
 * ``sdpa-flash``       — SDPA, FLASH_ATTENTION backend, ``enable_gqa=True``, on (B, H, L, d) views of the contiguous cache
@@ -40,7 +40,11 @@ L2 full of someone else's dirty lines to write back (50 MB on an H100: 27%
 of the traffic of a 134 MB cache read).  The ``CLEAN_TIMED`` providers are also
 timed after a read-only flush (:func:`flashtile.bench.common.median_ms_clean_l2`):
 ``gbps_clean_l2``, ``of_copy_bw_clean_l2`` (against the 2 GB copy, which that
-write-back does not move) and ``speedup["clean L2: sdpa-flash"]``.
+write-back does not move) and ``speedup["clean L2: sdpa-flash"]``.  That flush
+is long (``CLEAN_FLUSH``), so these times are the device's even at short caches,
+where an eager call's 50-100 µs of host time would otherwise decide the do_bench
+ratio (its rounds there flip between host- and device-bound, bench/NOTES.md
+attempt 17).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, median_ms_clean_l2, rel_err, write_json
 
-__all__ = ["run_decode_bench", "copy_bandwidth", "PROVIDERS", "GRID"]
+__all__ = ["run_decode_bench", "copy_bandwidth", "forced_decode", "PROVIDERS", "GRID"]
 
 HQ, HK, D, PAGE = 32, 8, 128, 256
 GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
@@ -64,7 +68,10 @@ PROVIDERS = (
 )
 ROUNDS = 3  # eager medians per provider, taken in interleaved rounds; the point reports their median
 HOST_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash")
-CLEAN_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash", "sdpa-cudnn")  # also timed after a read-only L2 flush
+CLEAN_TIMED = ("flashtile", "flashtile-paged", "flashtile-pp", "sdpa-flash", "sdpa-cudnn")  # also timed after a read-only L2 flush
+# that flush reads 1 GB (~0.35 ms on an H100): long enough that the host has enqueued the timed call (50-100 us
+# on the bench host) before the GPU reaches it, so a short-cache call is timed on the device, not the host
+CLEAN_FLUSH = 1 << 30
 MEMORY_LIMIT = 60e9  # bytes the three cache copies of a point may take
 
 
@@ -134,6 +141,31 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
         "flashtile-paged-graph": _graphed(paged),
         "sdpa-flash-graph": _graphed(sdpa),
     }
+
+
+def forced_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, *,
+    block_n: int, num_warps: int, num_stages: int, n_splits: int,
+) -> Callable[[], torch.Tensor]:
+    """A contiguous-cache decode call (safe path, no window) with its tile config forced, for config
+    sweeps: ``n_splits`` goes through :func:`~flashtile.kernels.decode.decode_plan` (which sizes the
+    merge tile from it), the tile, warps and stages replace the heuristic's.  Returns ``run() -> out``."""
+    from flashtile.kernels import decode as dec
+
+    b, nq, hq, d = q.shape
+    hk = k.shape[2]
+    plan = dec.decode_plan(b, nq, hq, hk, d, None, k.shape[1], n_splits, q.device)
+    plan = plan._replace(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    launch = dec.DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), k.stride(), v.stride(),
+                              None, None, None, -1, -1, False, False)
+
+    def run() -> torch.Tensor:
+        out = torch.empty_like(q)
+        lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)
+        launch(q, k, v, lens, None, None, out, lse, None, d ** -0.5, 0.0, None)
+        return out
+
+    return run
 
 
 def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -227,13 +259,18 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
     for _ in range(ROUNDS):
         for name in CLEAN_TIMED:
             if row["ms"].get(name):
-                clean.setdefault(name, []).append(median_ms_clean_l2(fns[name]))
+                clean.setdefault(name, []).append(median_ms_clean_l2(fns[name], flush_bytes=CLEAN_FLUSH))
     row["ms_clean_l2"] = {name: statistics.median(t) for name, t in clean.items()}
     row["gbps_clean_l2"] = {name: kv_bytes / (ms * 1e-3) / 1e9 for name, ms in row["ms_clean_l2"].items()}
     row["of_copy_bw_clean_l2"] = {name: g / copy_gbps for name, g in row["gbps_clean_l2"].items()}
-    row["copy_gbps_same_bytes_clean_l2"] = copy_bandwidth(kv_bytes // 2, timer=median_ms_clean_l2)
+    row["copy_gbps_same_bytes_clean_l2"] = copy_bandwidth(
+        kv_bytes // 2, timer=lambda fn: median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH)
+    )
     if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get("sdpa-flash"):
         row["speedup"]["clean L2: sdpa-flash"] = row["ms_clean_l2"]["sdpa-flash"] / row["ms_clean_l2"]["flashtile"]
+    if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get("flashtile-pp"):
+        # FlashDecoding++'s speed against our safe path (> 1: the unified max is faster)
+        row["speedup"]["clean L2: unified/safe"] = row["ms_clean_l2"]["flashtile"] / row["ms_clean_l2"]["flashtile-pp"]
     # do_bench flushes L2 before each call, which gives the host a head start of the flush's
     # duration: a call whose host time exceeds it is timed partly on the host.  Reported so
     # that a reader sees which side bounds a short-cache point.

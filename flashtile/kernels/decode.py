@@ -31,29 +31,33 @@ workspaces of shape (B, Hq, Nq, S, d) and (B, Hq, Nq, S).  Normalised partials
 are bounded by max|v|, so the workspace never overflows, and they are exactly
 the inputs of :func:`flashtile.reference.decoding.merge_partials`.
 
-Kernel 2 (``_decode_merge_kernel``), grid ``(Nq * Hq, B)``: one program per
-output row merges its S partials (FA1 Algorithm 1, lines 11-12, done once
-across splits):
+The merge (FA1 Algorithm 1, lines 11-12, done once across splits), for the
+packed rows of one tile:
 
     lse = log sum_c exp(LSE_c),    O = sum_c exp(LSE_c - lse) O_c
 
-(all LSE_c = -inf: O = 0, lse = -inf) and writes ``out`` (B, Nq, Hq, d) in the
-dtype of q and ``lse`` (B, Hq, Nq) fp32.
+(all LSE_c = -inf: O = 0, lse = -inf), writing ``out`` (B, Nq, Hq, d) in the
+dtype of q and ``lse`` (B, Hq, Nq) fp32.  Called eagerly, kernel 1 merges too:
+each program increments its tile's arrival counter (acq_rel, after a barrier
+that orders every thread's partial stores before it), and the program that
+arrives last merges the tile's rows and resets the counter to zero for the
+next launch (:func:`arrival_counters`).  While a CUDA graph is captured the
+merge is a second kernel (``_decode_merge_kernel``, one program per packed
+row, bitwise the same merge) instead (see :class:`DecodeLaunch`).  With one split kernel 1 writes the
+outputs itself.
 
 FlashDecoding++ (``unified_max = phi``, Section 3 "asynchronized softmax"):
-kernel 1 takes no running max; it accumulates ``num = sum_j exp(s_j - phi) v_j``
+the split's sweep takes no running max; it accumulates ``num = sum_j exp(s_j - phi) v_j``
 and ``den = sum_j exp(s_j - phi)`` (fp32, P rounded to the input dtype for the
-P V product as on the safe path) and stores these *unnormalised* sums in the
-partial slots; kernel 2 just adds them, ``O = num / den``, ``lse = phi + log den``.
-Kernel 1 also flags, per row and split, an allowed score with ``s - phi``
-above ``hi`` (bit 1: exp2 could overflow) or below ``lo`` (bit 2: the term
-could lose precision), and kernel 2 ORs the flags over splits and adds bit 4
-when the summed num/den is not finite.  The *fallback* then reruns both
-kernels on the safe path for the batch elements with any flagged row (a
-``BatchIdx`` list maps the grid's batch slot to the element, so only those
-elements are recomputed, all of their rows, exactly).  Reading the flags
-costs one device-to-host sync per call.  ``[lo, hi]`` defaults to
-:func:`default_unified_range`.
+P V product as on the safe path), so no tile rescales the accumulator, and its
+partial is ``(num / den, phi + log den)``.  It flags, per row, an allowed score
+with ``s - phi`` above ``hi`` (bit 1: exp2 could overflow) or below ``lo``
+(bit 2: the term could lose precision), and a non-finite ``num`` / ``den``
+(bit 4).  The *fallback* is exact and stays on the device: a program with a
+flagged row reruns its own keys on the safe path (every row of its tile), so
+only the splits that left the range pay, and there is no host round trip (the
+call can be captured in a CUDA graph).  The merge ORs the flags over splits
+into ``flags`` (B, Hq, Nq).  ``[lo, hi]`` defaults to :func:`default_unified_range`.
 
 Paged cache: ``k_cache`` / ``v_cache`` (num_pages, page_size, Hk, d) and
 ``block_table`` (B, max_pages) int32, logical page p of element b living in
@@ -79,11 +83,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels._launch import KernelLauncher
 from flashtile.kernels._common import (
-    LN2, LOG2E, allowed, check_kernel_tensors, interpreting, mma, pdl_supported, score_mods, unit_last_stride,
+    LN2, LOG2E, allowed, check_kernel_tensors, interpreting, mma, score_mods, unit_last_stride,
 )
 from flashtile.reference.decoding import default_safe_range
 from flashtile.reference.masks import normalize_window
@@ -163,11 +166,153 @@ def _tile_scores(
 
 
 @triton.jit
+def _sweep(
+    q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
+    seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
+    stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UNIFIED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag)`` in base 2.
+
+    Safe (FA2 Algorithm 1, lines 8-10): running max ``m``, ``acc`` and ``l`` rescaled by
+    ``exp2(m - m')`` whenever it grows.  ``UNIFIED`` (FlashDecoding++): ``m = phi2`` fixed,
+    no max and no rescaling, and ``flag`` marks rows with an allowed score outside
+    ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    if UNIFIED:
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + phi2
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        kv_ok = offs_n < seqlen_k
+        k_off, v_off = _tile_offsets(
+            BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_SIZE
+        )
+        k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        s, ok = _tile_scores(
+            q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
+            window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
+        )
+        if UNIFIED:
+            dev = s - phi2
+            ok = ok & row_ok[:, None]
+            flag = flag | tl.max((ok & (dev > hi2)).to(tl.int32), 1) * _FLAG_ABOVE
+            flag = flag | tl.max((ok & (dev < lo2)).to(tl.int32), 1) * _FLAG_BELOW
+            p = tl.where(ok, tl.math.exp2(dev), 0.0)
+            l_i = l_i + tl.sum(p, 1)
+            acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
+        else:
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # safe max: rows with nothing allowed yet keep m = -inf; exp2(-inf - 0) = 0, not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
+            m_i = m_new
+    return acc, l_i, m_i, flag
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _merge_rows(
+    Work, FPart, Out, Lse, Flags, off_b, off_hk, r_lo, r_hi,
+    stride_ob, stride_on, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
+    MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr,
+):
+    """Merge the S partials of packed rows ``[r_lo, r_hi)`` into ``out`` / ``lse`` (FA1 Algorithm 1, lines 11-12):
+
+        lse = log sum_c exp(LSE_c),    O = sum_c exp(LSE_c - lse) O_c
+
+    (all LSE_c = -inf: O = 0, lse = -inf).  ``MERGE_M`` rows and ``MERGE_S`` splits per
+    load, one (MERGE_M, MERGE_S, BLOCK_D) tile: the partials are read with wide loads in
+    parallel, not one split after another (bench/NOTES.md attempt 8), and chunks of
+    splits combine by the same running-max rescaling as the key tiles.  Loads bypass
+    L1 (``.cg``): the partials were written by other SMs during this launch."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for r0 in range(r_lo, r_hi, MERGE_M):
+        offs_r = r0 + tl.arange(0, MERGE_M)
+        r_ok = offs_r < r_hi
+        offs_t = offs_r % seqlen_q
+        offs_h = off_hk * kv_group + offs_r // seqlen_q
+        row = (off_b * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq)
+        prow = row.to(tl.int64) * n_splits
+        m = tl.full((MERGE_M,), float("-inf"), dtype=tl.float32)
+        tot = tl.zeros((MERGE_M,), dtype=tl.float32)
+        acc = tl.zeros((MERGE_M, BLOCK_D), dtype=tl.float32)
+        flag = tl.zeros((MERGE_M,), dtype=tl.int32)
+        for c0 in range(0, n_splits, MERGE_S):
+            offs_c = c0 + tl.arange(0, MERGE_S)
+            ok = r_ok[:, None] & (offs_c < n_splits)[None, :]
+            idx = prow[:, None] + offs_c[None, :]
+            lses = tl.load(Work + lse_offset + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(
+                Work + idx[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, tl.max(lses, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.math.exp2((lses - m_safe[:, None]) * _LOG2E)  # -inf partials (empty, masked) weigh 0
+            alpha = tl.math.exp2((m - m_safe) * _LOG2E)
+            tot = tot * alpha + tl.sum(w, 1)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+            m = m_new
+            if UNIFIED:
+                f = tl.load(FPart + idx, mask=ok, other=0, cache_modifier=".cg").to(tl.int32)
+                flag = flag | tl.reduce(f, 1, _bit_or)
+        live = tot > 0.0
+        tot_safe = tl.where(live, tot, 1.0)
+        lse = tl.where(live, tl.where(m == float("-inf"), 0.0, m) + tl.log(tot_safe), float("-inf"))
+        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t * stride_on + offs_h * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, (acc / tot_safe[:, None]).to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < head_dim)[None, :])
+        tl.store(Lse + row, lse, mask=r_ok)
+        if UNIFIED:
+            tl.store(Flags + row, flag, mask=r_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Work, FPart, Out, Lse, Flags,
+    stride_ob, stride_on, stride_oh,
+    n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
+    BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNIFIED: tl.constexpr,
+):
+    """Kernel 2 (CUDA-graph capture only): program (b·Hk + h, m) merges packed rows
+    ``[m BLOCK_M, (m + 1) BLOCK_M)`` of kv head h of batch element b, with the fused merge's
+    code and split chunk (a graph replay gives the same bits as an eager call: GPU test)."""
+    pid_bh = tl.program_id(0)
+    r_lo = tl.program_id(1) * BLOCK_M
+    _merge_rows(
+        Work, FPart, Out, Lse, Flags, pid_bh // n_heads_k, pid_bh % n_heads_k, r_lo,
+        tl.minimum(r_lo + BLOCK_M, kv_group * seqlen_q),
+        stride_ob, stride_on, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
+        MERGE_M, MERGE_S, BLOCK_D, UNIFIED,
+    )
+
+
+@triton.jit
 def _decode_split_kernel(
-    Q, K, V, BlockTable, SeqlensK, BatchIdx, Alibi,
-    Work,  # fp32 workspace: partial outputs (slots, Hq, Nq, S, BLOCK_D), then at lse_offset partial LSEs (slots, Hq, Nq, S)
+    Q, K, V, BlockTable, SeqlensK, Alibi,
+    Work,  # fp32 workspace: partial outputs (B, Hq, Nq, S, BLOCK_D), then at lse_offset partial LSEs (B, Hq, Nq, S)
     FPart,  # int8 flags per partial (FlashDecoding++ only)
-    Out, Lse,  # final outputs, written here directly when WRITE_OUT (one split, safe path)
+    Count,  # int32 arrival counter per (batch element, kv head, row tile), FUSED only: zero on entry and exit
+    Out, Lse, Flags,  # final outputs (Flags: FlashDecoding++ only)
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
     # ints (fixed for a problem signature: kernels/_launch.py binds them once)
     stride_qb, stride_qn, stride_qh,
@@ -181,29 +326,26 @@ def _decode_split_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    EVEN_D: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, WRITE_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_D: tl.constexpr, WRITE_OUT: tl.constexpr,
+    FUSED: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
 ):
-    """One split of one (batch slot, kv head) for ``BLOCK_M`` packed (head, token) rows.
+    """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
+    with ``FUSED`` the split that finishes last for those rows also merges all their splits.
 
     ``EVEN_D`` (head_dim == BLOCK_D) drops the head-dim mask: a mask that varies
     along the contiguous axis stops Triton from issuing 16-byte vector loads,
     and the K/V loads are the whole cost of decoding."""
-    if USE_PDL:  # the merge kernel may start its programs now; they wait for this grid to finish
-        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
-    slot = pid_bh // n_heads_k
+    off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    if HAS_BATCH_IDX:
-        off_b = tl.load(BatchIdx + slot)
-    else:
-        off_b = slot
     seqlen_k = tl.load(SeqlensK + off_b)
 
     # packed rows: r -> (q head off_hk * G + r // Nq, token r % Nq)
+    n_rows = kv_group * seqlen_q
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_r < kv_group * seqlen_q
+    row_ok = offs_r < n_rows
     offs_t = offs_r % seqlen_q
     offs_h = off_hk * kv_group + offs_r // seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
@@ -238,121 +380,65 @@ def _decode_split_kernel(
     k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
     v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    qk_scale = sm_scale * _LOG2E
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(start, end, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + offs_n0
-        kv_ok = offs_n < seqlen_k
-        k_off, v_off = _tile_offsets(
-            BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_SIZE
-        )
-        k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        s, ok = _tile_scores(
-            q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
-            window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
-        )
-        if UNIFIED:
-            # FlashDecoding++: exp against the fixed phi, no max, no rescaling of acc
-            dev = s - phi2
-            flag = flag | tl.max((ok & (dev > hi2)).to(tl.int32), 1) * _FLAG_ABOVE
-            flag = flag | tl.max((ok & (dev < lo2)).to(tl.int32), 1) * _FLAG_BELOW
-            p = tl.where(ok, tl.math.exp2(dev), 0.0)
-            l_i = l_i + tl.sum(p, 1)
-            acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST_DOT)
-        else:
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # safe max: rows with nothing allowed yet keep m = -inf; exp2(-inf - 0) = 0, not NaN
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
-            m_i = m_new
-
+    acc, l_i, m_i, flag = _sweep(
+        q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
+        seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
+        stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+        BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        UNIFIED, DOT_PRECISION, UPCAST_DOT,
+    )
     if UNIFIED:
-        o_part = acc  # numerator; the denominator goes to the LSE slot
-        l_part = l_i
-    else:
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        o_part = acc / l_safe[:, None]
-        l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
+        # bit 4: the fp32 sums overflowed (|v| large enough that exp(s - phi) v passes fp32's range);
+        # NaN compares False, so NaN counts as not finite too
+        not_finite = tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1) + tl.where(l_i < float("inf"), 0, 1)
+        flag = flag | tl.where((not_finite > 0) & row_ok, _FLAG_OVERFLOW, 0)
+        if tl.max(flag, 0) != 0:
+            # FlashDecoding++'s fallback, done here: this split's rows are recomputed exactly on the
+            # safe path (its keys are read again; no host round trip, so a CUDA graph can hold it)
+            acc, l_i, m_i, _ = _sweep(
+                q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
+                seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
+                stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+                BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                False, DOT_PRECISION, UPCAST_DOT,
+            )
 
+    # normalised partial: O_c = acc / l, LSE_c = (m + log2 l) ln 2 (an empty split or masked row: 0, -inf)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o_part = acc / l_safe[:, None]
+    l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
+    row = (off_b * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq)
     if WRITE_OUT:
         # a single split is already the answer (the merge of one partial is the identity)
         o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t * stride_on + offs_h * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, o_part.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(Lse + (off_b * n_heads_q + offs_h) * seqlen_q + offs_t, l_part, mask=row_ok)
+        tl.store(Lse + row, l_part, mask=row_ok)
+        if UNIFIED:
+            tl.store(Flags + row, flag, mask=row_ok)
     else:
-        # workspace row of (slot, head, token) is contiguous over the S splits
-        prow = ((slot * n_heads_q + offs_h) * seqlen_q + offs_t).to(tl.int64) * n_splits + split
+        # workspace row of (batch element, head, token) is contiguous over the S splits
+        prow = row.to(tl.int64) * n_splits + split
         tl.store(Work + prow[:, None] * BLOCK_D + offs_d[None, :], o_part, mask=row_ok[:, None])
         tl.store(Work + lse_offset + prow, l_part, mask=row_ok)
         if UNIFIED:
             tl.store(FPart + prow, flag.to(tl.int8), mask=row_ok)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    Work, FPart, Out, Lse, Flags, BatchIdx,
-    phi,
-    stride_ob, stride_on, stride_oh,
-    n_heads_q, seqlen_q, head_dim, n_splits, lse_offset,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Merge the S partials of output row (slot, q head h, token t) (FA1 Algorithm 1, lines 11-12).
-
-    With ``USE_PDL`` it is launched as a programmatic dependent of kernel 1 (its launch
-    overlaps kernel 1's last programs) and waits for kernel 1 before reading the partials."""
-    if USE_PDL:
-        gdc_wait()
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    off_h = pid // seqlen_q
-    off_t = pid % seqlen_q
-    if HAS_BATCH_IDX:
-        off_b = tl.load(BatchIdx + slot)
-    else:
-        off_b = slot
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < n_splits
-    prow = ((slot * n_heads_q + off_h) * seqlen_q + off_t).to(tl.int64) * n_splits
-    o = tl.load(Work + (prow + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    if UNIFIED:
-        den_parts = tl.load(Work + lse_offset + prow + offs_s, mask=s_ok, other=0.0)
-        num = tl.sum(o, 0)
-        den = tl.sum(den_parts, 0)
-        flag = tl.max(tl.load(FPart + prow + offs_s, mask=s_ok, other=0).to(tl.int32), 0)
-        # NaN compares False, so NaN as well as +-inf counts as not finite
-        finite = (tl.min((tl.abs(num) < float("inf")).to(tl.int32), 0) == 1) & (den < float("inf"))
-        flag = flag | tl.where(finite, 0, _FLAG_OVERFLOW)
-        live = den > 0.0  # den = 0 with no below-flag: the row has no allowed key
-        den_safe = tl.where(live, den, 1.0)
-        out = num / den_safe
-        lse = tl.where(live, phi + tl.log(den_safe), float("-inf"))
-        tl.store(Flags + (off_b * n_heads_q + off_h) * seqlen_q + off_t, flag)
-    else:
-        lses = tl.load(Work + lse_offset + prow + offs_s, mask=s_ok, other=float("-inf"))
-        m = tl.max(lses, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.math.exp2((lses - m_safe) * _LOG2E)  # -inf partials (empty, masked) weigh 0
-        tot = tl.sum(w, 0)
-        live = tot > 0.0
-        tot_safe = tl.where(live, tot, 1.0)
-        out = tl.sum(w[:, None] * o, 0) / tot_safe
-        lse = tl.where(live, m_safe + tl.log(tot_safe), float("-inf"))
-    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_t * stride_on + off_h * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
-    tl.store(Lse + (off_b * n_heads_q + off_h) * seqlen_q + off_t, lse)
+        if FUSED:
+            # Arrival: every thread's stores above precede the release (a barrier, then one acq_rel
+            # atomic per program); the program that arrives last acquires them all, merges the
+            # tile's rows and resets the counter for the next launch on this stream.  One launch
+            # instead of two: the same device time, one launch less of host time (bench/NOTES.md
+            # attempt 17).
+            tl.debug_barrier()
+            counter = Count + pid_bh * tl.num_programs(2) + pid_m
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                tl.store(counter, 0)
+                r_lo = pid_m * BLOCK_M
+                _merge_rows(
+                    Work, FPart, Out, Lse, Flags, off_b, off_hk, r_lo, tl.minimum(r_lo + BLOCK_M, n_rows),
+                    stride_ob, stride_on, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
+                    MERGE_M, MERGE_S, BLOCK_D, UNIFIED,
+                )
 
 
 # --------------------------------------------------------------------------- #
@@ -452,7 +538,7 @@ def default_unified_range(dtype: torch.dtype, max_seqlen: int) -> tuple[float, f
 # Python wrapper
 # --------------------------------------------------------------------------- #
 class DecodePlan(NamedTuple):
-    """Launch parameters of one problem shape: tiles, warps, stages, split count and row tiles."""
+    """Launch parameters of one problem shape: tiles, warps, stages, split count, row tiles, merge tile."""
 
     block_m: int
     block_n: int
@@ -461,8 +547,13 @@ class DecodePlan(NamedTuple):
     num_stages: int
     n_splits: int
     row_tiles: int  # tiles of BLOCK_M packed (head, token) rows per kv head
-    block_s: int  # merge tile over the splits: next power of two >= n_splits, at least 2
+    merge_m: int  # packed rows per load of the fused merge
+    merge_s: int  # splits per load of the merge
     interpret: bool  # Triton's interpreter runs the kernels (CPU tensors or TRITON_INTERPRET=1)
+
+
+# 64 registers a thread at 4 warps; Hq 32 / Hk 8 / d 128 with 16 splits merges in one load
+_MERGE_TILE = 8192
 
 
 @functools.lru_cache(maxsize=1024)
@@ -470,8 +561,8 @@ def decode_plan(
     b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
     device: torch.device,
 ) -> DecodePlan:
-    """:func:`decode_config` and the split count for one shape.  Pure function of its
-    integer arguments, memoised: a decoding loop asks for the same shape every step,
+    """:func:`decode_config`, the split count and the merge tile for one shape.  Pure function
+    of its integer arguments, memoised: a decoding loop asks for the same shape every step,
     and the host time of a short-cache step is the budget (bench/NOTES.md)."""
     rows = (hq // hk) * nq
     block_m, block_n, warps, stages = decode_config(d, rows, page_size, device)
@@ -481,8 +572,12 @@ def decode_plan(
             b * hk, row_tiles, capacity, _sm_count(device), block_n, per_sm=1 if page_size is None else 2
         )
     block_d = max(16, triton.next_power_of_2(d))
-    block_s = max(2, triton.next_power_of_2(num_splits))
-    return DecodePlan(block_m, block_n, block_d, warps, stages, num_splits, row_tiles, block_s, interpreting(device))
+    # the merge loads (MERGE_M, MERGE_S, BLOCK_D) fp32 partials at once: at most _MERGE_TILE elements
+    merge_s = max(2, min(triton.next_power_of_2(num_splits), _MERGE_TILE // (2 * block_d)))
+    merge_m = max(2, min(triton.next_power_of_2(min(rows, block_m)), _MERGE_TILE // (merge_s * block_d)))
+    return DecodePlan(
+        block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device)
+    )
 
 
 def _check_shapes(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int, int, int]:
@@ -563,88 +658,127 @@ def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, 
     return softmax_scale, softcap, (phi, lo, hi)
 
 
+# Arrival counters of the fused merge, one buffer per (device, stream): each launch leaves its
+# counters at zero (the last program of a tile resets its own), so launches that follow one another
+# on a stream can share a buffer; launches on different streams may overlap and must not.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS_MAX = 64
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 counters for one fused launch on the current stream of ``device``.
+
+    CUDA: a buffer kept per (device, stream), grown when needed, for at most
+    ``_COUNTERS_MAX`` streams (the oldest is dropped; the caching allocator
+    keeps a dropped buffer's memory stream-ordered).  Never used while a CUDA
+    graph is captured (:meth:`DecodeLaunch.__call__` launches two kernels
+    then).  CPU (Triton's interpreter): a fresh buffer per call."""
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is None and len(_COUNTERS) >= _COUNTERS_MAX:
+            _COUNTERS.pop(next(iter(_COUNTERS)))
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class DecodeLaunch:
-    """Kernel 1 and kernel 2 for one problem signature, their static arguments bound once.
+    """The decode kernels for one problem signature, their static arguments bound once.
 
     A signature is everything but the data: the shapes, strides and dtype of q
     and the caches, the block table's row stride and page size, the ALiBi
-    slopes' strides, the window, whether softcap / FlashDecoding++ / a batch
-    index are on, and the :class:`DecodePlan`.  :func:`decode_launch` memoises
-    one instance per signature; calling it allocates the fp32 workspace and
-    launches both kernels through :class:`~flashtile.kernels._launch.KernelLauncher`
-    (Triton's argument binding done once per signature, bench/NOTES.md attempt 10).
+    slopes' strides, the window, whether softcap / FlashDecoding++ are on, and
+    the :class:`DecodePlan`.  :func:`decode_launch` memoises one instance per
+    signature.  Calling it allocates the fp32 workspace and launches, through
+    :class:`~flashtile.kernels._launch.KernelLauncher` (Triton's argument
+    binding done once per signature, bench/NOTES.md attempt 10):
+
+    * one split: kernel 1 alone, which writes the outputs;
+    * eagerly: kernel 1 with the merge fused (its arrival counters from
+      :func:`arrival_counters`): one launch;
+    * while a CUDA graph is captured: kernel 1, then kernel 2 (the merge) as
+      a second node, because a graph replayed on any stream, or two graphs
+      replayed at once, must not share counters, and zeroing fresh ones in the
+      graph would cost a node as well.  In a graph the launch costs no host time.
     """
 
     def __init__(
         self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
         q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
-        left: int, right: int, has_softcap: bool, unified: bool, slots: int | None, pdl: bool = False,
+        left: int, right: int, has_softcap: bool, unified: bool,
     ) -> None:
-        has_batch_idx = slots is not None  # slot i runs batch element batch_idx[i]
-        slots = b if slots is None else slots
         s = plan.n_splits
-        self.write_out = s == 1 and not unified
-        self.rows = slots * hq * nq * s  # partials: one per (slot, head, token, split)
+        self.write_out = s == 1  # one split is the answer: no workspace, no merge
+        self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
         self.lse_offset = self.rows * plan.block_d
+        self.counters = b * hk * plan.row_tiles  # one per program tile (batch element, kv head, row tile)
         self.unified = unified
         so = (nq * hq * d, hq * d, d)  # the output is allocated contiguous
+        shape = (hq, hk, hq // hk, nq, d, s)
         static = (
             *q_strides[:3], *k_strides[:3], *v_strides[:3],
             bt_stride or 0, *(alibi_strides or (0, 0)), *so,
-            hq, hk, hq // hk, nq, d, s, left, right, self.lse_offset,
+            *shape, left, right, self.lse_offset,
             # constexprs, in the kernel's order
             plan.block_m, plan.block_n, plan.block_d, page_size is not None, page_size or 1,
             left >= 0, right >= 0, has_softcap, alibi_strides is not None,
             unified, "tf32", dtype == torch.bfloat16 and plan.interpret,
-            plan.block_d == d, has_batch_idx, self.write_out, pdl and not self.write_out,
-        )  # USE_PDL: kernel 1 lets a dependent kernel 2 start early (a no-op for a plain launch)
-        options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
-        # q, caches, block table, lengths, batch index and slopes come from the caller; the workspace,
-        # flags and outputs are fresh allocations (aligned)
-        self.split = KernelLauncher(
-            _decode_split_kernel, (slots * hk, s, plan.row_tiles), static, options, check=range(7)
+            plan.block_d == d, self.write_out,
         )
-        self.merge = self.merge_pdl = None
+        options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+        grid = (b * hk, s, plan.row_tiles)
+        # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
+        # flags and outputs are aligned allocations
+        merge = (plan.merge_m, plan.merge_s)
+        self.fused = KernelLauncher(_decode_split_kernel, grid, (*static, not self.write_out, *merge), options, check=range(6))
+        self.split = self.merge = None
         if not self.write_out:
-            merge_static = (*so, hq, nq, d, s, self.lse_offset, plan.block_s, plan.block_d, unified, has_batch_idx)
-            warps = dict(num_warps=4 if plan.block_d >= 128 else 2)
-            grid = (nq * hq, slots)
-            self.merge = KernelLauncher(_decode_merge_kernel, grid, (*merge_static, False), warps, check=(5,))
-            # eagerly, kernel 2 goes as a programmatic dependent of kernel 1 (its launch hidden behind
-            # kernel 1: -1 to -2 us per call on an H100); inside a CUDA graph, where launches are
-            # back to back already, the plain launch measured 0.3-0.6 us faster (bench/NOTES.md attempt 15)
-            self.merge_pdl = (
-                KernelLauncher(_decode_merge_kernel, grid, (*merge_static, True), dict(warps, launch_pdl=True), check=(5,))
-                if pdl else None
+            self.split = KernelLauncher(_decode_split_kernel, grid, (*static, False, *merge), options, check=range(6))
+            # one packed row a program, on one warp (two at 8K merge-tile elements): of 1/2/4 rows a
+            # program on 1/2/4 warps, the fastest in a graph (bench/NOTES.md attempt 17)
+            warps = max(1, min(4, 2 * plan.merge_s * plan.block_d // 4096))
+            self.merge = KernelLauncher(
+                _decode_merge_kernel, (b * hk, hq // hk * nq),
+                (*so, *shape, self.lse_offset, 1, 2, plan.merge_s, plan.block_d, unified),
+                dict(num_warps=warps), check=(),
             )
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
-        block_table: torch.Tensor | None, batch_idx: torch.Tensor | None, alibi: torch.Tensor | None,
+        block_table: torch.Tensor | None, alibi: torch.Tensor | None,
         out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
         scale: float, softcap: float, unified: tuple[float, float, float] | None,
     ) -> None:
-        """Launch kernel 1 over the batch slots (slot i is element ``batch_idx[i]``, or i), then
-        kernel 2 unless one split on the safe path wrote ``out`` / ``lse`` itself.  Unused
+        """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags``.  Unused
         pointer slots get a tensor that is already at hand (never dereferenced)."""
+        flags = lse if flags is None else flags
         if self.write_out:
-            work = f_part = lse
+            work = f_part = count = lse
         else:
             work = torch.empty(self.lse_offset + self.rows, dtype=torch.float32, device=q.device)
             f_part = torch.empty(self.rows, dtype=torch.int8, device=q.device) if self.unified else work
+            graph = _capturing(q.device)
+            count = work if graph else arrival_counters(q.device, self.counters)
         phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
-        self.split(
+        args = (
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
-            seqlens_k if batch_idx is None else batch_idx, seqlens_k if alibi is None else alibi,
-            work, f_part, out, lse,
+            seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags,
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
         )
-        if self.merge is not None:
-            pdl = self.merge_pdl is not None and not torch.cuda.is_current_stream_capturing()
-            (self.merge_pdl if pdl else self.merge)(
-                work, f_part, out, lse, lse if flags is None else flags, lse if batch_idx is None else batch_idx, phi
-            )
+        if self.write_out or not graph:
+            self.fused(*args)
+        else:
+            self.split(*args)
+            self.merge(work, f_part, out, lse, flags)
 
 
 @functools.lru_cache(maxsize=256)
@@ -655,10 +789,16 @@ def _decode_launch(*signature) -> DecodeLaunch:
 def decode_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
-    num_splits: int, slots: int | None = None,
+    num_splits: int,
 ) -> tuple[DecodePlan, DecodeLaunch]:
-    """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature."""
+    """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
+
+    With one query token a right window bound allows every key before the cache's end
+    (token Nq - 1 sees keys ``j <= L - 1 + right``), so it is dropped: causal single-token
+    decoding runs the unmasked kernel, as SDPA does (-3 % device time at B=1, 32k keys)."""
     b, nq, hq, d = q.shape
+    if nq == 1 and right >= 0:
+        right = -1
     hk = k_cache.shape[2]
     paged = block_table is not None
     rows = k_cache.shape[1]
@@ -668,7 +808,7 @@ def decode_launch(
     launch = _decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
         block_table.stride(0) if paged else None, rows if paged else None,
-        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified, slots, pdl_supported(q.device),
+        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
     )
     return plan, launch
 
@@ -690,7 +830,7 @@ def run_decode(
     return_flags: bool = False,
     launch: DecodeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The launches of :func:`flash_decode` without its argument checks: ``(out, lse, flags)``.
+    """The launch of :func:`flash_decode` without its argument checks: ``(out, lse, flags)``.
 
     For callers that validated everything already (``flash_attn_with_kvcache``):
     q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
@@ -699,31 +839,26 @@ def run_decode(
     normalised, ``unified`` = (phi, lo, hi) or None.  ``flags`` is None unless
     ``unified`` is set or ``return_flags`` asks for (zero) flags.  ``launch``:
     the :func:`decode_launch` of these arguments, when the caller kept it.
+    No host synchronisation: FlashDecoding++'s fallback happens in the kernel.
     """
     b, nq, hq, d = q.shape
     dev = q.device
-    kw = dict(left=left, right=right, softcap=softcap, num_splits=num_splits)
     if launch is None:
-        launch = decode_launch(q, k_cache, v_cache, block_table, alibi, unified=unified is not None, **kw)[1]
+        launch = decode_launch(
+            q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
+            left=left, right=right, softcap=softcap, num_splits=num_splits,
+        )[1]
     out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
     flags = None
     if unified is not None:
-        flags = torch.empty((b, hq, nq), dtype=torch.int32, device=dev)  # kernel 2 writes every row
+        flags = torch.empty((b, hq, nq), dtype=torch.int32, device=dev)  # the kernel writes every row
     elif return_flags:
         flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev)
     if out.numel() == 0:
         return out, lse, flags
-    slopes = alibi[0] if alibi is not None else None
-    launch(q, k_cache, v_cache, seqlens_k, block_table, None, slopes, out, lse, flags, scale, softcap, unified)
-    if unified is not None:
-        # FlashDecoding++ fallback: batch elements with a flagged row rerun the max-based path (a host read)
-        redo = (flags.view(b, -1) != 0).any(dim=1).nonzero().flatten().to(torch.int32)
-        if redo.numel():
-            _, safe = decode_launch(
-                q, k_cache, v_cache, block_table, alibi, unified=False, slots=int(redo.numel()), **kw
-            )
-            safe(q, k_cache, v_cache, seqlens_k, block_table, redo, slopes, out, lse, flags, scale, softcap, None)
+    launch(q, k_cache, v_cache, seqlens_k, block_table, alibi[0] if alibi is not None else None,
+           out, lse, flags, scale, softcap, unified)
     return out, lse, flags
 
 
@@ -758,9 +893,9 @@ def flash_decode(
     FlashDecoding++'s asynchronous softmax with ``phi = unified_max`` and
     ``safe_range`` (natural units, default :func:`default_unified_range`);
     with ``return_recomputed`` a third value (B, Hq, Nq) int32 holds each
-    row's flag bits (1 above, 2 below, 4 overflow), all zero on the safe path;
-    every batch element with a nonzero flag was recomputed, all of its rows,
-    by the safe path.  Forward only (no autograd).
+    row's flag bits (1 above, 2 below, 4 overflow) ORed over its splits, all
+    zero on the safe path; a split with a flagged row was recomputed exactly by
+    the safe path, on the device.  Forward only (no autograd).
     """
     check_kernel_tensors(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     b, nq, hq, hk, d, capacity = _check_shapes(q, k_cache, v_cache, block_table)

@@ -36,11 +36,12 @@ The other checks read only shapes, strides, dtypes, devices and Python
 values, so their outcome is remembered per *call signature*
 (:func:`_call_key`): a decoding loop pays for them, and for building the
 kernels' launch, once per shape, and every later step goes straight to the
-launches (two kernels bound once, :mod:`flashtile.kernels._launch`).  Both
+launch (one kernel bound once, :mod:`flashtile.kernels._launch`).  Both
 memos are bounded, module-level dictionaries.
 
-CUDA graphs: the safe path (``unified_max=None``) can be captured, as
-inference engines capture a decoding step to take the host out of it.
+CUDA graphs: a call can be captured (the safe path and FlashDecoding++, whose
+exact fallback happens in the kernel), as inference engines capture a decoding
+step to take the host out of it.
 During capture the length / block-table check is skipped (device memory
 cannot be read then, and each replay uses whatever the caller has written
 into the captured ``cache_seqlens`` and ``block_table`` since): keeping them
@@ -258,7 +259,7 @@ class _Call(NamedTuple):
     page_size: int
     capacity: int
     unified: tuple[float, float, float] | None
-    launch: DecodeLaunch | None  # the kernels' bound launch (safe path, q with unit last stride)
+    launch: DecodeLaunch  # the kernel's bound launch (q with unit last stride)
 
 
 def _prepare(
@@ -287,13 +288,11 @@ def _prepare(
     capacity = block_table.shape[1] * page_size if paged else page_size
     _seqlens_check(cache_seqlens, q, dims.batch)
     unified = None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity))
-    launch = None
-    if unified is None:
-        bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
-        launch = decode_launch(
-            unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
-            left=left, right=right, softcap=softcap, unified=False, num_splits=num_splits,
-        )[1]
+    bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
+    launch = decode_launch(
+        unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+        left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
+    )[1]
     return _Call(dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, launch)
 
 
@@ -393,11 +392,6 @@ def flash_attn_with_kvcache(
         lens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
     else:
         lens = torch.full((b,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32, device=q.device)
-    if call.unified is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError(
-            "unified_max (FlashDecoding++) decides its exact fallback on the host from per-row flags, "
-            "which cannot happen inside a CUDA graph: capture with unified_max=None"
-        )
     _validate_lengths(cache_seqlens, lens, call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
 
     if call.n_new:

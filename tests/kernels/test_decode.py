@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashtile.kernels import decode as decode_module
 from flashtile.kernels.decode import (
     FLAG_ABOVE,
     FLAG_BELOW,
@@ -133,6 +134,45 @@ def test_splits_ragged_gqa(device, num_splits):
     # L = 0 sees nothing; L = 1 with Nq = 3 causal: tokens 0, 1 see no key, token 2 sees key 0
     assert torch.all(lse[1] == -math.inf) and torch.all(out[1] == 0)
     assert torch.all(lse[2, :, :2] == -math.inf) and torch.isfinite(lse[2, :, 2]).all()
+
+
+def test_fused_merge_leaves_counters_zero(device, monkeypatch):
+    """Eagerly, the split that arrives last merges and resets its tile's counter: two launches
+    sharing one counter buffer (as launches on one stream do) both merge, and leave it at zero.
+    A missing reset would leave the second launch with no last arrival and ``out`` unwritten."""
+    shared = torch.zeros(64, dtype=torch.int32, device=device)
+    monkeypatch.setattr(decode_module, "arrival_counters", lambda dev, n: shared[:n])
+    q, k, v = make(3, 70, 8, 2, 32, device=device, nq=2, seed=9)
+    lens = torch.tensor([70, 33, 5], dtype=torch.int32, device=device)
+    ref_out, ref_lse = reference(q, k, v, lens, causal=True)
+    for _ in range(2):
+        out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=4)
+        assert int(shared.count_nonzero()) == 0
+        assert_close(out, ref_out, tolerance(torch.float32, device), "out")
+        assert_close(lse, ref_lse, tolerance(torch.float32, device), "lse")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy reports the intended overflow
+@pytest.mark.parametrize("unified", [False, True])
+def test_graph_capture_path_two_kernels(device, monkeypatch, unified):
+    """While a CUDA graph is captured the merge is a second kernel (no counters): the same
+    answer as the fused launch, flags included.  Capture is simulated so the interpreter
+    runs that path; MQA with Nq = 5 gives 5 packed rows, more than one merge program."""
+    q, k, v = make(2, 90, 4, 1, 16, device=device, nq=5, seed=11)
+    q[1] *= 200.0  # with unified_max=0 element 1's splits fall back
+    lens = torch.tensor([90, 41], dtype=torch.int32, device=device)
+    kw = dict(causal=True, num_splits=3, unified_max=0.0 if unified else None, return_recomputed=True)
+    fused = flash_decode(q, k, v, lens, **kw)
+    monkeypatch.setattr(decode_module, "_capturing", lambda dev: True)
+    monkeypatch.setattr(decode_module, "arrival_counters", lambda dev, n: pytest.fail("counters used in capture"))
+    graphed = flash_decode(q, k, v, lens, **kw)
+    ref_out, ref_lse = reference(q, k, v, lens, causal=True)
+    tol = tolerance(torch.float32, device)
+    for got, want in zip(graphed, fused):
+        assert torch.equal(got, want)
+    assert_close(graphed[0], ref_out, tol, "out")
+    assert_close(graphed[1], ref_lse, tol, "lse")
+    assert int(graphed[2][1].count_nonzero()) == (graphed[2][1].numel() if unified else 0)
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
@@ -371,14 +411,34 @@ def test_gpu_realistic(batch, cache, paged_):
 )
 def test_gpu_fused_merge_is_race_free(batch, cache, splits, nq, hk):
     """The last-arriving split merges its tile: if any partial were read before it was
-    visible, results would differ between runs or from the oracle.  Many splits and row
-    tiles per launch, repeated 30 times: every run must give the same bits."""
+    visible, or a counter were not left at zero, results would differ between runs or
+    from the oracle.  Many splits and row tiles per launch, 30 runs alternating between
+    two streams (each with its own counters), then FlashDecoding++ with some splits
+    falling back on the device: the same bits every run."""
     q, k, v = make(batch, cache, 32, hk, 128, dtype=torch.bfloat16, device="cuda", nq=nq, seed=splits)
     lens = torch.randint(64, cache + 1, (batch,), dtype=torch.int32, device="cuda")  # ragged, no empty rows
     ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)
     first, first_lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
     assert_close(first, ref_out, 1e-2, "out")
     assert_close(first_lse, ref_lse, 1e-2, "lse")
-    for _ in range(30):
-        out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for i in range(30):
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
+        torch.cuda.synchronize()
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    assert all(int(c.count_nonzero()) == 0 for c in decode_module._COUNTERS.values())
+    q[0] *= 300.0  # FlashDecoding++ with element 0's splits falling back on the device
+    ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)
+    first, first_lse, first_flags = flash_decode(
+        q, k, v, lens, causal=True, num_splits=splits, unified_max=0.0, return_recomputed=True
+    )
+    assert int(first_flags[0].count_nonzero()) > 0 and int(first_flags[1:].count_nonzero()) == 0
+    assert_close(first, ref_out, 1e-2, "out (unified max)")
+    assert_close(first_lse, ref_lse, 1e-2, "lse (unified max)")
+    for _ in range(10):
+        out, lse, flags = flash_decode(
+            q, k, v, lens, causal=True, num_splits=splits, unified_max=0.0, return_recomputed=True
+        )
+        assert torch.equal(out, first) and torch.equal(lse, first_lse) and torch.equal(flags, first_flags)

@@ -292,19 +292,23 @@ def test_gpu_cuda_graph_capture_and_replay():
     def step():
         return flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table)
 
+    def step_pp():  # FlashDecoding++ over the same cache, new token included; its fallback stays on the device
+        return flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens + 1, block_table=table, unified_max=0.0)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()  # warm-up: compiles, validates
+        step(), step_pp()  # warm-up: compiles, validates
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = step()
-    with pytest.raises(ValueError, match="CUDA graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table, unified_max=0.0)
+        static_pp = step_pp()
     for t in range(3):  # new inputs written into the captured buffers, as a serving loop does
-        q.copy_(rand(batch, 1, hq, d, device="cuda", seed=20 + t))
+        new_q = rand(batch, 1, hq, d, device="cuda", seed=20 + t)
+        if t == 1:
+            new_q[1] *= 300.0  # element 1's scores leave the unified max's range: its splits fall back
+        q.copy_(new_q)
         k_new.copy_(rand(batch, 1, hk, d, device="cuda", seed=30 + t))
         lens += 1
         graph.replay()
@@ -312,6 +316,9 @@ def test_gpu_cuda_graph_capture_and_replay():
         eager = flash_attn_with_kvcache(q, k_snapshot, v_snapshot, k_new, v_new, cache_seqlens=lens, block_table=table)
         assert torch.equal(k_snapshot, k_pool) and torch.equal(v_snapshot, v_pool)  # same append, same place
         assert torch.equal(static_out, eager)
+        assert torch.equal(static_pp, step_pp())
+        err = (static_pp.float() - eager.float()).abs().max() / eager.float().abs().max()
+        assert err < 1e-2, f"replay {t}: FlashDecoding++ vs safe, max error {err:.2e}"
 
 
 @pytest.mark.gpu
