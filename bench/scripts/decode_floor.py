@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flashtile.bench.common import median_ms_clean_l2
-from flashtile.bench.decode import copy_bandwidth
+from flashtile.bench.decode import _graphed, copy_bandwidth
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
@@ -72,19 +72,6 @@ def sdpa(backend):
             ).transpose(1, 2)
 
     return run
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main():
@@ -151,7 +138,7 @@ def main():
                 torch.cuda.synchronize()
                 rec["eager_us"][name] = median_ms_clean_l2(fn) * 1e3
                 if name in ("ours", "ours_pp", "sdpa_flash") or name.startswith("read_"):
-                    rec["graph_us"][name] = median_ms_clean_l2(graphed(fn)) * 1e3
+                    rec["graph_us"][name] = median_ms_clean_l2(_graphed(fn)) * 1e3
             except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
                 rec.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:160]}"
         out["points"].append(rec)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from flashtile.bench.decode import host_us as _bench_host_us
+from flashtile.bench.decode import _graphed, host_us as _bench_host_us
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
@@ -28,16 +28,9 @@ def host_us(fn):
 
 
 def graph_us(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, return_mode="median") * 1e3
+    replay = _graphed(fn)
+    replay()  # captures
+    return do_bench(replay, return_mode="median") * 1e3
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from flashtile.bench.decode import forced_decode, host_us
+from flashtile.bench.decode import _graphed, forced_decode, host_us
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
@@ -24,16 +24,9 @@ HQ, HK, D = 32, 8, 128
 
 
 def graph_us(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, return_mode="median") * 1e3
+    replay = _graphed(fn)
+    replay()  # captures
+    return do_bench(replay, return_mode="median") * 1e3
 
 
 def sdpa_flash(q, k, v):
