@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flashtile.bench.common import median_ms_clean_l2
-from flashtile.bench.decode import _graphed, copy_bandwidth
+from flashtile.bench.decode import _graphed, _sdpa, copy_bandwidth
 from flashtile.kernels import decode as dec
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 
@@ -62,18 +62,6 @@ def _read_head_split(K, V, Sink, n, splits, BLOCK_N: tl.constexpr, D: tl.constex
     tl.store(Sink + h * splits + c, tl.sum(tl.sum(acc, 1), 0))
 
 
-def sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
-            ).transpose(1, 2)
-
-    return run
-
-
 def main():
     from torch.nn.attention import SDPBackend
 
@@ -89,7 +77,8 @@ def main():
         v = torch.randn_like(k)
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * k.numel() * k.element_size()
-        ref = sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v).float()
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, N, d) views for SDPA
+        ref = _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt).transpose(1, 2).float()
         plan = dec.decode_plan(b, 1, HQ, HK, D, None, n, 0, q.device)
 
         def ours():
@@ -127,8 +116,8 @@ def main():
             "read_flat_8tiles": flat(triton.cdiv(n_rows, 512)),
             "torch_sum": lambda: kv.sum(dtype=torch.float32),
             "copy_same_traffic": (lambda src=k.view(-1), dst=torch.empty_like(k).view(-1): dst.copy_(src)),
-            "sdpa_flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v),
-            "sdpa_cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v),
+            "sdpa_flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION)(qt, kt, vt),
+            "sdpa_cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION)(qt, kt, vt),
         }
         rec = {"batch": b, "cache": n, "kv_bytes": kv_bytes, "plan": plan._asdict(), "err": err, "err_pp": err_pp, "eager_us": {},
                "graph_us": {}}

@@ -36,7 +36,7 @@ The other checks read only shapes, strides, dtypes, devices and Python
 values, so their outcome is remembered per *call signature*
 (:func:`_call_key`): a decoding loop pays for them, and for building the
 kernels' launch, once per shape, and every later step goes straight to the
-launch (one kernel bound once, :mod:`flashtile.kernels._launch`).  Both
+launch (bound once, :mod:`flashtile.kernels._launch`: one kernel eagerly).  Both
 memos are bounded, module-level dictionaries.
 
 CUDA graphs: a call can be captured (the safe path and FlashDecoding++, whose
