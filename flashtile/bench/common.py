@@ -71,12 +71,13 @@ def environment() -> dict:
 
 
 def write_json(payload: dict, out_dir: str | os.PathLike, stem: str) -> Path:
-    """Write ``payload`` to ``out_dir/stem_<device>_<date>.json`` and return the path."""
+    """Write ``payload`` to ``out_dir/stem_<device>.json`` and return the path.
+
+    One current result per routine and device: a new run replaces the file (its history is in git)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dev = payload.get("env", {}).get("device", "cpu").replace(" ", "-")
-    day = _dt.date.today().isoformat()
-    path = out / f"{stem}_{dev}_{day}.json"
+    path = out / f"{stem}_{dev}.json"
     path.write_text(json.dumps(payload, indent=1, default=str))
     return path
 

@@ -16,7 +16,7 @@ Four experiments, each a function returning a JSON-able dict:
   rate measured in the same run) with each kernel placed at its model
   intensity and achieved TFLOP/s.
 
-:func:`run_io_lab` runs them all and writes ``io_lab_<device>_<date>.json`` and
+:func:`run_io_lab` runs them all and writes ``io_lab_<device>.json`` and
 a PNG next to it.  Every experiment records its own failure (``"error"``)
 instead of losing the others' results.
 
@@ -507,7 +507,7 @@ def _section(fn, *args, **kwargs) -> dict:
 
 
 def run_io_lab(out_dir: str | os.PathLike, *, ncu: str = "ncu") -> dict:
-    """Run (a)-(d); write ``io_lab_<device>_<date>.json`` and ``.png`` to ``out_dir``; return the payload."""
+    """Run (a)-(d); write ``io_lab_<device>.json`` and ``.png`` to ``out_dir``; return the payload."""
     _need_gpu("the IO lab")
     payload: dict = {"env": environment()}
     payload["roof"] = _section(measure_roof)
