@@ -66,6 +66,17 @@ physical page ``block_table[b, p]``.  ``BLOCK_N`` divides ``page_size``
 never straddles two pages: one scalar block-table load per tile.  Without a
 block table the cache is (B, Nk_max, Hk, d).
 
+Indices are not trusted (memory safety must not depend on a host check that
+a caller's write can bypass): each program reads its length
+``seqlens_k[b] + seqlen_add`` (int32 or int64, any stride) and clamps it to
+``[0, capacity]`` in int64, and a block-table entry outside
+``[0, num_pages)`` is an absent page (its tile is neither read nor counted).
+Either ORs a bit (:data:`ERR_SEQLENS`, :data:`ERR_BLOCK_TABLE`) into the
+device's error word (:func:`error_flags`), which ``flashtile.check_errors()``
+reads.  The in-place append of new keys/values (:func:`_append_kernel`, one
+program per (element, token, kv head)) writes nothing for an element whose
+length is out of range, nor into an absent page, and reports the same bits.
+
 Masks are the definition in :mod:`flashtile.reference.masks` with ``Nk``
 replaced by the element's own length ``L_b = seqlens_k[b]``: query t sees key
 j iff ``L_b - Nq + t - left <= j <= L_b - Nq + t + right``, and ALiBi uses

@@ -366,6 +366,66 @@ def test_bad_inputs_raise(device):
         flash_decode(q, k[:, :24], v[:, :24], lens, block_table=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
 
+@pytest.mark.parametrize("unified", [False, True])
+def test_untrusted_lengths_clamped_and_reported(device, unified):
+    """Lengths are read on the device and never trusted: int64 values past int32 do not wrap
+    (2**32 + 5 is not 5), lengths past the capacity are clamped to it (the NaN guard after the
+    cache stays unread), negative ones to 0; a strided tensor is read at its stride; the error
+    word records ERR_SEQLENS."""
+    from flashtile.ops.kvcache import check_errors
+
+    check_errors()
+    q, k, v = make(4, 40, 4, 2, 16, device=device, seed=21)
+    big_k = torch.full((4, 56, 2, 16), math.nan, device=device)
+    big_v = big_k.clone()
+    big_k[:, :40], big_v[:, :40] = k, v
+    kc, vc = big_k[:, :40], big_v[:, :40]
+    lens = torch.tensor([2**32 + 5, 0, 45, 0, -3, 0, 17, 0], dtype=torch.int64, device=device)[::2]
+    kw = dict(num_splits=2, unified_max=0.0 if unified else None)
+    out, lse = flash_decode(q, kc, vc, lens, **kw)
+    ref_out, ref_lse = dense(q, k, v, torch.tensor([40, 40, 0, 17]))
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        check_errors()
+    out, _ = flash_decode(q, kc, vc, torch.tensor([40, 3, 0, 17], dtype=torch.int64, device=device), **kw)
+    check_errors()  # in-range lengths record nothing
+
+
+def test_absent_pages_masked_and_reported(device):
+    """Block-table entries outside [0, num_pages) are absent pages: never read (the pool's NaN
+    guard pages stay unread), contribute nothing, and record ERR_BLOCK_TABLE."""
+    from flashtile.ops.kvcache import check_errors
+
+    check_errors()
+    q, k, v = make(2, 64, 4, 2, 16, device=device, nq=2, seed=22)
+    k_pool, v_pool, table = paged(k, v, 16, seed=3)
+    guard = torch.full((1, *k_pool.shape[1:]), math.nan, device=device)
+    big_k, big_v = torch.cat([guard, k_pool, guard]), torch.cat([guard, v_pool, guard])
+    kp, vp = big_k[1:-1], big_v[1:-1]
+    lens = torch.tensor([64, 50], dtype=torch.int32, device=device)
+    bad = table.clone()
+    bad[0, 1] = -1
+    bad[1, 2] = kp.shape[0]
+    out, lse = flash_decode(q, kp, vp, lens, block_table=bad, causal=True, num_splits=3)
+    # the reference: the same keys with the absent pages' keys removed (their scores are -inf)
+    keep = torch.ones(2, 64, dtype=torch.bool)
+    keep[0, 16:32] = False
+    keep[1, 32:48] = False
+    for b in range(2):
+        kb, vb = k[b : b + 1, keep[b]], v[b : b + 1, keep[b]]
+        n_keep = int(keep[b, : int(lens[b])].sum())
+        ref_o, ref_l = dense(q[b : b + 1], kb, vb, torch.tensor([n_keep]), causal=False)
+        # causal with Nq = 2: token 0 does not see the last key (it is kept in both elements)
+        ref_c, ref_lc = dense(q[b : b + 1, :1], kb[:, : n_keep - 1], vb[:, : n_keep - 1], torch.tensor([n_keep - 1]))
+        assert_close(out[b : b + 1, 1:], ref_o[:, 1:], tolerance(torch.float32, device), f"out {b}, token 1")
+        assert_close(out[b : b + 1, :1], ref_c, tolerance(torch.float32, device), f"out {b}, token 0")
+    assert torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="block_table"):
+        check_errors()
+
+
 # --------------------------------------------------------------------------- #
 # GPU: realistic decoding shapes
 # --------------------------------------------------------------------------- #
