@@ -406,7 +406,8 @@ def flash_attn_with_kvcache(
     stride), an int, or None (= the cache is full: Nk_max, or
     max_pages * page_size).  Hq a multiple of Hk (GQA / MQA); one dtype among
     fp16, bf16, fp32.  ``window_size`` a pair (tuple, list or 2-element int
-    tensor); with ``causal`` its right bound is 0.  Returns ``out``
+    tensor, read on the host: a CUDA tensor costs a sync); with ``causal`` its
+    right bound is 0.  Returns ``out``
     (B, Nq, Hq, d) in q's dtype, and with ``return_softmax_lse`` (or its alias
     ``return_lse``) also ``lse`` (B, Hq, Nq) float32 (natural log; -inf on
     rows with no allowed key).  ``num_splits = 0`` picks the split count from
