@@ -459,7 +459,7 @@ def test_gpu_cache_past_2_31_elements(paged):
         v_pool = torch.empty_like(k_pool)
         table = None
     assert k_pool.numel() > 2**31
-    n = 3 * page - 5  # keys in use per element, the last few past 2**31 elements for element 1
+    n = 3 * page - 5  # keys in use per element; all of element 1's lie past element 2**31
     start = 0 if paged else cap_rows - 4 * page  # contiguous: element 1's last 4 pages' worth of rows
     lens = torch.tensor([n, n], dtype=torch.int32, device="cuda")
     keys = torch.randn(b, n + 1, hk, d, device="cuda").bfloat16()
@@ -470,8 +470,8 @@ def test_gpu_cache_past_2_31_elements(paged):
             for p in range(4):
                 lo, hi = p * page, min((p + 1) * page, n)
                 if lo < hi:
-                    k_pool[table[e, p]][: hi - lo] = keys[e, lo:hi]
-                    v_pool[table[e, p]][: hi - lo] = vals[e, lo:hi]
+                    k_pool[int(table[e, p]), : hi - lo] = keys[e, lo:hi]
+                    v_pool[int(table[e, p]), : hi - lo] = vals[e, lo:hi]
     else:
         k_pool[:, :n] = keys[:, :n]
         v_pool[:, :n] = vals[:, :n]
@@ -487,7 +487,8 @@ def test_gpu_cache_past_2_31_elements(paged):
     # element 1's appended key landed past 2**31 elements, where the logical layout says
     if paged:
         pos = n
-        got = k_pool[table[1, pos // page], pos % page]
+        assert int(table[1, pos // page]) * page * hk * d > 2**31
+        got = k_pool[int(table[1, pos // page]), pos % page]
     else:
         got = k_pool[1, start + n]
         assert (1 * cap_rows + start + n) * hk * d > 2**31
@@ -518,5 +519,5 @@ def test_gpu_second_device_while_first_is_current():
         ).transpose(1, 2)[0]
         for e, L in enumerate(lens.tolist())
     ])
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=5e-3)  # TF32 products
     check_errors()
