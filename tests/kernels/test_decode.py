@@ -426,6 +426,40 @@ def test_absent_pages_masked_and_reported(device):
         check_errors()
 
 
+@pytest.mark.parametrize("paged_", [False, True])
+def test_append_kernel_writes_only_in_range(device, paged_):
+    """The append kernel alone: rows of an element with an out-of-range length, or of an absent
+    page, are not written (the caches equal the expected ones, guards included) and set their bit."""
+    decode_module.take_errors()
+    b, n, hk, d, page = 4, 32, 2, 16, 16
+    _, k, v = make(b, n, hk, hk, d, device=device, seed=23)
+    k_new = torch.randn(b, 2, hk, d, generator=torch.Generator().manual_seed(1)).to(device)
+    v_new = -k_new
+    lens = torch.tensor([3, 31, -1, 15], dtype=torch.int32, device=device)  # 31 + 2 > 32, -1 < 0
+    table = None
+    if paged_:
+        k_pool, v_pool, table = paged(k, v, page, seed=4)
+        table[3, 1] = k_pool.shape[0]  # element 3 writes positions 15 (page 0) and 16 (absent page 1)
+        kc, vc = k_pool, v_pool
+    else:
+        kc, vc = k, v
+    expect_k, expect_v = kc.clone(), vc.clone()
+    for e, pos in ((0, 3), (0, 4), (3, 15)):
+        i = pos - int(lens[e])
+        if paged_:
+            expect_k[int(table[e, pos // page]), pos % page] = k_new[e, i]
+            expect_v[int(table[e, pos // page]), pos % page] = v_new[e, i]
+        else:
+            expect_k[e, pos], expect_v[e, pos] = k_new[e, i], v_new[e, i]
+    if not paged_:  # element 3's positions 15, 16 are both in range without pages
+        expect_k[3, 16], expect_v[3, 16] = k_new[3, 1], v_new[3, 1]
+    decode_module.append_launch(kc, vc, k_new, v_new, lens, table)(kc, vc, k_new, v_new, lens, table)
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+    bits = dict((dev.type, bits) for dev, bits in decode_module.take_errors())[torch.device(device).type]
+    want = decode_module.ERR_SEQLENS | (decode_module.ERR_BLOCK_TABLE if paged_ else 0)
+    assert bits == want
+
+
 # --------------------------------------------------------------------------- #
 # GPU: realistic decoding shapes
 # --------------------------------------------------------------------------- #
