@@ -23,6 +23,7 @@ from flashtile.reference.masks import BlockMask
 __version__ = "0.1.0"
 
 _LAZY = {
+    "check_errors": "flashtile.ops.kvcache",
     "flash_attn_func": "flashtile.ops.flash_attn",
     "flash_attn_kvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_qkvpacked_func": "flashtile.ops.flash_attn",

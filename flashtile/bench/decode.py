@@ -126,13 +126,13 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
         vg = v_pool[table.long()].view(b, pages * PAGE, HK, D)
         return flash(qh, kg.transpose(1, 2), vg.transpose(1, 2)).transpose(1, 2)
 
-    ours = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)  # noqa: E731
-    paged = lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table)  # noqa: E731
+    ours = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)  # noqa: E731
+    paged = lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table, causal=True)  # noqa: E731
     sdpa = lambda: flash(qh, kh, vh).transpose(1, 2)  # noqa: E731
     return {
         "flashtile": ours,
         "flashtile-paged": paged,
-        "flashtile-pp": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, unified_max=0.0),
+        "flashtile-pp": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, unified_max=0.0),
         "flashtile-kernel": lambda: flash_decode(q, k, v, lens, causal=True)[0],
         "sdpa-flash": lambda: flash(qh, kh, vh).transpose(1, 2),
         "sdpa-cudnn": lambda: cudnn(qh, kh, vh).transpose(1, 2),
@@ -157,7 +157,8 @@ def forced_decode(
     plan = dec.decode_plan(b, nq, hq, hk, d, None, k.shape[1], n_splits, q.device)
     plan = plan._replace(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     launch = dec.DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), k.stride(), v.stride(),
-                              None, None, None, -1, -1, False, False)
+                              None, None, None, -1, -1, False, False,
+                              lens.dtype, lens.stride(0), 0, k.shape[1], k.shape[0], q.device)
 
     def run() -> torch.Tensor:
         out = torch.empty_like(q)

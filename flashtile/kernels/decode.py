@@ -66,6 +66,17 @@ physical page ``block_table[b, p]``.  ``BLOCK_N`` divides ``page_size``
 never straddles two pages: one scalar block-table load per tile.  Without a
 block table the cache is (B, Nk_max, Hk, d).
 
+Indices are not trusted (memory safety must not depend on a host check that
+a caller's write can bypass): each program reads its length
+``seqlens_k[b] + seqlen_add`` (int32 or int64, any stride) and clamps it to
+``[0, capacity]`` in int64, and a block-table entry outside
+``[0, num_pages)`` is an absent page (its tile is neither read nor counted).
+Either ORs a bit (:data:`ERR_SEQLENS`, :data:`ERR_BLOCK_TABLE`) into the
+device's error word (:func:`error_flags`), which ``flashtile.check_errors()``
+reads.  The in-place append of new keys/values (:func:`_append_kernel`, one
+program per (element, token, kv head)) writes nothing for an element whose
+length is out of range, nor into an absent page, and reports the same bits.
+
 Masks are the definition in :mod:`flashtile.reference.masks` with ``Nk``
 replaced by the element's own length ``L_b = seqlens_k[b]``: query t sees key
 j iff ``L_b - Nq + t - left <= j <= L_b - Nq + t + right``, and ALiBi uses
@@ -78,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -104,6 +116,12 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "MAX_SPLITS",
+    "append_launch",
+    "AppendLaunch",
+    "error_flags",
+    "take_errors",
+    "ERR_SEQLENS",
+    "ERR_BLOCK_TABLE",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -117,31 +135,51 @@ _LN2 = tl.constexpr(LN2)
 FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW = 1, 2, 4
 _FLAG_ABOVE, _FLAG_BELOW, _FLAG_OVERFLOW = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
 
+# error bits of the per-device error word (:func:`error_flags`): a length outside [0, capacity], a
+# used block-table entry outside [0, num_pages)
+ERR_SEQLENS, ERR_BLOCK_TABLE = 1, 2
+_ERR_SEQLENS, _ERR_BLOCK_TABLE = tl.constexpr(1), tl.constexpr(2)
+
 
 # --------------------------------------------------------------------------- #
 # Triton kernels
 # --------------------------------------------------------------------------- #
 @triton.jit
 def _tile_offsets(
-    BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+    BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """64-bit element offsets of key ``start_n`` in K and in V, relative to the
-    (batch element, kv head) base pointers.
+    (batch element, kv head) base pointers, and whether the tile's page exists.
 
     Paged: the tile lies inside logical page ``start_n // PAGE_SIZE`` (BLOCK_N
     divides PAGE_SIZE), so one scalar block-table load per tile serves both K
     and V; ``stride_kb`` is then the page stride and the base pointers carry
-    only the head offset.  Contiguous: the base pointers carry the batch offset."""
+    only the head offset.  A page outside ``[0, num_pages)`` is absent: its
+    offsets point at page 0 and the caller masks every load of the tile.
+    Contiguous: the base pointers carry the batch offset; the page always exists."""
     if PAGED:
         page = tl.load(BlockTable + off_b.to(tl.int64) * stride_bt_b + start_n // PAGE_SIZE).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_pages)
+        page = tl.where(page_ok, page, 0)
         row = (start_n % PAGE_SIZE).to(tl.int64)
         k_off = page * stride_kb + row * stride_kn
         v_off = page * stride_vb + row * stride_vn
     else:
+        page_ok = start_n >= 0
         k_off = start_n.to(tl.int64) * stride_kn
         v_off = start_n.to(tl.int64) * stride_vn
-    return k_off, v_off
+    return k_off, v_off, page_ok
+
+
+@triton.jit
+def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity):
+    """``(L, bad)``: the attended length ``cache_seqlens[b] + seqlen_add`` clamped to ``[0, capacity]``
+    (in int64, so no int64 length wraps into range) and whether the stored length was out of range."""
+    raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
+    bad = (raw < 0) | (raw > capacity - seqlen_add)
+    length = tl.minimum(tl.maximum(raw + seqlen_add, 0), capacity)
+    return length.to(tl.int32), bad
 
 
 @triton.jit
@@ -169,18 +207,20 @@ def _tile_scores(
 def _sweep(
     q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
     seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
-    stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+    stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UNIFIED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag)`` in base 2.
+    """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag, bad_page)`` in base 2.
 
     Safe (FA2 Algorithm 1, lines 8-10): running max ``m``, ``acc`` and ``l`` rescaled by
     ``exp2(m - m')`` whenever it grows.  ``UNIFIED`` (FlashDecoding++): ``m = phi2`` fixed,
     no max and no rescaling, and ``flag`` marks rows with an allowed score outside
-    ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag)."""
+    ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag).  A tile whose
+    page is absent (block-table entry outside ``[0, num_pages)``) is neither read nor
+    counted, and sets ``bad_page``."""
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -190,19 +230,28 @@ def _sweep(
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
     offs_n0 = tl.arange(0, BLOCK_N)
+    bad_page = start < 0  # False: the split's start is never negative
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        kv_ok = offs_n < seqlen_k
-        k_off, v_off = _tile_offsets(
-            BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, PAGED, PAGE_SIZE
+        k_off, v_off, page_ok = _tile_offsets(
+            BlockTable, off_b, start_n, stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
+            PAGED, PAGE_SIZE,
         )
+        limit = seqlen_k
+        if PAGED:
+            # an absent page ends the keys at the tile's start: nothing of it is read or counted
+            limit = tl.where(page_ok, seqlen_k, 0)
+            bad_page = bad_page | (page_ok == 0)
+        kv_ok = offs_n < limit
         k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
         )
+        if PAGED:
+            ok = ok & kv_ok[None, :]
         if UNIFIED:
             dev = s - phi2
             ok = ok & row_ok[:, None]
@@ -221,7 +270,7 @@ def _sweep(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOT)
             m_i = m_new
-    return acc, l_i, m_i, flag
+    return acc, l_i, m_i, flag, bad_page
 
 
 @triton.jit
@@ -313,14 +362,16 @@ def _decode_split_kernel(
     FPart,  # int8 flags per partial (FlashDecoding++ only)
     Count,  # int32 arrival counter per (batch element, kv head, row tile), FUSED only: zero on entry and exit
     Out, Lse, Flags,  # final outputs (Flags: FlashDecoding++ only)
+    Err,  # int32 error bits of the device (ERR_SEQLENS, ERR_BLOCK_TABLE), ORed into
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
     # ints (fixed for a problem signature: kernels/_launch.py binds them once)
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_bt_b, stride_alibi_b, stride_alibi_h,
+    stride_bt_b, stride_sl, stride_alibi_b, stride_alibi_h,
     stride_ob, stride_on, stride_oh,
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, window_left, window_right, lse_offset,
+    seqlen_add, capacity, num_pages,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -334,13 +385,20 @@ def _decode_split_kernel(
 
     ``EVEN_D`` (head_dim == BLOCK_D) drops the head-dim mask: a mask that varies
     along the contiguous axis stops Triton from issuing 16-byte vector loads,
-    and the K/V loads are the whole cost of decoding."""
+    and the K/V loads are the whole cost of decoding.
+
+    Memory safety does not trust the indices: the length ``SeqlensK[b] + seqlen_add`` is
+    clamped to ``[0, capacity]`` and absent pages are masked (:func:`_sweep`); either one
+    ORs its bit into ``Err`` (once per (batch element, kv head) program of split 0, row tile 0)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    seqlen_k = tl.load(SeqlensK + off_b)
+    seqlen_k, bad_len = _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity)
+    reporter = (split == 0) & (pid_m == 0)
+    if bad_len & reporter:
+        tl.atomic_or(Err, _ERR_SEQLENS)
 
     # packed rows: r -> (q head off_hk * G + r // Nq, token r % Nq)
     n_rows = kv_group * seqlen_q
@@ -380,13 +438,16 @@ def _decode_split_kernel(
     k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
     v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
 
-    acc, l_i, m_i, flag = _sweep(
+    acc, l_i, m_i, flag, bad_page = _sweep(
         q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
         seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
-        stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+        stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
         BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         UNIFIED, DOT_PRECISION, UPCAST_DOT,
     )
+    if PAGED:
+        if bad_page & (pid_m == 0):
+            tl.atomic_or(Err, _ERR_BLOCK_TABLE)
     if UNIFIED:
         # bit 4: the fp32 sums overflowed (|v| large enough that exp(s - phi) v passes fp32's range);
         # NaN compares False, so NaN counts as not finite too
@@ -395,10 +456,10 @@ def _decode_split_kernel(
         if tl.max(flag, 0) != 0:
             # FlashDecoding++'s fallback, done here: this split's rows are recomputed exactly on the
             # safe path (its keys are read again; no host round trip, so a CUDA graph can hold it)
-            acc, l_i, m_i, _ = _sweep(
+            acc, l_i, m_i, _, _ = _sweep(
                 q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
                 seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
-                stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn,
+                stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
                 BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 False, DOT_PRECISION, UPCAST_DOT,
             )
@@ -439,6 +500,51 @@ def _decode_split_kernel(
                     stride_ob, stride_on, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
                     MERGE_M, MERGE_S, BLOCK_D, UNIFIED,
                 )
+
+
+@triton.jit
+def _append_kernel(
+    K, V, KNew, VNew, BlockTable, SeqlensK, Err,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
+    stride_bt_b, stride_sl, n_new, capacity, num_pages, head_dim,
+    BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """Program (b, i, h) stores row (b, i, h) of the new keys/values at position ``SeqlensK[b] + i``
+    of element b's cache (paged: through ``BlockTable``).
+
+    Nothing trusts the indices: an element whose ``SeqlensK[b]`` lies outside
+    ``[0, capacity - n_new]`` writes nothing and ORs ERR_SEQLENS into ``Err``; a row whose
+    page lies outside ``[0, num_pages)`` is not written and ORs ERR_BLOCK_TABLE."""
+    off_b = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2)
+    raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
+    len_ok = (raw >= 0) & (raw <= capacity - n_new)
+    pos = tl.where(len_ok, raw + i, 0)
+    if PAGED:
+        page = tl.load(BlockTable + off_b.to(tl.int64) * stride_bt_b + pos // PAGE_SIZE).to(tl.int64)
+        page_ok = (page >= 0) & (page < num_pages)
+        page = tl.where(page_ok, page, 0)
+        k_off = page * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        v_off = page * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    else:
+        page_ok = len_ok
+        k_off = off_b.to(tl.int64) * stride_kb + pos * stride_kn
+        v_off = off_b.to(tl.int64) * stride_vb + pos * stride_vn
+    ok = len_ok & page_ok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    src_k = KNew + off_b.to(tl.int64) * stride_knb + i.to(tl.int64) * stride_knn + h.to(tl.int64) * stride_knh
+    src_v = VNew + off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnn + h.to(tl.int64) * stride_vnh
+    kn = tl.load(src_k + offs_d, mask=d_ok, other=0.0)
+    vn = tl.load(src_v + offs_d, mask=d_ok, other=0.0)
+    w_ok = offs_d < tl.where(ok, head_dim, 0)  # nothing of a rejected row is stored
+    tl.store(K + k_off + h.to(tl.int64) * stride_kh + offs_d, kn, mask=w_ok)
+    tl.store(V + v_off + h.to(tl.int64) * stride_vh + offs_d, vn, mask=w_ok)
+    bits = tl.where(len_ok, tl.where(page_ok, 0, _ERR_BLOCK_TABLE), _ERR_SEQLENS)
+    if (bits != 0) & (h == 0):
+        tl.atomic_or(Err, bits)
 
 
 # --------------------------------------------------------------------------- #
@@ -612,11 +718,13 @@ def _check_shapes(q, k_cache, v_cache, block_table) -> tuple[int, int, int, int,
 def _check_seqlens_k(seqlens_k: torch.Tensor, b: int, device: torch.device) -> torch.Tensor:
     if not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype not in (torch.int32, torch.int64):
         raise TypeError("seqlens_k must be an int32 (or int64) torch.Tensor of shape (B,)")
+    if seqlens_k.dim() != 1:
+        raise ValueError(f"seqlens_k must have shape (B,) = ({b},), got {tuple(seqlens_k.shape)}")
     if tuple(seqlens_k.shape) != (b,):
         raise ValueError(f"seqlens_k must have shape (B,) = ({b},), got {tuple(seqlens_k.shape)}")
     if seqlens_k.device != device:
         raise ValueError(f"seqlens_k must be on the device of q ({device}), got {seqlens_k.device}")
-    return seqlens_k.to(torch.int32).contiguous()
+    return seqlens_k  # int32 or int64, any stride: the kernel reads and clamps it as it is
 
 
 def alibi_args(alibi: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -663,6 +771,13 @@ def _check_scalars(softmax_scale, softcap, num_splits, unified_max, safe_range, 
 # on a stream can share a buffer; launches on different streams may overlap and must not.
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 _COUNTERS_MAX = 64
+# serialises every mutation of this module's device caches (reads are plain dict lookups): one
+# thread per GPU is a usual serving layout
+_LOCK = threading.Lock()
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -675,14 +790,56 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     then).  CPU (Triton's interpreter): a fresh buffer per call."""
     if device.type != "cuda":
         return torch.zeros(n, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     key = (index, torch.cuda.current_stream(index).cuda_stream)
     buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is None and len(_COUNTERS) >= _COUNTERS_MAX:
-            _COUNTERS.pop(next(iter(_COUNTERS)))
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    with _LOCK:
+        buf = _COUNTERS.get(key)
+        if buf is None or buf.numel() < n:
+            if buf is None and len(_COUNTERS) >= _COUNTERS_MAX:
+                _COUNTERS.pop(next(iter(_COUNTERS)))
+            with torch.inference_mode(False):
+                buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            _COUNTERS[key] = buf
     return buf
+
+
+# The error word of each device (never evicted: a captured CUDA graph keeps its address).
+_ERRORS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    return (device.type, _device_index(device) if device.type == "cuda" else device.index)
+
+
+def error_flags(device: torch.device) -> torch.Tensor:
+    """The int32 error word (shape (1,)) of ``device`` that the decode and append kernels OR
+    :data:`ERR_SEQLENS` / :data:`ERR_BLOCK_TABLE` into; created zeroed on first use."""
+    key = _device_key(device)
+    buf = _ERRORS.get(key)
+    if buf is None:
+        with _LOCK:
+            buf = _ERRORS.get(key)
+            if buf is None:
+                # a normal tensor even under inference_mode, so check_errors can clear it anywhere
+                with torch.inference_mode(False):
+                    buf = _ERRORS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf
+
+
+def take_errors() -> list[tuple[torch.device, int]]:
+    """``(device, bits)`` of every device whose error word is set, clearing it (one device
+    sync per device that has run a decode kernel)."""
+    found = []
+    for buf in list(_ERRORS.values()):
+        bits = int(buf.item())
+        if bits:
+            with torch.inference_mode(False):
+                buf.zero_()
+            found.append((buf.device, bits))
+    return found
 
 
 def _capturing(device: torch.device) -> bool:
@@ -695,8 +852,10 @@ class DecodeLaunch:
 
     A signature is everything but the data: the shapes, strides and dtype of q
     and the caches, the block table's row stride and page size, the ALiBi
-    slopes' strides, the window, whether softcap / FlashDecoding++ are on, and
-    the :class:`DecodePlan`.  :func:`decode_launch` memoises one instance per
+    slopes' strides, the window, whether softcap / FlashDecoding++ are on,
+    the :class:`DecodePlan`, the dtype and stride of the lengths, the tokens
+    appended before the attention (``seqlen_add``, added to every length), the
+    capacity and page count the kernel clamps against, and the device.  :func:`decode_launch` memoises one instance per
     signature.  Calling it allocates the fp32 workspace and launches, through
     :class:`~flashtile.kernels._launch.KernelLauncher` (Triton's argument
     binding done once per signature, bench/NOTES.md attempt 10):
@@ -715,8 +874,11 @@ class DecodeLaunch:
         q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
         left: int, right: int, has_softcap: bool, unified: bool,
+        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
+        device: torch.device,
     ) -> None:
         s = plan.n_splits
+        self.err = error_flags(device)
         self.write_out = s == 1  # one split is the answer: no workspace, no merge
         self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
         self.lse_offset = self.rows * plan.block_d
@@ -726,8 +888,8 @@ class DecodeLaunch:
         shape = (hq, hk, hq // hk, nq, d, s)
         static = (
             *q_strides[:3], *k_strides[:3], *v_strides[:3],
-            bt_stride or 0, *(alibi_strides or (0, 0)), *so,
-            *shape, left, right, self.lse_offset,
+            bt_stride or 0, sl_stride, *(alibi_strides or (0, 0)), *so,
+            *shape, left, right, self.lse_offset, seqlen_add, capacity, num_pages,
             # constexprs, in the kernel's order
             plan.block_m, plan.block_n, plan.block_d, page_size is not None, page_size or 1,
             left >= 0, right >= 0, has_softcap, alibi_strides is not None,
@@ -758,8 +920,10 @@ class DecodeLaunch:
         out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
         scale: float, softcap: float, unified: tuple[float, float, float] | None,
     ) -> None:
-        """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags``.  Unused
-        pointer slots get a tensor that is already at hand (never dereferenced)."""
+        """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
+        errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
+        hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
+        this signature's dtype and stride."""
         flags = lse if flags is None else flags
         if self.write_out:
             work = f_part = count = lse
@@ -771,7 +935,7 @@ class DecodeLaunch:
         phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
         args = (
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
-            seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags,
+            seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
         )
         if self.write_out or not graph:
@@ -781,7 +945,7 @@ class DecodeLaunch:
             self.merge(work, f_part, out, lse, flags)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # thread-safe; keyed by device among the rest of the signature
 def _decode_launch(*signature) -> DecodeLaunch:
     return DecodeLaunch(*signature)
 
@@ -789,9 +953,13 @@ def _decode_launch(*signature) -> DecodeLaunch:
 def decode_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
-    num_splits: int,
+    num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
 ) -> tuple[DecodePlan, DecodeLaunch]:
     """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
+
+    ``seqlens_k`` (its dtype and stride; None: contiguous int32) and ``seqlen_add`` (the
+    tokens appended before attending) are part of the signature.  The launch is keyed by
+    q's device.
 
     With one query token a right window bound allows every key before the cache's end
     (token Nq - 1 sees keys ``j <= L - 1 + right``), so it is dropped: causal single-token
@@ -803,15 +971,62 @@ def decode_launch(
     hk = k_cache.shape[2]
     paged = block_table is not None
     rows = k_cache.shape[1]
-    plan = decode_plan(
-        b, nq, hq, hk, d, rows if paged else None, block_table.shape[1] * rows if paged else rows, num_splits, q.device
-    )
+    capacity = block_table.shape[1] * rows if paged else rows
+    plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device)
+    sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
     launch = _decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
+        *sl, seqlen_add, capacity, k_cache.shape[0], q.device,
     )
     return plan, launch
+
+
+class AppendLaunch:
+    """The append kernel (:func:`_append_kernel`) for one signature, bound once: grid (B, Nnew, Hk),
+    one head row of d elements a program, for k and v together."""
+
+    def __init__(
+        self, b: int, n_new: int, hk: int, d: int, k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        kn_strides: tuple[int, ...], vn_strides: tuple[int, ...], bt_stride: int | None, page_size: int | None,
+        sl_stride: int, capacity: int, num_pages: int, device: torch.device,
+    ) -> None:
+        self.err = error_flags(device)
+        static = (
+            *k_strides[:3], *v_strides[:3], *kn_strides[:3], *vn_strides[:3], bt_stride or 0, sl_stride,
+            n_new, capacity, num_pages, d,
+            max(16, triton.next_power_of_2(d)), page_size is not None, page_size or 1,
+        )
+        self.launcher = KernelLauncher(_append_kernel, (b, n_new, hk), static, dict(num_warps=1), check=range(6))
+
+    def __call__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+    ) -> None:
+        self.launcher(k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err)
+
+
+@functools.lru_cache(maxsize=256)
+def _append_launch(*signature) -> AppendLaunch:
+    return AppendLaunch(*signature[:-3])
+
+
+def append_launch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+) -> AppendLaunch:
+    """The memoised :class:`AppendLaunch` writing k, v (B, Nnew, Hk, d) into the caches at
+    positions ``seqlens_k[b] + i`` (validated shapes; the values are not trusted)."""
+    b, n_new, hk, d = k.shape
+    paged = block_table is not None
+    rows = k_cache.shape[1]
+    return _append_launch(
+        b, n_new, hk, d, k_cache.stride(), v_cache.stride(), k.stride(), v.stride(),
+        block_table.stride(0) if paged else None, rows if paged else None, seqlens_k.stride(0),
+        block_table.shape[1] * rows if paged else rows, k_cache.shape[0], k_cache.device,
+        k_cache.dtype, seqlens_k.dtype, block_table is not None,  # dtypes: one launcher per dtype
+    )
 
 
 def run_decode(
@@ -830,14 +1045,17 @@ def run_decode(
     unified: tuple[float, float, float] | None,
     return_flags: bool = False,
     launch: DecodeLaunch | None = None,
+    seqlen_add: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The launch of :func:`flash_decode` without its argument checks: ``(out, lse, flags)``.
 
-    For callers that validated everything already (``flash_attn_with_kvcache``):
+    For callers that validated the shapes already (``flash_attn_with_kvcache``):
     q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
-    (B,) within the capacity, used block-table entries in range (unit stride
-    on dim 1), ``alibi`` from :func:`alibi_args` or None, the window already
-    normalised, ``unified`` = (phi, lo, hi) or None.  ``flags`` is None unless
+    or int64 (B,) (any stride), block table with unit stride on dim 1,
+    ``alibi`` from :func:`alibi_args` or None, the window already normalised,
+    ``unified`` = (phi, lo, hi) or None.  Element b attends to keys
+    ``[0, seqlens_k[b] + seqlen_add)``; lengths and block-table entries are not
+    trusted (clamped / masked on the device, errors in :func:`error_flags`).  ``flags`` is None unless
     ``unified`` is set or ``return_flags`` asks for (zero) flags.  ``launch``:
     the :func:`decode_launch` of these arguments, when the caller kept it.
     No host synchronisation: FlashDecoding++'s fallback happens in the kernel.
@@ -847,7 +1065,7 @@ def run_decode(
     if launch is None:
         launch = decode_launch(
             q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
-            left=left, right=right, softcap=softcap, num_splits=num_splits,
+            left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
         )[1]
     out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
@@ -884,8 +1102,10 @@ def flash_decode(
 
     q (B, Nq, Hq, d); caches (B, Nk_max, Hk, d), or (num_pages, page_size, Hk, d)
     with ``block_table`` (B, max_pages) int32; ``seqlens_k`` (B,) int32: element
-    b attends to keys [0, seqlens_k[b]) (entries are trusted: the caller
-    validates them against the capacity and the block table).  One dtype among
+    b attends to keys [0, seqlens_k[b]) (entries are not trusted: a length outside
+    [0, capacity] is clamped and a block-table entry outside [0, num_pages) is
+    masked, either setting a bit of :func:`error_flags`, which
+    ``flashtile.check_errors()`` reads).  One dtype among
     fp16 / bf16 / fp32, Hq a multiple of Hk, 1 <= d <= 256.  ``out`` is
     (B, Nq, Hq, d) in q's dtype, ``lse`` (B, Hq, Nq) fp32 natural log, -inf on
     rows with no allowed key (output 0).  ``num_splits = 0`` picks

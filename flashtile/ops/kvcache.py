@@ -1,4 +1,4 @@
-"""``flash_attn_with_kvcache``: decoding against a contiguous or paged KV cache (flash-attn semantics).
+"""``flash_attn_with_kvcache``: decoding against a contiguous or paged KV cache (flash-attn 2.x semantics).
 
 One call does what a decoding step of an LLM needs:
 
@@ -14,55 +14,67 @@ Masks follow :mod:`flashtile.reference.masks` with ``Nk`` replaced by ``L_b``
 query t of Nq sees keys ``j <= L_b - Nq + t``; so a step that appends its own
 Nq tokens lets token t see itself and everything before it.
 
-The append is plain torch advanced indexing (one ``index_put_`` per cache): it
-is a scatter of ``2 B Nnew Hk d`` elements, negligible next to reading the
-cache, and needs no kernel of its own.  ``cache_seqlens`` is not updated (as
-in flash-attn): the caller advances it.
+The append is one small Triton kernel (:func:`flashtile.kernels.decode.append_launch`,
+a scatter of ``2 B Nnew Hk d`` elements, negligible next to reading the cache).
+``cache_seqlens`` is not updated (as in flash-attn): the caller advances it.
 
-Validation reads ``cache_seqlens`` and the used block-table entries on the host
-(one device sync) so that a bad index fails with a ``ValueError`` before any
-write or launch, instead of corrupting memory.  The sync also stalls the host
-until the GPU drains, so a validated (cache_seqlens, block_table) pair is
-remembered: a later call with the *same tensor objects*, unmodified (PyTorch's
-version counter of each is unchanged: every in-place torch op bumps it), the
-same capacity, page pool and ``Nnew`` skips the read.  The layers of one
-decoding step share these tensors, so a model syncs once per step, not once
-per layer.  (A write that bypasses the version counter, e.g. a custom kernel
-storing into ``cache_seqlens``, is not seen; such callers pass fresh tensors.)
-An int ``cache_seqlens`` with a contiguous cache is checked on the host
-without any sync.
+Memory safety does not depend on the *values* of ``cache_seqlens`` and
+``block_table``, however they were written (torch ops, ``.numpy()``,
+``.data``, DLPack, a custom kernel, a CUDA-graph replay): the kernels read
+them on the device and never trust them.  A length outside
+``[0, capacity - Nnew]`` writes nothing and is clamped to ``[0, capacity]``
+for the attention (int64 lengths are clamped in int64, so none wraps into
+range); a used block-table entry outside ``[0, num_pages)`` is an absent page
+(not written, not read, contributes nothing).  Either sets a bit of a small
+per-device error word; :func:`check_errors` (``flashtile.check_errors()``)
+reads and clears it (one device sync) and raises a ``ValueError`` naming
+``cache_seqlens`` / ``block_table``.  The outputs of a call that set the
+word are not meaningful.  What the op itself checks:
+
+* an int ``cache_seqlens`` (or None) is checked on the host, which is free:
+  a value outside ``[0, capacity - Nnew]`` raises before anything is written;
+* a tensor ``cache_seqlens`` and the block table's entries are *not* read on
+  the host by default (that would be a device sync every call): errors are
+  left in the error word for :func:`check_errors`, which a serving loop calls
+  when it can afford a sync (e.g. once per step, or in its health checks);
+* ``debug=True`` reads them on the host first (one sync; skipped while a CUDA
+  graph is captured) and raises the ``ValueError`` before anything is written.
 
 The other checks read only shapes, strides, dtypes, devices and Python
 values, so their outcome is remembered per *call signature*
 (:func:`_call_key`): a decoding loop pays for them, and for building the
-kernels' launch, once per shape, and every later step goes straight to the
-launch (bound once, :mod:`flashtile.kernels._launch`: one kernel eagerly).  Both
-memos are bounded, module-level dictionaries.
+kernels' launches, once per shape, and every later step goes straight to the
+launches (bound once, :mod:`flashtile.kernels._launch`: one kernel eagerly,
+two with an append).  The memo is a bounded, module-level dictionary,
+mutated under a lock (reads are lock-free), so threads (one per GPU) may
+decode concurrently.  The launch runs under a device guard for q's device.
 
 CUDA graphs: a call can be captured (the safe path and FlashDecoding++, whose
 exact fallback happens in the kernel), as inference engines capture a decoding
-step to take the host out of it.
-During capture the length / block-table check is skipped (device memory
-cannot be read then, and each replay uses whatever the caller has written
-into the captured ``cache_seqlens`` and ``block_table`` since): keeping them
-in range is then the caller's contract.  Decoding is inference: there
+step to take the host out of it.  Each replay reads whatever the caller has
+written into the captured ``cache_seqlens`` and ``block_table`` since, with
+the same device-side clamping and error word.  Decoding is inference: there
 is no autograd: the kernels read inputs that require grad as plain data
-and the outputs do not require grad.
+and the outputs do not require grad.  It runs under ``torch.inference_mode()``
+and ``torch.no_grad()``, and on inference tensors outside them.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
+import threading
 from typing import NamedTuple
 
 import torch
 
 from flashtile.kernels._common import unit_last_stride
-from flashtile.kernels.decode import MAX_SPLITS, DecodeLaunch, alibi_args, decode_launch, default_unified_range, run_decode
+from flashtile.kernels.decode import (
+    ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
+    default_unified_range, run_decode, take_errors,
+)
 from flashtile.ops import validate
 
-__all__ = ["flash_attn_with_kvcache"]
+__all__ = ["flash_attn_with_kvcache", "check_errors"]
 
 
 def _check_flag(x: object, name: str) -> bool:
@@ -145,12 +157,13 @@ def _check_block_table(block_table: object, q: torch.Tensor, b: int) -> None:
 
 
 def _seqlens_check(cache_seqlens: object, q: torch.Tensor, b: int) -> None:
-    """``cache_seqlens`` is None (the full capacity is in use), an int, or an int32/int64 (B,) tensor on q's device."""
+    """``cache_seqlens`` is None (the full capacity is in use), an int, or an int32/int64 (B,) tensor
+    (any stride) on q's device."""
     if cache_seqlens is None or (isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)):
         return
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(
-            "cache_seqlens must be an int, an int32 torch.Tensor of shape (batch,) or None, got "
+            "cache_seqlens must be an int, an int32 (or int64) torch.Tensor of shape (batch,) or None, got "
             + (str(cache_seqlens.dtype) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__)
         )
     if tuple(cache_seqlens.shape) != (b,):
@@ -162,8 +175,8 @@ def _seqlens_check(cache_seqlens: object, q: torch.Tensor, b: int) -> None:
 def _check_lengths(
     host: list[int], n_new: int, capacity: int, block_table: torch.Tensor | None, num_pages: int, page_size: int
 ) -> None:
-    """Every element's final length fits its cache, and every page it uses exists
-    (the block-table check reads one bool back: a device sync)."""
+    """Every element's final length fits its cache, and every page it uses exists (reading the
+    block table is a device sync: only for ``debug=True``)."""
     for b, length in enumerate(host):
         if length < 0:
             raise ValueError(f"cache_seqlens[{b}] = {length} must be >= 0")
@@ -187,63 +200,31 @@ def _check_lengths(
         )
 
 
-# validated (cache_seqlens, block_table) pairs: key -> ((weakref, version, data_ptr) per tensor)
-_VALIDATED: dict[tuple, tuple] = {}
-_VALIDATED_MAX = 16
+def check_errors() -> None:
+    """Raise ``ValueError`` if a decode or append kernel has seen an out-of-range ``cache_seqlens``
+    or ``block_table`` entry since the last call, and clear the record.
 
-
-def _fingerprint(x: object) -> tuple:
-    """Identity and content version of a tensor: the same live object, storage and version counter."""
-    return (weakref.ref(x), x._version, x.data_ptr()) if isinstance(x, torch.Tensor) else (None,)
-
-
-def _same(fp: tuple, x: object) -> bool:
-    if not isinstance(x, torch.Tensor):
-        return fp == (None,)
-    ref, version, ptr = fp
-    return ref() is x and x._version == version and x.data_ptr() == ptr
-
-
-def _validate_lengths(
-    cache_seqlens: object, lens: torch.Tensor, n_new: int, capacity: int,
-    block_table: torch.Tensor | None, num_pages: int, page_size: int,
-) -> None:
-    """:func:`_check_lengths`, skipped when this exact, unmodified (cache_seqlens, block_table) pair
-    passed it before, and skipped while a CUDA graph is being captured (nothing can be read back then)."""
-    is_tensor = isinstance(cache_seqlens, torch.Tensor)
-    if not is_tensor and block_table is None:  # an int or None against a contiguous cache: host-only, no sync
-        _check_lengths([capacity if cache_seqlens is None else cache_seqlens] * lens.shape[0], n_new, capacity, None, 0, 0)
+    Reads each device's error word (one device sync per device that has run the decode
+    kernels; not allowed while a CUDA graph is captured).  The calls that saw a bad value
+    touched no memory outside their tensors (lengths clamped, absent pages masked, nothing
+    written for a bad length or page), but their outputs are not meaningful."""
+    found = take_errors()
+    if not found:
         return
-    key = (id(cache_seqlens) if is_tensor else cache_seqlens, id(block_table), n_new, capacity, num_pages, page_size)
-    hit = _VALIDATED.get(key)
-    if hit is not None and _same(hit[0], cache_seqlens) and _same(hit[1], block_table):
-        return
-    if lens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    host = lens.tolist() if is_tensor else [capacity if cache_seqlens is None else cache_seqlens] * lens.shape[0]
-    _check_lengths(host, n_new, capacity, block_table, num_pages, page_size)
-    if len(_VALIDATED) >= _VALIDATED_MAX:
-        _VALIDATED.pop(next(iter(_VALIDATED)))
-    _VALIDATED[key] = (_fingerprint(cache_seqlens), _fingerprint(block_table))
-
-
-def _append(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    lens: torch.Tensor, block_table: torch.Tensor | None,
-) -> None:
-    """Scatter k, v (B, Nnew, Hk, d) into the caches at positions lens[b] + i (paged: through the block table)."""
-    b, n_new = k.shape[0], k.shape[1]
-    pos = lens.to(torch.int64)[:, None] + torch.arange(n_new, device=k.device)[None, :]  # (B, Nnew)
-    if block_table is None:
-        rows = torch.arange(b, device=k.device)[:, None].expand(b, n_new)
-        k_cache[rows, pos] = k
-        v_cache[rows, pos] = v
-    else:
-        page_size = k_cache.shape[1]
-        page = torch.gather(block_table.to(torch.int64), 1, pos // page_size)
-        k_cache[page, pos % page_size] = k
-        v_cache[page, pos % page_size] = v
-
+    msgs = []
+    for device, bits in found:
+        if bits & ERR_SEQLENS:
+            msgs.append(
+                f"cache_seqlens out of range on {device}: some cache_seqlens[b] < 0 or cache_seqlens[b] + "
+                "seqlen_new > capacity (k_cache.shape[1], or max_pages * page_size with a block_table); "
+                "the length was clamped and nothing was appended for that element"
+            )
+        if bits & ERR_BLOCK_TABLE:
+            msgs.append(
+                f"block_table entry out of range on {device}: a used entry lies outside [0, num_pages) "
+                "(num_pages = k_cache.shape[0]); the page was treated as absent (not read, not written)"
+            )
+    raise ValueError("; ".join(msgs) + " (flashtile.check_errors)")
 
 
 class _Call(NamedTuple):
@@ -259,41 +240,75 @@ class _Call(NamedTuple):
     page_size: int
     capacity: int
     unified: tuple[float, float, float] | None
+    return_lse: bool
     launch: DecodeLaunch  # the kernel's bound launch (q with unit last stride)
+    append: AppendLaunch | None  # the append's bound launch (k, v with unit last stride), with Nnew > 0
+
+
+_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
+
+
+def _window(causal: object, window_size: object) -> object:
+    """flash-attn's window conventions before :func:`validate.check_window`: a 2-element integer
+    tensor or a list is a pair; with ``causal`` a right bound > 0 becomes 0 (flash-attn sets it)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool \
+                or tuple(window_size.shape) != (2,):
+            raise ValueError(f"window_size must be a pair of ints (left, right), got a tensor {window_size!r}")
+        window_size = tuple(int(w) for w in window_size.tolist())
+    elif isinstance(window_size, list):
+        window_size = tuple(window_size)
+    if (
+        causal is True and type(window_size) is tuple and len(window_size) == 2
+        and type(window_size[1]) is int and window_size[1] > 0
+    ):
+        window_size = (window_size[0], 0)
+    return window_size
 
 
 def _prepare(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-    alibi_slopes, num_splits, return_lse, unified_max,
+    rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
 ) -> _Call:
-    """Every check of the arguments except the contents of cache_seqlens / block_table; raises on bad input."""
+    """Every check of the arguments except the contents of tensor cache_seqlens / block_table;
+    raises on bad input."""
     validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     paged = block_table is not None
     dims = _check_layout(q, k_cache, v_cache, paged)
     if paged:
         _check_block_table(block_table, q, dims.batch)
     n_new = _check_new_kv(k, v, k_cache, dims)
-    left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
+    left, right = validate.check_window(_check_flag(causal, "causal"), _window(causal, window_size))
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
+    _check_flag(rotary_interleaved, "rotary_interleaved")
     if alibi_slopes is not None:
         validate.check_alibi(alibi_slopes, q, dims)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic), got {num_splits!r}")
-    _check_flag(return_lse, "return_lse")
+    want_lse = _check_flag(return_softmax_lse, "return_softmax_lse") | _check_flag(return_lse, "return_lse")
+    _check_flag(debug, "debug")
     if unified_max is not None:
         if isinstance(unified_max, bool) or not isinstance(unified_max, (int, float)) or not math.isfinite(unified_max):
             raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
     _seqlens_check(cache_seqlens, q, dims.batch)
+    if not isinstance(cache_seqlens, torch.Tensor):  # an int or None: checked on the host, for free
+        _check_lengths([capacity if cache_seqlens is None else cache_seqlens], n_new, capacity, None, 0, 0)
     unified = None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity))
     bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
+    lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
+        seqlens_k=lens, seqlen_add=n_new,
     )[1]
-    return _Call(dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, launch)
+    append = None
+    if n_new:
+        lens_like = lens if lens is not None else torch.empty(dims.batch, dtype=torch.int32, device=q.device)
+        append = append_launch(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, bt)
+    return _Call(dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append)
 
 
 def _tensor_key(x: object) -> tuple:
@@ -305,16 +320,16 @@ def _tensor_key(x: object) -> tuple:
 
 def _call_key(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-    alibi_slopes, num_splits, return_lse, unified_max,
+    rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
 ) -> tuple | None:
     """Everything :func:`_prepare` reads, as a hashable key, or None (then the call is checked in full).
 
     Shapes, strides, dtypes and devices of the tensors; the Python arguments
     by value *and type* (``1`` and ``True`` hash alike, but only one of them
-    is a valid ``causal``); for ``cache_seqlens`` its kind and, when an int,
-    its value.  Two calls with equal keys pass or fail the checks alike, so a
-    decoding loop runs them once per signature (their cost is the host time
-    of a short-cache step, bench/NOTES.md attempt 10)."""
+    is a valid ``causal``); for ``cache_seqlens`` its kind, stride and dtype
+    and, when an int, its value.  Two calls with equal keys pass or fail the
+    checks alike, so a decoding loop runs them once per signature (their cost
+    is the host time of a short-cache step, bench/NOTES.md attempt 10)."""
     if type(window_size) is not tuple:
         return None
     try:
@@ -323,11 +338,12 @@ def _call_key(
             type(k_cache), k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
             type(v_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
             _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
-            (type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
-            if isinstance(cache_seqlens, torch.Tensor) else (type(cache_seqlens), cache_seqlens),
+            _tensor_key(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
+            else (type(cache_seqlens), cache_seqlens),
             type(softmax_scale), softmax_scale, type(causal), causal, window_size, tuple(map(type, window_size)),
-            type(softcap), softcap, type(num_splits), num_splits, type(return_lse), return_lse,
-            type(unified_max), unified_max,
+            type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
+            type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
+            type(return_lse), return_lse, type(unified_max), unified_max, type(debug), debug,
         )
         hash(key)
     except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
@@ -335,9 +351,24 @@ def _call_key(
     return key
 
 
-# checked call signatures -> _Call (bounded; a model decodes with a handful of signatures)
+# checked call signatures -> _Call (bounded; a model decodes with a handful of signatures);
+# mutated under _CALLS_LOCK, read without it (a dict lookup is atomic)
 _CALLS: dict[tuple, _Call] = {}
 _CALLS_MAX = 64
+_CALLS_LOCK = threading.Lock()
+
+
+def _remember(key: tuple, call: _Call) -> None:
+    with _CALLS_LOCK:
+        if key not in _CALLS and len(_CALLS) >= _CALLS_MAX:
+            _CALLS.pop(next(iter(_CALLS)))
+        _CALLS[key] = call
+
+
+def _unsupported(**given: object) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported yet (pass None)")
 
 
 def flash_attn_with_kvcache(
@@ -346,66 +377,99 @@ def flash_attn_with_kvcache(
     v_cache: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | int | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
-    causal: bool = True,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    rotary_interleaved: bool = True,
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
-    return_lse: bool = False,
+    return_softmax_lse: bool = False,
+    *,
     unified_max: float | None = None,
+    return_lse: bool = False,
+    debug: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q against a KV cache, after appending the new k/v in place (flash-attn semantics).
+    """Attention of q against a KV cache, after appending the new k/v in place (flash-attn 2.x semantics).
 
+    The positional order and defaults are flash-attn 2.x's (``causal=False``).
     Shapes: q (B, Nq, Hq, d), Nq >= 1; contiguous caches (B, Nk_max, Hk, d) or,
     with ``block_table`` (B, max_pages) int32, paged caches
     (num_pages, page_size, Hk, d) with page_size a multiple of 16; k, v
-    (B, Nnew, Hk, d) or None; ``cache_seqlens`` int32 (B,), an int, or None
-    (= the cache is full: Nk_max, or max_pages * page_size).  Hq a multiple of
-    Hk (GQA / MQA); one dtype among fp16, bf16, fp32.  Returns ``out``
-    (B, Nq, Hq, d) in q's dtype, and with ``return_lse`` also ``lse``
-    (B, Hq, Nq) float32 (natural log; -inf on rows with no allowed key).
-    ``num_splits = 0`` picks the split count from the SM count, B * Hk and the
-    cache capacity; ``unified_max`` switches to FlashDecoding++'s
-    asynchronous softmax with that fixed max (exact: flagged rows are
-    recomputed).  Every bad argument raises before the cache is written.
-    """
+    (B, Nnew, Hk, d) or None; ``cache_seqlens`` int32 or int64 (B,) (any
+    stride), an int, or None (= the cache is full: Nk_max, or
+    max_pages * page_size).  Hq a multiple of Hk (GQA / MQA); one dtype among
+    fp16, bf16, fp32.  ``window_size`` a pair (tuple, list or 2-element int
+    tensor, read on the host: a CUDA tensor costs a sync); with ``causal`` its
+    right bound is 0.  Returns ``out``
+    (B, Nq, Hq, d) in q's dtype, and with ``return_softmax_lse`` (or its alias
+    ``return_lse``) also ``lse`` (B, Hq, Nq) float32 (natural log; -inf on
+    rows with no allowed key).  ``num_splits = 0`` picks the split count from
+    the SM count, B * Hk and the cache capacity.  Not supported yet (raise
+    ``NotImplementedError`` unless None): ``rotary_cos``, ``rotary_sin``,
+    ``cache_batch_idx``, ``cache_leftpad``; ``rotary_interleaved`` is then unused.
 
-    key = _call_key(
+    flashtile extras (keyword-only): ``unified_max`` switches to
+    FlashDecoding++'s asynchronous softmax with that fixed max (exact: flagged
+    rows are recomputed); ``debug=True`` reads a tensor ``cache_seqlens`` and
+    the block table on the host (one device sync) and raises ``ValueError``
+    for an out-of-range value before anything is written.
+
+    Bad shapes, dtypes, devices and Python values raise before the cache is
+    written, and so does an out-of-range int ``cache_seqlens``.  Out-of-range
+    values *inside* a tensor ``cache_seqlens`` or ``block_table`` never make a
+    kernel touch memory outside its tensors; without ``debug`` they are
+    reported by :func:`check_errors` (``flashtile.check_errors()``), not by
+    this call (see the module docstring).
+    """
+    if rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
+        _unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                     cache_leftpad=cache_leftpad)
+    if type(window_size) is not tuple:
+        window_size = _window(causal, window_size)
+    args = (
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, num_splits, return_lse, unified_max,
+        rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
     )
+    key = _call_key(*args)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
-        call = _prepare(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-            alibi_slopes, num_splits, return_lse, unified_max,
-        )
+        call = _prepare(*args)
         if key is not None:
-            if len(_CALLS) >= _CALLS_MAX:
-                _CALLS.pop(next(iter(_CALLS)))
-            _CALLS[key] = call
-    b = call.dims.batch
-    if isinstance(cache_seqlens, torch.Tensor):
-        lens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
-    else:
-        lens = torch.full((b,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32, device=q.device)
-    _validate_lengths(cache_seqlens, lens, call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
+            _remember(key, call)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return _run(call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
+    return _run(call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
 
-    if call.n_new:
-        with torch.no_grad():  # the caches may be leaves that require grad; the append is not differentiable
-            _append(k_cache, v_cache, k, v, lens, block_table)
-        lens = lens + call.n_new
+
+def _run(
+    call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
+):
+    """The launches of one checked call: the append (if any), then the attention."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        lens = cache_seqlens
+    else:
+        lens = torch.full(
+            (call.dims.batch,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+            device=q.device,
+        )
     if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    # everything is validated: launch without flash_decode's second round of checks (host time is
-    # the cost of a short-cache step)
+    if debug and isinstance(cache_seqlens, torch.Tensor) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_lengths(lens.tolist(), call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
+    if call.n_new:
+        call.append(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens, block_table)
     out, lse, _ = run_decode(
         unit_last_stride(q), k_cache, v_cache, lens, block_table,
         alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
-        unified=call.unified, launch=call.launch,
+        unified=call.unified, launch=call.launch, seqlen_add=call.n_new,
     )
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out

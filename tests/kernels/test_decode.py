@@ -366,6 +366,100 @@ def test_bad_inputs_raise(device):
         flash_decode(q, k[:, :24], v[:, :24], lens, block_table=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
 
+@pytest.mark.parametrize("unified", [False, True])
+def test_untrusted_lengths_clamped_and_reported(device, unified):
+    """Lengths are read on the device and never trusted: int64 values past int32 do not wrap
+    (2**32 + 5 is not 5), lengths past the capacity are clamped to it (the NaN guard after the
+    cache stays unread), negative ones to 0; a strided tensor is read at its stride; the error
+    word records ERR_SEQLENS."""
+    from flashtile.ops.kvcache import check_errors
+
+    check_errors()
+    q, k, v = make(4, 40, 4, 2, 16, device=device, seed=21)
+    big_k = torch.full((4, 56, 2, 16), math.nan, device=device)
+    big_v = big_k.clone()
+    big_k[:, :40], big_v[:, :40] = k, v
+    kc, vc = big_k[:, :40], big_v[:, :40]
+    lens = torch.tensor([2**32 + 5, 0, 45, 0, -3, 0, 17, 0], dtype=torch.int64, device=device)[::2]
+    kw = dict(num_splits=2, unified_max=0.0 if unified else None)
+    out, lse = flash_decode(q, kc, vc, lens, **kw)
+    ref_out, ref_lse = dense(q, k, v, torch.tensor([40, 40, 0, 17]))
+    tol = tolerance(torch.float32, device)
+    assert_close(out, ref_out, tol, "out")
+    assert_close(lse, ref_lse, tol, "lse")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        check_errors()
+    out, _ = flash_decode(q, kc, vc, torch.tensor([40, 3, 0, 17], dtype=torch.int64, device=device), **kw)
+    check_errors()  # in-range lengths record nothing
+
+
+def test_absent_pages_masked_and_reported(device):
+    """Block-table entries outside [0, num_pages) are absent pages: never read (the pool's NaN
+    guard pages stay unread), contribute nothing, and record ERR_BLOCK_TABLE."""
+    from flashtile.ops.kvcache import check_errors
+
+    check_errors()
+    q, k, v = make(2, 64, 4, 2, 16, device=device, nq=2, seed=22)
+    k_pool, v_pool, table = paged(k, v, 16, seed=3)
+    guard = torch.full((1, *k_pool.shape[1:]), math.nan, device=device)
+    big_k, big_v = torch.cat([guard, k_pool, guard]), torch.cat([guard, v_pool, guard])
+    kp, vp = big_k[1:-1], big_v[1:-1]
+    lens = torch.tensor([64, 50], dtype=torch.int32, device=device)
+    bad = table.clone()
+    bad[0, 1] = -1
+    bad[1, 2] = kp.shape[0]
+    out, lse = flash_decode(q, kp, vp, lens, block_table=bad, causal=True, num_splits=3)
+    # the reference: the same keys with the absent pages' keys removed (their scores are -inf)
+    keep = torch.ones(2, 64, dtype=torch.bool)
+    keep[0, 16:32] = False
+    keep[1, 32:48] = False
+    for b in range(2):
+        kb, vb = k[b : b + 1, keep[b]], v[b : b + 1, keep[b]]
+        n_keep = int(keep[b, : int(lens[b])].sum())
+        ref_o, ref_l = dense(q[b : b + 1], kb, vb, torch.tensor([n_keep]), causal=False)
+        # causal with Nq = 2: token 0 does not see the last key (it is kept in both elements)
+        ref_c, ref_lc = dense(q[b : b + 1, :1], kb[:, : n_keep - 1], vb[:, : n_keep - 1], torch.tensor([n_keep - 1]))
+        assert_close(out[b : b + 1, 1:], ref_o[:, 1:], tolerance(torch.float32, device), f"out {b}, token 1")
+        assert_close(out[b : b + 1, :1], ref_c, tolerance(torch.float32, device), f"out {b}, token 0")
+    assert torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="block_table"):
+        check_errors()
+
+
+@pytest.mark.parametrize("paged_", [False, True])
+def test_append_kernel_writes_only_in_range(device, paged_):
+    """The append kernel alone: rows of an element with an out-of-range length, or of an absent
+    page, are not written (the caches equal the expected ones, guards included) and set their bit."""
+    decode_module.take_errors()
+    b, n, hk, d, page = 4, 32, 2, 16, 16
+    _, k, v = make(b, n, hk, hk, d, device=device, seed=23)
+    k_new = torch.randn(b, 2, hk, d, generator=torch.Generator().manual_seed(1)).to(device)
+    v_new = -k_new
+    lens = torch.tensor([3, 31, -1, 15], dtype=torch.int32, device=device)  # 31 + 2 > 32, -1 < 0
+    table = None
+    if paged_:
+        k_pool, v_pool, table = paged(k, v, page, seed=4)
+        table[3, 1] = k_pool.shape[0]  # element 3 writes positions 15 (page 0) and 16 (absent page 1)
+        kc, vc = k_pool, v_pool
+    else:
+        kc, vc = k, v
+    expect_k, expect_v = kc.clone(), vc.clone()
+    for e, pos in ((0, 3), (0, 4), (3, 15)):
+        i = pos - int(lens[e])
+        if paged_:
+            expect_k[int(table[e, pos // page]), pos % page] = k_new[e, i]
+            expect_v[int(table[e, pos // page]), pos % page] = v_new[e, i]
+        else:
+            expect_k[e, pos], expect_v[e, pos] = k_new[e, i], v_new[e, i]
+    if not paged_:  # element 3's positions 15, 16 are both in range without pages
+        expect_k[3, 16], expect_v[3, 16] = k_new[3, 1], v_new[3, 1]
+    decode_module.append_launch(kc, vc, k_new, v_new, lens, table)(kc, vc, k_new, v_new, lens, table)
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+    bits = dict((dev.type, bits) for dev, bits in decode_module.take_errors())[torch.device(device).type]
+    want = decode_module.ERR_SEQLENS | (decode_module.ERR_BLOCK_TABLE if paged_ else 0)
+    assert bits == want
+
+
 # --------------------------------------------------------------------------- #
 # GPU: realistic decoding shapes
 # --------------------------------------------------------------------------- #

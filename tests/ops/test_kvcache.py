@@ -14,7 +14,7 @@ import pytest
 import torch
 from ops_oracle import assert_close64, attention64
 
-from flashtile.ops.kvcache import flash_attn_with_kvcache
+from flashtile.ops.kvcache import check_errors, flash_attn_with_kvcache
 
 
 def oracle(q, k_full, v_full, lens, *, causal, window=(-1, -1), softcap=0.0, alibi=None):
@@ -63,7 +63,8 @@ def test_append_contiguous(device):
     k_new, v_new = rand(b, n_new, hk, d, device=device, seed=3), rand(b, n_new, hk, d, device=device, seed=4)
     q = rand(b, n_new, hq, d, device=device, seed=5)
     lens = torch.tensor([5, 0, 46], dtype=torch.int32, device=device)
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, num_splits=2, return_lse=True)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, num_splits=2, return_lse=True,
+                                       causal=True)
     # the cache holds the new rows at [L_b, L_b + Nnew) and nothing else changed
     expect_k, expect_v = before_k.clone(), before_v.clone()
     for i, length in enumerate(lens.tolist()):
@@ -88,7 +89,8 @@ def test_append_paged(device, page_size):
     k_new, v_new = rand(b, n_new, hk, d, device=device, seed=7), rand(b, n_new, hk, d, device=device, seed=8)
     q = rand(b, 1, hq, d, device=device, seed=9)
     lens = torch.tensor([page_size - 1, 1], dtype=torch.int32, device=device)
-    out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table, num_splits=3)
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table, num_splits=3,
+                                  causal=True)
     after_k, after_v = logical(k_pool, table), logical(v_pool, table)
     for i, length in enumerate(lens.tolist()):
         before_k[i, length : length + n_new] = k_new[i]
@@ -123,7 +125,7 @@ def test_unified_max_through_api(device):
     q[1] *= 200.0  # element 1 leaves the safe range around phi = 0 and is recomputed
     lens = torch.tensor([60, 64], dtype=torch.int32, device=device)
     out, lse = flash_attn_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=lens, unified_max=0.0, num_splits=2, return_lse=True
+        q, k_cache, v_cache, cache_seqlens=lens, unified_max=0.0, num_splits=2, return_softmax_lse=True, causal=True
     )
     ref_out, ref_lse = oracle(q, k_cache, v_cache, [60, 64], causal=True)
     assert_close64(out, ref_out, torch.float32, device, "out")
@@ -133,14 +135,15 @@ def test_unified_max_through_api(device):
 def test_inputs_requiring_grad_run_without_autograd(device):
     q = rand(1, 1, 2, 16, device=device, seed=31).requires_grad_()
     k_cache, v_cache = rand(1, 16, 1, 16, device=device, seed=32), rand(1, 16, 1, 16, device=device, seed=33)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16, causal=True)
     assert not out.requires_grad and out.grad_fn is None
     ref_out, _ = oracle(q.detach(), k_cache, v_cache, [16], causal=True)
     assert_close64(out, ref_out, torch.float32, device, "out")
 
 
 # --------------------------------------------------------------------------- #
-# validation: every bad input raises before the cache is written
+# validation: every bad input raises before the cache is written (values inside
+# tensor cache_seqlens / block_table: with debug=True; without it see test_kvcache_safety.py)
 # --------------------------------------------------------------------------- #
 def _base(device):
     b, hq, hk, d, page = 2, 4, 2, 16, 16
@@ -158,14 +161,25 @@ def _bad_table(a):
 
 
 BAD = [
-    ("block_table", lambda a: dict(block_table=_bad_table(a)), ValueError),
+    ("block_table", lambda a: dict(block_table=_bad_table(a), debug=True), ValueError),
     ("block_table", lambda a: dict(block_table=a["block_table"].long()), TypeError),
     ("block_table", lambda a: dict(block_table=a["block_table"][:1]), ValueError),
     ("cache too small", lambda a: dict(cache_seqlens=a["cache_seqlens"] + torch.tensor([0, 2], dtype=torch.int32)
-                                       .to(a["q"].device)), ValueError),
+                                       .to(a["q"].device), debug=True), ValueError),
     ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), ValueError),
     ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"].float()), TypeError),
-    (">= 0", lambda a: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32, device=a["q"].device)), ValueError),
+    (">= 0", lambda a: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32, device=a["q"].device),
+                            debug=True), ValueError),
+    ("cache too small", lambda a: dict(cache_seqlens=2**32 + 5, k=None, v=None), ValueError),
+    ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"][:, None].expand(2, 2)), ValueError),
+    ("rotary_cos", lambda a: dict(rotary_cos=torch.ones(1)), NotImplementedError),
+    ("rotary_sin", lambda a: dict(rotary_sin=torch.ones(1)), NotImplementedError),
+    ("cache_batch_idx", lambda a: dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), NotImplementedError),
+    ("cache_leftpad", lambda a: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError),
+    ("rotary_interleaved", lambda a: dict(rotary_interleaved=1), TypeError),
+    ("return_softmax_lse", lambda a: dict(return_softmax_lse=None), TypeError),
+    ("debug", lambda a: dict(debug="yes"), TypeError),
+    ("window_size", lambda a: dict(window_size=torch.tensor([1.0, 0.0])), ValueError),
     ("page_size", lambda a: dict(k_cache=a["k_cache"][:, :8], v_cache=a["v_cache"][:, :8]), ValueError),
     ("multiple of the heads", lambda a: dict(q=a["q"][:, :, :3]), ValueError),
     ("head_dim", lambda a: dict(q=a["q"][..., :8]), ValueError),
@@ -192,23 +206,24 @@ def test_bad_inputs_raise_before_writing(device, match, change, exc):
         assert torch.equal(pool_k, snapshot[0]) and torch.equal(args["v_cache"], snapshot[1])
 
 
-def test_validation_memo_sees_in_place_changes(device):
-    """A validated (cache_seqlens, block_table) pair is remembered, but an in-place
-    write to either (version counter bump) forces the check again: still raises before writing."""
+def test_debug_reads_values_every_call(device):
+    """With debug=True the values of cache_seqlens / block_table are read on every call (no memo):
+    an in-place change to either, however it was made, raises before anything is written."""
     args = _base(device)
+    args["debug"] = True
     args.pop("k"), args.pop("v")
-    flash_attn_with_kvcache(**args)  # validated and remembered
-    flash_attn_with_kvcache(**args)  # memo hit: same objects, unchanged
+    flash_attn_with_kvcache(**args)
     snapshot = args["k_cache"].clone()
-    args["cache_seqlens"][1] = args["block_table"].shape[1] * args["k_cache"].shape[1] + 1
+    args["cache_seqlens"].data[1] = args["block_table"].shape[1] * args["k_cache"].shape[1] + 1
     with pytest.raises(ValueError, match="cache too small"):
         flash_attn_with_kvcache(**args)
-    args["cache_seqlens"][1] = 30
+    args["cache_seqlens"].data[1] = 30
     flash_attn_with_kvcache(**args)
-    args["block_table"][1, 1] = args["k_cache"].shape[0]
+    args["block_table"].data[1, 1] = args["k_cache"].shape[0]
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_with_kvcache(**args)
     assert torch.equal(args["k_cache"], snapshot)
+    check_errors()  # nothing was launched with the bad values
 
 
 @pytest.mark.parametrize(
