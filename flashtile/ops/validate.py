@@ -11,8 +11,9 @@ The checks only read Python scalars, shapes, dtypes and devices, so
 ``window_size`` passed as a tensor is read back, which does break the graph).
 Where a number is meant, NumPy scalars are accepted like Python ones and
 bools are not (eagerly: ``torch.compile`` traces NumPy values as arrays, so
-compiled callers pass Python numbers).  Each check takes the caller's argument name, so the SDPA
-wrapper's errors say ``scale`` where flash-attn's say ``softmax_scale``.
+compiled callers pass Python numbers).  Each check takes the caller's
+argument name, so the SDPA wrapper's errors say ``scale`` where flash-attn's
+say ``softmax_scale``.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _pair_of_ints(window_size: object) -> tuple[object, ...] | None:
     if isinstance(window_size, (tuple, list)):
         entries = tuple(window_size)
     elif isinstance(window_size, torch.Tensor) and not window_size.is_floating_point() and window_size.dtype != torch.bool:
-        # a device tensor is read back (one sync), as flash-attn does with a window tensor
+        # a device tensor is read back: one host sync, only for this form of the argument
         entries = tuple(window_size.tolist()) if window_size.dim() == 1 else ()
     elif isinstance(window_size, np.ndarray) and np.issubdtype(window_size.dtype, np.integer):
         entries = tuple(window_size.tolist()) if window_size.ndim == 1 else ()
