@@ -59,8 +59,7 @@ __all__ = ["KernelLauncher", "launch"]
 # held around every launch through Triton's interpreter (its state is module-global)
 _INTERPRETER_LOCK = threading.Lock()
 
-
-# torch.cuda.current_device() without its lazy-init check (CUDA is initialised wherever this is read)
+# torch.cuda.current_device() without its lazy-init check (only called once CUDA is initialised)
 _get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
