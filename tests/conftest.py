@@ -3,7 +3,8 @@
 Without a CUDA GPU the Triton kernels run through Triton's interpreter
 (``TRITON_INTERPRET=1``), which must be set before any kernel module is
 imported; with a GPU they are compiled.  Tests marked ``gpu`` need a GPU and
-are skipped without one (run them with ``pytest -m gpu`` on the device).
+are skipped without one (run them with ``pytest -m gpu`` on the device);
+tests marked ``multigpu`` are skipped with fewer than 2 GPUs.
 """
 
 import os
@@ -25,6 +26,11 @@ HAS_GPU = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
+    skip_multi = pytest.mark.skip(reason="needs 2 or more CUDA GPUs (run `pytest -m multigpu` on a multi-GPU machine)")
+    if torch.cuda.device_count() < 2:
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(skip_multi)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")

@@ -29,16 +29,43 @@ on (the decode wrapper's launchers are memoised per dtype), so a launcher
 only ever sees one dtype per argument slot; that is checked on the first
 call of each key, not per call.  Under Triton's interpreter ``fn[grid]``
 returns no compiled kernel and every call takes Triton's path.
+
+Devices: Triton launches on the *current* CUDA device, and a compiled kernel
+is loaded into that device's context, so the kept launchers are keyed by the
+current device as well as by alignment (the callers make the tensors' device
+current first, see ``flashtile.ops.autograd``).  Threads: the per-call path
+only reads dicts; a first call builds the new entry under a lock and
+publishes it with one assignment.  Triton's interpreter keeps its grid index
+and its patches of ``triton.language`` in module globals, so interpreted
+launches are serialised.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
+try:
+    from triton.runtime.interpreter import InterpretedFunction as _Interpreted
+except ImportError:  # a Triton without the interpreter: nothing is interpreted
+    class _Interpreted:  # type: ignore[no-redef]
+        pass
+
 __all__ = ["KernelLauncher", "launch"]
+
+# held around every launch through Triton's interpreter (its state is module-global)
+_INTERPRETER_LOCK = threading.Lock()
+
+# torch.cuda.current_device() without its lazy-init check (only called once CUDA is initialised)
+_get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+def _current_device() -> int:
+    """The current CUDA device, whose context a compiled kernel is loaded into; -1 before CUDA is initialised."""
+    return _get_device() if torch.cuda.is_initialized() else -1
 
 
 def _alignment_key(dynamic: Sequence[Any], check: Sequence[int]) -> int | tuple[bool, ...]:
@@ -66,7 +93,7 @@ class KernelLauncher:
     the first call of each alignment).
     """
 
-    __slots__ = ("_fn", "_grid", "_static", "_options", "_check", "_runners", "_dtypes", "_device")
+    __slots__ = ("_fn", "_grid", "_static", "_options", "_check", "_runners", "_dtypes", "_lock", "_interpreted")
 
     def __init__(
         self, fn: Any, grid: Sequence[int], static: Sequence[Any], options: dict[str, Any],
@@ -80,41 +107,57 @@ class KernelLauncher:
         self._static = tuple(static)
         self._options = dict(options)
         self._check = None if check is None else tuple(check)
-        self._runners: dict[int | tuple[bool, ...], Callable[..., None]] = {}
+        # current device -> alignment key -> launch of the kernel compiled (loaded) on that device;
+        # replaced, never mutated in place, so the per-call lookups need no lock
+        self._runners: dict[int, dict[int | tuple[bool, ...], Callable[..., None]]] = {}
         self._dtypes: tuple | None = None
-        self._device: int | None = None
+        self._lock = threading.Lock()
+        self._interpreted = isinstance(fn, _Interpreted)
 
     def __call__(self, *dynamic: Any) -> None:
-        runner = self._runners.get(_alignment_key(dynamic, self._check)) if self._runners else None
-        if runner is not None and (self._device is None or torch.cuda.current_device() == self._device):
-            runner(*dynamic, *self._static)
-            return
+        if self._runners:
+            runners = self._runners.get(_current_device())
+            if runners is not None:
+                runner = runners.get(_alignment_key(dynamic, self._check))
+                if runner is not None:
+                    runner(*dynamic, *self._static)
+                    return
         self._first_call(dynamic)
 
     def _first_call(self, dynamic: tuple) -> None:
-        """Triton's own launch path; keeps the compiled kernel for later calls with this alignment."""
+        """Triton's own launch path; keeps the compiled kernel for later calls with this device and alignment."""
         tensors = [i for i, a in enumerate(dynamic) if isinstance(a, torch.Tensor)]
-        if self._check is None:
-            self._check = tuple(tensors)
-        unchecked = [i for i in tensors if i not in self._check and dynamic[i].data_ptr() % 16]
+        dtypes = tuple(dynamic[i].dtype for i in tensors)
+        with self._lock:
+            if self._check is None:
+                self._check = tuple(tensors)
+            if self._dtypes is None:
+                self._dtypes = dtypes
+            check, expected = self._check, self._dtypes
+        unchecked = [i for i in tensors if i not in check and dynamic[i].data_ptr() % 16]
         if unchecked:
             raise ValueError(f"KernelLauncher: tensor arguments {unchecked} must be 16-byte aligned (they are not checked per call)")
-        dtypes = tuple(dynamic[i].dtype for i in tensors)
-        if self._dtypes is None:
-            self._dtypes = dtypes
-        elif dtypes != self._dtypes:
-            raise TypeError(f"KernelLauncher: tensor dtypes changed from {self._dtypes} to {dtypes}; build one launcher per dtype")
-        compiled = self._fn[self._grid](*dynamic, *self._static, **self._options)
+        if dtypes != expected:
+            raise TypeError(f"KernelLauncher: tensor dtypes changed from {expected} to {dtypes}; build one launcher per dtype")
+        if self._interpreted:
+            with _INTERPRETER_LOCK:
+                compiled = self._fn[self._grid](*dynamic, *self._static, **self._options)
+        else:
+            compiled = self._fn[self._grid](*dynamic, *self._static, **self._options)
         getter = getattr(type(compiled), "__getitem__", None) if compiled is not None else None
         if getter is None:  # the interpreter returns no compiled kernel: nothing to keep
             return
-        devices = {dynamic[i].device for i in tensors}
-        if len(devices) != 1:
+        if len({dynamic[i].device for i in tensors}) != 1:
             return
-        device = devices.pop()
-        # a compiled kernel is loaded into the current device's context: launch it only from there
-        self._device = torch.cuda.current_device() if device.type == "cuda" else None
-        self._runners[_alignment_key(dynamic, self._check)] = compiled[self._grid]
+        device = _current_device()  # after the launch, which initialises CUDA on a first call
+        runner = compiled[self._grid]
+        key = _alignment_key(dynamic, check)
+        with self._lock:
+            runners = dict(self._runners.get(device, {}))
+            runners[key] = runner
+            table = dict(self._runners)
+            table[device] = runners
+            self._runners = table
 
 
 @functools.lru_cache(maxsize=512)
@@ -143,4 +186,8 @@ def launch(
         _bound(kernel, grid, static, num_warps, num_stages, pdl, dtypes, tensors[0].device)(*dynamic)
     else:
         extra = {"launch_pdl": True} if pdl else {}
-        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
+        if isinstance(kernel, _Interpreted):
+            with _INTERPRETER_LOCK:
+                kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
+        else:
+            kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)

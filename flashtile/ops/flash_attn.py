@@ -8,11 +8,19 @@ backward):
     S = softmax_scale * Q K^T, softcap, ALiBi, window / causal (bottom-right),
     L = logsumexp(S) per row,  O = dropout(exp(S - L)) V.
 
-Two differences from flash-attn: ``return_lse=True`` returns ``(out, lse)``
-(flash-attn's ``return_attn_probs`` also returned S, which FlashAttention
-never materialises), and ``block_mask`` adds block-sparse attention (FA1
-paper, Algorithm 5).  Dropout draws its Philox seed from torch's default
-generator, so ``torch.manual_seed`` makes it reproducible.
+Additions to flash-attn: ``return_lse=True`` returns ``(out, lse)``, and
+``block_mask`` adds block-sparse attention (FA1 paper, Algorithm 5).
+``return_attn_probs=True`` returns flash-attn's ``(out, softmax_lse, S_dmask)``
+with ``S_dmask = None``: FlashAttention never materialises the Nq x Nk
+matrix, and flash-attn itself fills it only for testing, with dropout
+(``return_softmax and dropout_p > 0``), documenting it as not guaranteed to
+have the right scaling.  As in flash-attn, ``causal=True`` sets the right
+window bound to 0 (a right bound given with it is ignored), and
+``window_size`` may be a 2-element integer tensor.  One convention differs
+on purpose: a query row that sees no key has LSE ``-inf`` here (the log of
+an empty sum, which merges correctly with other splits), ``+inf`` in
+flash-attn.  Dropout draws its Philox seed from torch's default generator,
+so ``torch.manual_seed`` makes it reproducible.
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ def _run(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     deterministic: bool,
+    return_attn_probs: bool,
     return_lse: bool,
     block_mask: BlockMask | None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Validate every argument (naming it as the caller knows it), then run the op."""
     validate.check_qkv_tensors(names, q, k, v)
     dims = validate.check_dims(q, k, v, seq_major=True, names=names)
@@ -59,11 +68,14 @@ def _run(
     if block_mask is not None:
         validate.check_block_mask(block_mask, dims)
     _check_flag(deterministic, "deterministic")
+    _check_flag(return_attn_probs, "return_attn_probs")
     _check_flag(return_lse, "return_lse")
     out, lse, _ = attention(
         q, k, v, seq_major=True, softmax_scale=scale, causal=causal, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, block_mask=block_mask, deterministic=deterministic,
     )
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
@@ -74,13 +86,14 @@ def flash_attn_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
     return_lse: bool = False,
     block_mask: BlockMask | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Exact attention, FlashAttention-2 kernels.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
@@ -91,18 +104,24 @@ def flash_attn_func(
     softmax_scale defaults to 1/sqrt(headdim).  causal / window_size=(left,
     right) are aligned to the bottom-right corner of the score matrix (key j
     is visible to query i iff i + Nk - Nq - left <= j <= i + Nk - Nq + right,
-    -1 = unbounded).  softcap > 0 applies s -> softcap * tanh(s / softcap);
+    -1 = unbounded); window_size is a pair of ints or a 2-element integer
+    tensor, and causal=True sets right = 0 whatever window_size says (as
+    flash-attn does).  softcap > 0 applies s -> softcap * tanh(s / softcap);
     alibi_slopes (nheads,) or (batch, nheads) float32 subtracts
     slope * |i + Nk - Nq - j|.  dropout_p drops attention probabilities after
     the softmax normalisation.  deterministic=True makes the backward
     bitwise reproducible.  block_mask restricts attention to the kept blocks.
+    Scalars may be Python or NumPy numbers.
 
-    Returns out (batch, seqlen_q, nheads, headdim), plus, when return_lse,
-    lse (batch, nheads, seqlen_q) float32: the natural-log sum-exp of each
-    score row, -inf for a query row that sees no key (whose out row is 0).
+    Returns out (batch, seqlen_q, nheads, headdim); with return_lse,
+    (out, lse), lse (batch, nheads, seqlen_q) float32 being the natural-log
+    sum-exp of each score row; with return_attn_probs, flash-attn's
+    (out, softmax_lse, S_dmask) with S_dmask None (the attention matrix is
+    never materialised).  A query row that sees no key has out row 0 and
+    lse -inf (flash-attn reports +inf there).
     """
     return _run(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_lse, block_mask)
+                alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
 
 
 def _unpack(x: object, name: str, count: int, layout: str) -> tuple[torch.Tensor, ...]:
@@ -119,18 +138,19 @@ def flash_attn_qkvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
     return_lse: bool = False,
     block_mask: BlockMask | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); the gradient is d(qkv)."""
     q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
     names = ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]")
     return _run(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_lse, block_mask)
+                alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
 
 
 def flash_attn_kvpacked_func(
@@ -139,15 +159,16 @@ def flash_attn_kvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
     return_lse: bool = False,
     block_mask: BlockMask | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); gradients are dq and d(kv)."""
     k, v = _unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     names = ("q", "kv[:, :, 0]", "kv[:, :, 1]")
     return _run(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_lse, block_mask)
+                alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)

@@ -66,6 +66,12 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """Like ``torch.nn.functional.scaled_dot_product_attention``; returns (B, Hq, Nq, d) (or (Hq, Nq, d)).
 
+    The output is, like that of torch's flash and cuDNN backends, a
+    (B, Hq, Nq, d) view of (B, Nq, Hq, d) contiguous storage:
+    ``out.transpose(1, 2)`` is contiguous.  Inputs may have any strides (one
+    whose head_dim stride is not 1 is copied first).
+    Errors name torch's arguments (``query``, ``scale``, ``attn_mask``, ...).
+
     query (B, Hq, Nq, d), key / value (B, Hk, Nk, d): Hk must equal Hq unless
     ``enable_gqa=True`` (then Hq must be a multiple of Hk and query head h
     reads kv head h // (Hq // Hk), as torch's repeat_interleave does).
@@ -93,8 +99,8 @@ def scaled_dot_product_attention(
     dims = validate.check_dims(q, k, v, seq_major=False, names=names)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot both be set: fold the causal mask into attn_mask")
-    softmax_scale = validate.check_softmax_scale(scale, dims.head_dim)
-    dropout_p = validate.check_dropout(dropout_p)
+    softmax_scale = validate.check_softmax_scale(scale, dims.head_dim, name="scale")
+    dropout_p = validate.check_dropout(dropout_p, name="dropout_p")
 
     bias = None
     if attn_mask is not None:
@@ -104,8 +110,12 @@ def scaled_dot_product_attention(
     if is_causal:
         k, v, causal, window = _causal_top_left(k, v, dims.seqlen_q, dims.seqlen_k)
 
+    # run in the (B, N, H, d) layout on transposed views (the kernels see the same strides): the
+    # output is then a (B, H, N, d) view of (B, N, H, d) storage, as torch's flash / cuDNN backends
+    # return it, so the usual out.transpose(1, 2).reshape(B, N, H * d) that follows copies nothing
     out, _, _ = attention(
-        q, k, v, seq_major=False, softmax_scale=softmax_scale, causal=causal, window=window,
-        bias=bias, dropout_p=dropout_p,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seq_major=True, softmax_scale=softmax_scale,
+        causal=causal, window=window, bias=bias, dropout_p=dropout_p,
     )
+    out = out.transpose(1, 2)
     return out.squeeze(0) if ndim == 3 else out

@@ -7,7 +7,13 @@ inside a Triton launch.  Conventions: a wrong *type or dtype* raises
 ``TypeError``; a wrong *value, shape or device* raises ``ValueError``.
 
 The checks only read Python scalars, shapes, dtypes and devices, so
-``torch.compile(fullgraph=True)`` traces them without graph breaks.
+``torch.compile(fullgraph=True)`` traces them without graph breaks (a
+``window_size`` passed as a tensor is read back, which does break the graph).
+Where a number is meant, NumPy scalars are accepted like Python ones and
+bools are not (eagerly: ``torch.compile`` traces NumPy values as arrays, so
+compiled callers pass Python numbers).  Each check takes the caller's
+argument name, so the SDPA wrapper's errors say ``scale`` where flash-attn's
+say ``softmax_scale``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import math
 import os
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from flashtile.reference.masks import BlockMask
@@ -107,59 +114,87 @@ def check_dims(
     if hk == 0 or hq % hk != 0:
         raise ValueError(
             f"number of heads of {names[0]} ({hq}) must be a multiple of the heads of {names[1]}/{names[2]} "
-            f"({hk}) (GQA/MQA: q head h reads kv head h // (Hq // Hk))"
+            f"({hk}) (GQA/MQA: head h of {names[0]} reads head h // (Hq // Hk) of {names[1]}/{names[2]})"
         )
     return AttnDims(b, hq, hk, nq, nk, d)
 
 
-def check_window(causal: object, window_size: object) -> tuple[int, int]:
-    """(left, right) with -1 unbounded; ``causal`` means right = 0 (bottom-right aligned)."""
+def _is_int(x: object) -> bool:
+    """A Python or NumPy integer, not a bool (Python ints are tested first: no NumPy check under tracing)."""
+    if isinstance(x, int):
+        return not isinstance(x, bool)
+    return isinstance(x, np.integer)
+
+
+def _pair_of_ints(window_size: object) -> tuple[object, ...] | None:
+    """The two entries of a tuple / list, or of a 2-element integer tensor or NumPy array; None otherwise."""
+    if isinstance(window_size, (tuple, list)):
+        entries = tuple(window_size)
+    elif isinstance(window_size, torch.Tensor) and not window_size.is_floating_point() and window_size.dtype != torch.bool:
+        # a device tensor is read back: one host sync, only for this form of the argument
+        entries = tuple(window_size.tolist()) if window_size.dim() == 1 else ()
+    elif isinstance(window_size, np.ndarray) and np.issubdtype(window_size.dtype, np.integer):
+        entries = tuple(window_size.tolist()) if window_size.ndim == 1 else ()
+    else:
+        return None
+    return entries if len(entries) == 2 and all(_is_int(w) for w in entries) else None
+
+
+def check_window(
+    causal: object, window_size: object, *, names: tuple[str, str] = ("causal", "window_size")
+) -> tuple[int, int]:
+    """(left, right) with -1 unbounded; ``causal`` sets right = 0 (bottom-right aligned), as flash-attn does.
+
+    ``window_size``: a pair of ints (Python or NumPy), or a 2-element integer
+    tensor / NumPy array; any entry below -1 is refused.  With ``causal`` a
+    right bound > 0 is replaced by 0 (flash-attn's rule), not an error.
+    """
+    causal_name, window_name = names
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
-    ok = ok and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    if not ok or min(window_size) < -1:
+        raise TypeError(f"{causal_name} must be a bool, got {type(causal).__name__}")
+    entries = _pair_of_ints(window_size)
+    if entries is None or min(entries) < -1:
         raise ValueError(
-            f"window_size must be a pair of ints (left, right), each >= -1 (-1 = unbounded), got {window_size!r}"
+            f"{window_name} must be a pair of ints (left, right), each >= -1 (-1 = unbounded), got {window_size!r}"
         )
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal and right > 0:
-        raise ValueError(
-            f"causal=True means window_size right = 0 (or -1), got window_size={(left, right)}; "
-            "use causal=False with an explicit (left, right) window for a look-ahead window"
-        )
+    left, right = int(entries[0]), int(entries[1])
     return left, (0 if causal else right)
 
 
 def _real(x: object, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+    """A Python or NumPy real scalar as a float; bools and tensors are refused (a tensor would need a sync)."""
+    if isinstance(x, (int, float)):
+        ok = not isinstance(x, bool)
+    else:
+        ok = isinstance(x, (np.floating, np.integer))
+    if not ok:
+        raise TypeError(f"{name} must be a float (a Python or NumPy real scalar), got {type(x).__name__}")
     return float(x)
 
 
-def check_softmax_scale(scale: object, head_dim: int) -> float:
-    """None -> 1/sqrt(d); otherwise a finite real number."""
+def check_softmax_scale(scale: object, head_dim: int, *, name: str = "softmax_scale") -> float:
+    """None -> 1/sqrt(d); otherwise a finite real number.  ``name``: the caller's argument name."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    s = _real(scale, "softmax_scale")
+    s = _real(scale, name)
     if not math.isfinite(s):
-        raise ValueError(f"softmax_scale must be a finite float (or None for 1/sqrt(head_dim)), got {s}")
+        raise ValueError(f"{name} must be a finite float (or None for 1/sqrt(head_dim)), got {s}")
     return s
 
 
-def check_softcap(softcap: object) -> float:
+def check_softcap(softcap: object, *, name: str = "softcap") -> float:
     """softcap >= 0; 0 disables it (s = softcap * tanh(s / softcap) otherwise)."""
-    c = _real(softcap, "softcap")
+    c = _real(softcap, name)
     if not (c >= 0.0 and math.isfinite(c)):
-        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {c}")
+        raise ValueError(f"{name} must be a finite float >= 0 (0 disables it), got {c}")
     return c
 
 
-def check_dropout(dropout_p: object) -> float:
+def check_dropout(dropout_p: object, *, name: str = "dropout_p") -> float:
     """dropout_p in [0, 1): p = 1 would drop everything and scale by 1/0."""
-    p = _real(dropout_p, "dropout_p")
+    p = _real(dropout_p, name)
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
     return p
 
 

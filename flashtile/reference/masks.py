@@ -28,6 +28,7 @@ is the block-level mask of block-sparse FlashAttention (Algorithm 5).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -132,6 +133,24 @@ def apply_score_mods(
     return s
 
 
+def _count(value: object, name: str, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``: a Python or NumPy integer (not a bool, not a float such as 64.0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _block_size(value: object, name: str) -> tuple[int, int]:
+    """(Br, Bc) from an int (square blocks) or a pair of ints, each >= 1."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be an int or a pair of ints (Br, Bc), got {value!r}")
+        return _count(value[0], name, 1), _count(value[1], name, 1)
+    return (_count(value, name, 1),) * 2
+
+
 @dataclass(frozen=True)
 class BlockMask:
     """Block-level mask of block-sparse FlashAttention (Algorithm 5).
@@ -141,20 +160,26 @@ class BlockMask:
     key columns [c*Bc, (c+1)*Bc).  A False block is skipped entirely: no HBM
     traffic and no FLOPs.  The sparsity ``s`` of the paper is the fraction of
     blocks kept (``density``), so block-sparse IO is ``Theta(Nd + N^2 d^2 s / M)``.
+    ``block_size`` is (Br, Bc) or one int for square blocks; sizes, counts and
+    strides must be integers (64.0 is refused, not truncated).
     """
 
     mask: torch.Tensor
     block_size: tuple[int, int]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool:
-            raise TypeError("BlockMask.mask must be a torch.bool tensor of shape (..., Tr, Tc)")
+        if not isinstance(self.mask, torch.Tensor):
+            raise TypeError(
+                f"BlockMask.mask must be a torch.bool tensor of shape (..., Tr, Tc), got {type(self.mask).__name__}"
+            )
+        if self.mask.dtype != torch.bool:
+            raise TypeError(
+                f"BlockMask.mask must be a torch.bool tensor of shape (..., Tr, Tc) (one entry per block), got "
+                f"dtype {self.mask.dtype}; build one from an element mask with BlockMask.from_element_mask"
+            )
         if self.mask.dim() < 2:
             raise ValueError(f"BlockMask.mask must have at least 2 dims (Tr, Tc), got shape {tuple(self.mask.shape)}")
-        br, bc = self.block_size
-        if int(br) < 1 or int(bc) < 1:
-            raise ValueError(f"BlockMask.block_size must be positive, got {self.block_size}")
-        object.__setattr__(self, "block_size", (int(br), int(bc)))
+        object.__setattr__(self, "block_size", _block_size(self.block_size, "BlockMask.block_size"))
 
     # -- geometry -----------------------------------------------------------
     @property
@@ -211,18 +236,18 @@ class BlockMask:
     # -- constructors ---------------------------------------------------------
     @staticmethod
     def _grid(nq: int, nk: int, block_size: tuple[int, int] | int) -> tuple[int, int, int, int]:
-        if isinstance(block_size, int):
-            block_size = (block_size, block_size)
-        br, bc = (int(b) for b in block_size)
-        if br < 1 or bc < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if nq < 0 or nk < 0:
-            raise ValueError(f"sequence lengths must be >= 0, got nq={nq}, nk={nk}")
+        br, bc = _block_size(block_size, "block_size")
+        nq, nk = _count(nq, "nq", 0), _count(nk, "nk", 0)
         return br, bc, math.ceil(nq / br), math.ceil(nk / bc)
 
     @classmethod
     def from_element_mask(cls, allowed: torch.Tensor, block_size: tuple[int, int] | int) -> "BlockMask":
-        """Keep every block that contains at least one allowed element."""
+        """Keep every block that contains at least one allowed element (``allowed``: bool, (..., Nq, Nk))."""
+        if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+            got = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
+            raise TypeError(f"allowed must be a torch.bool element mask of shape (..., Nq, Nk), got {got}")
+        if allowed.dim() < 2:
+            raise ValueError(f"allowed must have at least 2 dims (Nq, Nk), got shape {tuple(allowed.shape)}")
         nq, nk = allowed.shape[-2], allowed.shape[-1]
         br, bc, tr, tc = cls._grid(nq, nk, block_size)
         pad = torch.zeros(*allowed.shape[:-2], tr * br, tc * bc, dtype=torch.bool, device=allowed.device)
@@ -263,8 +288,7 @@ class BlockMask:
         see / are seen by everything, plus a band of ``local_blocks`` blocks on each
         side of the (block) diagonal."""
         br, bc, tr, tc = cls._grid(nq, nk, block_size)
-        if global_blocks < 0 or local_blocks < 0:
-            raise ValueError("global_blocks and local_blocks must be >= 0")
+        global_blocks, local_blocks = _count(global_blocks, "global_blocks", 0), _count(local_blocks, "local_blocks", 0)
         r = torch.arange(tr).unsqueeze(1)
         c = torch.arange(tc).unsqueeze(0)
         # align the band bottom-right like the causal mask: diagonal block of row r
@@ -280,8 +304,7 @@ class BlockMask:
     ) -> "BlockMask":
         """Sparse-Transformer strided pattern: block (r, c) is kept when
         ``(diag(r) - c) % stride == 0`` or it lies within ``local_blocks`` of the diagonal."""
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
+        stride, local_blocks = _count(stride, "stride", 1), _count(local_blocks, "local_blocks", 0)
         br, bc, tr, tc = cls._grid(nq, nk, block_size)
         r = torch.arange(tr).unsqueeze(1)
         c = torch.arange(tc).unsqueeze(0)

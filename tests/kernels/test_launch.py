@@ -126,7 +126,7 @@ def test_gpu_direct_launch_matches_triton_launch():
         out = torch.full((n,), float("nan"), device="cuda")
         la(x, y, out, 1.5)
         torch.testing.assert_close(out, 1.5 * x + y, rtol=0, atol=1e-6)
-    assert len(la._runners) == 2  # one compiled launch per alignment
+    assert len(la._runners[torch.cuda.current_device()]) == 2  # one compiled launch per alignment
 
 
 def test_launch_passes_programmatic_dependent_launch_option():
@@ -144,3 +144,72 @@ def test_no_dependent_launch_off_the_gpu():
     from flashtile.kernels._common import pdl_supported
 
     assert pdl_supported("cpu") is False
+
+
+def test_compiled_launches_are_kept_per_current_device(monkeypatch):
+    """A compiled kernel is loaded into the current device's context: a launcher that has bound on
+    device 0 binds again (through Triton) when device 1 is current, and keeps one entry per device."""
+    import flashtile.kernels._launch as launch_module
+
+    current = [0]
+    monkeypatch.setattr(launch_module, "_current_device", lambda: current[0])
+    fn = _Jit()
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    buf = torch.empty(64, dtype=torch.float16)
+    la(buf, 1.0)
+    la(buf, 1.0)
+    current[0] = 1
+    la(buf, 1.0)
+    la(buf, 1.0)
+    la(buf[1:], 1.0)  # a second alignment on device 1 must not be launched from device 0's entries
+    current[0] = 0
+    la(buf, 1.0)
+    la(buf[1:], 1.0)
+    assert [e[0] for e in fn.log] == ["jit", "direct", "jit", "direct", "jit", "direct", "jit"]
+    assert sorted(la._runners) == [0, 1]
+    assert len(la._runners[0]) == 2 and len(la._runners[1]) == 2
+
+
+def test_bound_launchers_are_keyed_by_the_tensors_device():
+    from flashtile.kernels._launch import _bound, launch
+
+    fn = _Jit()
+    _bound.cache_clear()
+    launch(fn, (2,), (_aligned(),), (5,), num_warps=4, num_stages=2)
+    launch(fn, (2,), (torch.empty(64, device="meta"),), (5,), num_warps=4, num_stages=2)
+    assert _bound.cache_info().currsize == 2
+
+
+def test_concurrent_first_calls_keep_every_entry(monkeypatch):
+    """Threads binding different (device, alignment) keys at once: no entry is lost, every later call is direct."""
+    import threading
+
+    import flashtile.kernels._launch as launch_module
+
+    local = threading.local()
+    monkeypatch.setattr(launch_module, "_current_device", lambda: getattr(local, "device", 0))
+    fn = _Jit()
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    buf = torch.empty(64, dtype=torch.float16)
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def work(i):
+        try:
+            local.device = i % 4
+            view = buf[i // 4 :]  # two alignments
+            barrier.wait()
+            for _ in range(50):
+                la(view, float(i))
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(la._runners) == [0, 1, 2, 3] and all(len(r) == 2 for r in la._runners.values())
+    jit_calls = sum(e[0] == "jit" for e in fn.log)
+    assert jit_calls == 8 and len(fn.log) == 8 * 50  # one bind per (device, alignment), none lost

@@ -78,3 +78,23 @@ def test_opcheck_backward_op(device):
     dout = torch.randn_like(out)
     args = (dout, q, k, v, out, lse, rng, None, None, None, 0, 0, 0.25, True, -1, 0, 0.0, 0.0, False, True)
     torch.library.opcheck(torch.ops.flashtile.flash_attn_bwd.default, args)
+
+
+def test_compile_fullgraph_flash_attn_fidelity_options(device):
+    """return_attn_probs's triple, causal with a right bound, and SDPA's (B, N, H, d)-storage output
+    trace without a graph break and give the eager results and layout."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        out, lse, probs = flash_attn_func(q, k, v, causal=True, window_size=(8, 3), return_attn_probs=True)
+        x = out.transpose(1, 2)
+        y = scaled_dot_product_attention(x, x, x, scale=0.5)
+        return y, lse, probs
+
+    q, k, v = (x.detach() for x in _leaves(device, 6))
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert eager[2] is None and compiled[2] is None
+    assert compiled[0].transpose(1, 2).is_contiguous() and eager[0].transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-6)

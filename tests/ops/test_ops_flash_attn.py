@@ -52,6 +52,9 @@ CASES = {
     "softcap": ({"softcap": 2.0, "softmax_scale": 0.9}, {"softcap": 2.0}, 2, 2, 24, 40),
     "gqa": ({}, {}, 4, 2, 24, 40),
     "mqa_causal": ({"causal": True}, {"causal": True}, 3, 1, 40, 40),
+    # flash-attn's conventions: causal sets the right bound to 0, a window may be an int tensor
+    "causal_drops_right_bound": ({"causal": True, "window_size": (10, 5)}, {"causal": True, "window": (10, 0)}, 2, 2, 24, 40),
+    "window_tensor": ({"window_size": torch.tensor([8, 4])}, {"window": (8, 4)}, 2, 2, 33, 40),
 }
 
 
@@ -195,3 +198,15 @@ def test_empty_key_sequence(device):
     k = v = torch.randn(1, 0, 2, 8, device=device)
     out, lse = flash_attn_func(q, k, v, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_return_attn_probs_returns_out_lse_and_no_matrix(device):
+    """flash-attn's return_attn_probs=True: (out, softmax_lse, S_dmask); S_dmask is None here."""
+    gen = torch.Generator().manual_seed(21)
+    q = _bnhd(1, 24, 2, 16, torch.float32, device, gen)
+    k, v = _bnhd(1, 40, 2, 16, torch.float32, device, gen), _bnhd(1, 40, 2, 16, torch.float32, device, gen)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert probs is None
+    ref, ref_lse = attention64(_leaf64(q), _leaf64(k), _leaf64(v), scale=0.25, causal=True)
+    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close64(lse, ref_lse, torch.float32, device, "lse")

@@ -114,3 +114,36 @@ def test_dropout_reproducible_and_matches_keep_mask(device):
     assert not keep.all()
     want = (keep.sum(-1).double() / (32 * 0.75)).unsqueeze(-1).expand(a.shape)
     assert_close64(a, want, torch.float32, device, "dropped out")
+
+
+def test_output_layout_is_torch_flash_backends_and_gradients_follow(device):
+    """The output is a (B, H, N, d) view of (B, N, H, d) storage, so the model code's next step
+    out.transpose(1, 2).reshape(B, N, H * d) copies nothing; inputs with any strides (here the usual
+    transposed views of projections, and a non-contiguous head_dim slice) give torch's gradients."""
+    gen = torch.Generator().manual_seed(12)
+    b, n, h, d = 2, 24, 3, 16
+    proj = torch.randn(b, n, 3 * h * d, generator=gen).to(device)
+    q_, k_, v_ = proj.view(b, n, 3, h, d).unbind(2)
+    leaves = [x.detach().clone().requires_grad_() for x in (q_, k_, v_)]  # (B, N, H, d) leaves
+    query, key, value = (x.transpose(1, 2) for x in leaves)  # (B, H, N, d) views, SDPA's input
+    out = scaled_dot_product_attention(query, key, value, is_causal=True)
+    assert out.shape == (b, h, n, d)
+    assert out.transpose(1, 2).is_contiguous()
+    merged = out.transpose(1, 2).reshape(b, n, h * d)
+    assert merged.data_ptr() == out.data_ptr()  # a view: no copy
+    dmerged = torch.randn(merged.shape, generator=gen).to(device)
+    merged.backward(dmerged)
+    refs = [x.detach().cpu().double().requires_grad_() for x in (q_, k_, v_)]
+    ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in refs), is_causal=True)
+    ref.transpose(1, 2).reshape(b, n, h * d).backward(dmerged.cpu().double())
+    assert_close64(out, ref, torch.float32, device, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), leaves, refs):
+        assert_close64(got.grad, want.grad, torch.float32, device, name)
+
+
+def test_three_dim_output_layout(device):
+    q, k, v = _inputs((2, 20, 8), (2, 24, 8), device, seed=13)
+    out = scaled_dot_product_attention(q, k, v)
+    assert out.shape == (2, 20, 8) and out.transpose(0, 1).is_contiguous()
+    ref = F.scaled_dot_product_attention(q.cpu().double(), k.cpu().double(), v.cpu().double())
+    assert_close64(out, ref, torch.float32, device, "out")

@@ -5,6 +5,7 @@ None of these calls reaches a kernel: validation runs first, so they cost nothin
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,15 +63,14 @@ FLASH_CASES = {
     "window_neg": (lambda: fa(window_size=(-2, 0)), ValueError, r"window_size must be a pair of ints \(left, right\), each >= -1"),
     "window_triple": (lambda: fa(window_size=(1, 2, 3)), ValueError, r"window_size must be a pair"),
     "window_float": (lambda: fa(window_size=(1.5, 2)), ValueError, r"window_size must be a pair of ints"),
-    "causal_right": (lambda: fa(causal=True, window_size=(4, 2)), ValueError, r"causal=True means window_size right = 0"),
     "causal_type": (lambda: fa(causal="yes"), TypeError, r"causal must be a bool"),
     "softcap_neg": (lambda: fa(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
-    "softcap_type": (lambda: fa(softcap="1"), TypeError, r"softcap must be a Python float"),
+    "softcap_type": (lambda: fa(softcap="1"), TypeError, r"softcap must be a float \(a Python or NumPy real scalar\), got str"),
     "dropout_one": (lambda: fa(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
     "dropout_neg": (lambda: fa(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
     "scale_nan": (lambda: fa(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite float"),
     "scale_inf": (lambda: fa(softmax_scale=float("inf")), ValueError, r"softmax_scale must be a finite float"),
-    "scale_type": (lambda: fa(softmax_scale=torch.tensor(1.0)), TypeError, r"softmax_scale must be a Python float"),
+    "scale_type": (lambda: fa(softmax_scale=torch.tensor(1.0)), TypeError, r"softmax_scale must be a float \(a Python or NumPy real scalar\), got Tensor"),
     "alibi_shape": (lambda: fa(alibi_slopes=t(2)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\) = \(1, 4\)"),
     "alibi_kv_heads": (lambda: fa(alibi_slopes=t(1, 2)), ValueError, r"alibi_slopes must have shape"),
     "alibi_dtype": (lambda: fa(alibi_slopes=t(4, dtype=torch.float16)), TypeError, r"alibi_slopes must have dtype torch.float32"),
@@ -80,6 +80,16 @@ FLASH_CASES = {
     "block_mask_lead": (lambda: fa(block_mask=BlockMask(torch.ones(1, 3, 2, 3, dtype=torch.bool), (16, 16))), ValueError, r"block_mask.mask leading dims \(1, 3\) must broadcast to \(batch, heads\) = \(1, 4\)"),
     "block_mask_size": (lambda: fa(block_mask=BlockMask(torch.ones(4, 6, dtype=torch.bool), (8, 8))), ValueError, r"block_mask.block_size must be multiples of 16"),
     "deterministic_type": (lambda: fa(deterministic=1), TypeError, r"deterministic must be a bool"),
+    "return_attn_probs_type": (lambda: fa(return_attn_probs=1), TypeError, r"return_attn_probs must be a bool"),
+    "window_bool": (lambda: fa(window_size=(True, 2)), ValueError, r"window_size must be a pair of ints"),
+    "window_float_tensor": (lambda: fa(window_size=torch.tensor([1.0, 2.0])), ValueError, r"window_size must be a pair of ints"),
+    "window_tensor_len3": (lambda: fa(window_size=torch.tensor([1, 2, 3])), ValueError, r"window_size must be a pair of ints"),
+    "window_tensor_neg": (lambda: fa(window_size=torch.tensor([-3, 2])), ValueError, r"window_size must be a pair of ints"),
+    "window_numpy_float": (lambda: fa(window_size=(np.float32(2), 1)), ValueError, r"window_size must be a pair of ints"),
+    "softcap_bool": (lambda: fa(softcap=True), TypeError, r"softcap must be a float"),
+    "softcap_numpy_bool": (lambda: fa(softcap=np.bool_(True)), TypeError, r"softcap must be a float"),
+    "dropout_bool": (lambda: fa(dropout_p=False), TypeError, r"dropout_p must be a float"),
+    "scale_numpy_nan": (lambda: fa(softmax_scale=np.float64("nan")), ValueError, r"softmax_scale must be a finite float"),
     "qkv_shape": (lambda: flash_attn_qkvpacked_func(t(1, 8, 2, 2, 16)), ValueError, r"qkv must have shape \(batch, seqlen, 3, nheads, headdim\)"),
     "kv_shape": (lambda: flash_attn_kvpacked_func(t(*Q), t(1, 48, 3, 2, 16)), ValueError, r"kv must have shape \(batch, seqlen_k, 2, nheads_k, headdim\)"),
     "kv_packed_dtype": (lambda: flash_attn_kvpacked_func(t(*Q), t(1, 48, 2, 2, 16, dtype=torch.bfloat16)), TypeError, r"q and kv\[:, :, 0\] must have the same dtype"),
@@ -97,10 +107,19 @@ SDPA_CASES = {
     "mask_dtype": (lambda: sd(attn_mask=t(8, 12, dtype=torch.int64)), TypeError, r"attn_mask must be a bool .* or floating-point"),
     "mask_grad": (lambda: sd(attn_mask=t(8, 12).requires_grad_()), ValueError, r"gradients with respect to attn_mask are not supported"),
     "mask_device": (lambda: sd(attn_mask=t(8, 12, device="meta")), ValueError, r"attn_mask must be on the device of query"),
-    "scale_nan": (lambda: sd(scale=float("nan")), ValueError, r"softmax_scale must be a finite float"),
+    "scale_nan": (lambda: sd(scale=float("nan")), ValueError, r"^scale must be a finite float"),
     "dropout": (lambda: sd(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\)"),
     "dtype": (lambda: sd(query=t(1, 2, 8, 16, dtype=torch.float64)), TypeError, r"query must have dtype"),
     "gqa_type": (lambda: sd(enable_gqa=None), TypeError, r"enable_gqa must be a bool"),
+    "causal_type": (lambda: sd(is_causal=1), TypeError, r"is_causal must be a bool"),
+    "scale_type": (lambda: sd(scale="0.5"), TypeError, r"^scale must be a float"),
+    "scale_bool": (lambda: sd(scale=True), TypeError, r"^scale must be a float"),
+    "scale_tensor": (lambda: sd(scale=torch.tensor(0.5)), TypeError, r"^scale must be a float"),
+    "dropout_type": (lambda: sd(dropout_p="0.1"), TypeError, r"^dropout_p must be a float"),
+    "query_type": (lambda: sd(query=[1.0]), TypeError, r"^query must be a torch.Tensor"),
+    "key_dtype": (lambda: sd(key=t(1, 2, 12, 16, dtype=torch.float16)), TypeError, r"^query and key must have the same dtype"),
+    "value_device": (lambda: sd(value=t(1, 2, 12, 16, device="meta")), ValueError, r"^query and value must be on the same device"),
+    "key_batch": (lambda: sd(key=t(2, 2, 12, 16), value=t(2, 2, 12, 16)), ValueError, r"^batch of key \(2\) must equal batch of query"),
 }
 
 
@@ -124,3 +143,75 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         fa()
     with pytest.raises(ValueError, match=r"query is a CPU tensor"):
         sd()
+
+
+FLASH_ONLY_NAMES = ("softmax_scale", "window_size", " causal=", " q ", " k ", " v ", " kv ")
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_errors_name_sdpa_arguments(case):
+    """No SDPA error talks about flash-attn's argument names (softmax_scale, q, k, v)."""
+    call, exc, _ = SDPA_CASES[case]
+    with pytest.raises(exc) as info:
+        call()
+    message = f" {info.value} "
+    assert not any(name in message for name in FLASH_ONLY_NAMES), message
+
+
+class _Recorder:
+    """Stands in for the op: records the validated arguments, returns zeros."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, **kw):
+        self.calls.append(kw)
+        b, n, h = (q.shape[0], q.shape[1], q.shape[2]) if kw["seq_major"] else (q.shape[0], q.shape[2], q.shape[1])
+        return torch.zeros_like(q), torch.zeros(b, h, n), torch.zeros(2, dtype=torch.int64)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    import flashtile.ops.flash_attn as flash_module
+    import flashtile.ops.sdpa as sdpa_module
+
+    rec = _Recorder()
+    monkeypatch.setattr(flash_module, "attention", rec)
+    monkeypatch.setattr(sdpa_module, "attention", rec)
+    return rec
+
+
+def test_numpy_scalars_are_accepted_like_python_ones(recorder):
+    fa(softmax_scale=np.float32(0.3), softcap=np.float64(2.5), dropout_p=np.float32(0.25),
+       window_size=(np.int64(5), np.int32(3)))
+    fa(softmax_scale=np.int64(2), window_size=np.array([4, -1]))
+    sd(scale=np.float32(0.3), dropout_p=np.float16(0.5))
+    first, second, third = recorder.calls
+    assert first["softmax_scale"] == float(np.float32(0.3)) and type(first["softmax_scale"]) is float
+    assert first["softcap"] == 2.5 and first["dropout_p"] == 0.25
+    assert first["window"] == (5, 3) and all(type(w) is int for w in first["window"])
+    assert second["softmax_scale"] == 2.0 and second["window"] == (4, -1)
+    assert third["softmax_scale"] == float(np.float32(0.3)) and third["dropout_p"] == 0.5
+
+
+def test_window_size_tensor_and_causal_right_bound_follow_flash_attn(recorder):
+    fa(window_size=torch.tensor([6, 2]))
+    fa(causal=True, window_size=(4, 2))  # flash-attn sets the right bound to 0 under causal
+    fa(causal=True, window_size=torch.tensor([-1, 7], dtype=torch.int32))
+    assert [c["window"] for c in recorder.calls] == [(6, 2), (4, 0), (-1, 0)]
+    assert [c["causal"] for c in recorder.calls] == [False, True, True]
+
+
+def test_return_attn_probs_gives_flash_attn_triple(recorder):
+    out, lse, probs = fa(return_attn_probs=True)
+    assert out.shape == Q and lse.shape == (1, 4, 32) and probs is None
+    out2, lse2, probs2 = fa(return_attn_probs=True, return_lse=True)
+    assert probs2 is None and lse2.shape == lse.shape
+    assert isinstance(fa(), torch.Tensor)
+    # flash-attn's positional order: ..., deterministic, return_attn_probs
+    triple = flash_attn_func(t(*Q), t(*KV), t(*KV), 0.0, None, False, (-1, -1), 0.0, None, False, True)
+    assert len(triple) == 3 and triple[2] is None
+    packed = flash_attn_qkvpacked_func(t(1, 8, 3, 2, 16), return_attn_probs=True)
+    assert len(packed) == 3 and packed[2] is None
+    kvp = flash_attn_kvpacked_func(t(*Q), t(1, 48, 2, 2, 16), return_attn_probs=True)
+    assert len(kvp) == 3 and kvp[2] is None

@@ -151,3 +151,59 @@ def test_forward_and_backward_reject_the_same_bad_mask():
         standard_attention(q, k, v, dropout_p=0.3, dropout_mask=bad)
     with pytest.raises(ValueError, match="dropout_mask"):
         standard_attention_backward(q, k, v, dout, dropout_p=0.3, dropout_mask=bad)
+
+
+# --------------------------------------------------------------------------- #
+# BlockMask: integer sizes, counts and strides; a block-level bool mask
+# --------------------------------------------------------------------------- #
+def test_block_mask_accepts_an_int_block_size_like_the_classmethods():
+    from flashtile.reference.masks import BlockMask
+
+    grid = torch.ones(2, 3, dtype=torch.bool)
+    assert BlockMask(grid, 64).block_size == (64, 64)
+    assert BlockMask(grid, np.int64(32)).block_size == (32, 32)
+    assert BlockMask(grid, [16, np.int32(48)]).block_size == (16, 48)
+    assert all(type(b) is int for b in BlockMask(grid, np.int64(32)).block_size)
+    assert BlockMask(grid, 64).block_size == BlockMask.dense(128, 192, block_size=64).block_size
+
+
+BLOCK_MASK_BAD = [
+    # (argument named in the message, exception, call)
+    ("block_size", TypeError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), 64.0)),
+    ("block_size", TypeError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), (64.5, 64))),
+    ("block_size", TypeError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), (64, True))),
+    ("block_size", ValueError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), (64, 0))),
+    ("block_size", ValueError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), (16, 16, 16))),
+    ("block_size", TypeError, lambda B: B(torch.ones(2, 2, dtype=torch.bool), "64")),
+    ("BlockMask.mask", TypeError, lambda B: B(torch.ones(2, 2), 16)),
+    ("from_element_mask", TypeError, lambda B: B(torch.ones(2, 2), 16)),  # the float mask error points there
+    ("BlockMask.mask", ValueError, lambda B: B(torch.ones(4, dtype=torch.bool), 16)),
+    ("allowed", TypeError, lambda B: B.from_element_mask(torch.ones(32, 32), 16)),
+    ("allowed", ValueError, lambda B: B.from_element_mask(torch.ones(32, dtype=torch.bool), 16)),
+    ("block_size", TypeError, lambda B: B.dense(128, 128, block_size=64.0)),
+    ("block_size", TypeError, lambda B: B.causal(128, 128, block_size=(32.5, 32))),
+    ("block_size", TypeError, lambda B: B.from_element_mask(torch.ones(32, 32, dtype=torch.bool), 16.0)),
+    ("nq", TypeError, lambda B: B.dense(128.0, 128)),
+    ("nk", ValueError, lambda B: B.dense(128, -1)),
+    ("stride", TypeError, lambda B: B.strided(128, 128, stride=2.0, block_size=32)),
+    ("stride", ValueError, lambda B: B.strided(128, 128, stride=0, block_size=32)),
+    ("local_blocks", TypeError, lambda B: B.strided(128, 128, stride=2, local_blocks=1.5, block_size=32)),
+    ("global_blocks", TypeError, lambda B: B.global_local(128, 128, global_blocks=1.0, block_size=32)),
+    ("local_blocks", ValueError, lambda B: B.global_local(128, 128, local_blocks=-1, block_size=32)),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", BLOCK_MASK_BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BLOCK_MASK_BAD)])
+def test_block_mask_rejects_non_integer_sizes_and_bad_masks(name, exc, call):
+    from flashtile.reference.masks import BlockMask
+
+    with pytest.raises(exc, match=name):
+        call(BlockMask)
+
+
+def test_block_mask_classmethods_take_numpy_ints():
+    from flashtile.reference.masks import BlockMask
+
+    a = BlockMask.strided(np.int64(128), 128, stride=np.int64(2), block_size=np.int32(32), local_blocks=np.int64(1))
+    b = BlockMask.strided(128, 128, stride=2, block_size=32, local_blocks=1)
+    assert a.block_size == b.block_size and torch.equal(a.mask, b.mask)
