@@ -29,7 +29,7 @@ range); a used block-table entry outside ``[0, num_pages)`` is an absent page
 per-device error word; :func:`check_errors` (``flashtile.check_errors()``)
 reads and clears it (one device sync) and raises a ``ValueError`` naming
 ``cache_seqlens`` / ``block_table``.  The outputs of a call that set the
-word are not meaningful.  What the op itself checks:
+word are not meaningful (the kernels' side: ``docs/decoding.md``).  What the op itself checks:
 
 * an int ``cache_seqlens`` (or None) is checked on the host, which is free:
   a value outside ``[0, capacity - Nnew]`` raises before anything is written;
