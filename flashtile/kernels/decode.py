@@ -26,7 +26,8 @@ _LN2 = tl.constexpr(LN2)
 
 # per-row flag bits of the FlashDecoding++ path: a score above / below phi's safe range, non-finite sums
 FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW = 1, 2, 4
-_FLAG_ABOVE, _FLAG_BELOW, _FLAG_OVERFLOW = tl.constexpr(FLAG_ABOVE), tl.constexpr(FLAG_BELOW), tl.constexpr(FLAG_OVERFLOW)
+_FLAG_ABOVE, _FLAG_BELOW = tl.constexpr(FLAG_ABOVE), tl.constexpr(FLAG_BELOW)
+_FLAG_OVERFLOW = tl.constexpr(FLAG_OVERFLOW)
 
 # bits of the per-device error word: a length outside [0, capacity], a used block-table entry outside [0, num_pages)
 ERR_SEQLENS, ERR_BLOCK_TABLE = 1, 2

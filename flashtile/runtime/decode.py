@@ -94,7 +94,7 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
 def num_splits_heuristic(
     batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64, per_sm: int = 1
 ) -> int:
-    """Number of kv splits when ``num_splits=0`` (measured reasons: ``docs/decoding.md``, "Split count").
+    """Number of kv splits when ``num_splits=0`` (measured reasons: ``docs/decoding.md``, "Tiles and split count").
 
     With ``P = batch_kv_heads * row_tiles`` programs unsplit, aim at ``per_sm``
     resident programs per SM: ``S = floor(per_sm * sm_count / P)``; a grid
