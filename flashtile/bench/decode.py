@@ -323,8 +323,10 @@ SWEEP_POINTS = ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 
 SWEEP_TILES = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "splits": (0.5, 1, 2)}
 
 
-def run_tile_sweep(out_dir, progress: Callable[[str], None] | None = None, points=SWEEP_POINTS) -> dict:
-    """Time every split-kernel config of ``SWEEP_TILES`` (split counts as multiples of the heuristic's)
+def run_tile_sweep(
+    out_dir, progress: Callable[[str], None] | None = None, points=SWEEP_POINTS, tiles: dict = SWEEP_TILES,
+) -> dict:
+    """Time every split-kernel config of ``tiles`` (split counts as multiples of the heuristic's)
     at ``points`` (batch, cache) of the bench's shape, contiguous cache, clean-L2 device times; write
     ``decode_tiles_<device>.json`` to ``out_dir`` and return the payload.  Each config's output is
     checked against SDPA-flash first (relative error < 2e-2); a config that fails to compile or to
@@ -352,7 +354,7 @@ def run_tile_sweep(out_dir, progress: Callable[[str], None] | None = None, point
         kv_bytes = 2 * batch * cache * HK * D * 2
         sdpa_us = timer(lambda: flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
         configs = []
-        grid = itertools.product(*SWEEP_TILES.values())
+        grid = itertools.product(*(tiles[k_] for k_ in SWEEP_TILES))
         for block_n, warps, stages, mult in grid:
             splits = max(1, min(MAX_SPLITS, int(base.n_splits * mult)))
             rec = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits}
@@ -380,7 +382,7 @@ def run_tile_sweep(out_dir, progress: Callable[[str], None] | None = None, point
     payload = {
         "env": environment(),
         "shape": {"dtype": "bfloat16", "heads_q": HQ, "heads_k": HK, "head_dim": D, "seqlen_q": 1},
-        "tiles": {k_: list(v_) for k_, v_ in SWEEP_TILES.items()},
+        "tiles": {k_: list(tiles[k_]) for k_ in SWEEP_TILES},
         "timer": f"median_ms_clean_l2, {CLEAN_FLUSH >> 20} MB read flush",
         "copy_gbps_clean_l2": copy_gbps,
         "points": rows,
