@@ -8,6 +8,7 @@ Layers (each importable on its own):
 * :mod:`flashtile.iomodel` — closed forms for HBM traffic, FLOPs, the lower bound, rooflines.
 * :mod:`flashtile.kernels` — Triton kernels (FA2 forward and backward, FA1 forward, online/safe softmax,
   split-KV decoding with a paged cache).
+* :mod:`flashtile.runtime` — their host side: plans, launches bound once per signature, device buffers.
 * :mod:`flashtile.ops` — the PyTorch API re-exported here: flash-attn-compatible functions and an
   SDPA drop-in, differentiable and traceable by ``torch.compile``.
 

@@ -81,12 +81,26 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from flashtile.bench.decode import run_decode_bench
+    from flashtile.bench.decode import run_decode_bench, run_tile_sweep
 
     console = Console()
     if not torch.cuda.is_available():
         console.print("[red]`flashtile bench decode` needs a CUDA GPU[/red]")
         return 2
+    if args.sweep_tiles:
+        with console.status("decode tile sweep") as status:
+            payload = run_tile_sweep(args.out, progress=lambda what: status.update(str(what)))
+        table = Table(title=f"decode tile sweep on {payload['env']['device']} (clean-L2 µs)")
+        for c in ("batch", "cache", "heuristic (BLOCK_N/warps/stages/splits)", "µs", "best", "µs", "sdpa-flash µs"):
+            table.add_column(c, justify="right")
+        for p in payload["points"]:
+            h, best = p["heuristic"], (p["best"] or [{}])[0]
+            cfg = lambda c: "/".join(str(c.get(k, "—")) for k in ("block_n", "num_warps", "num_stages", "splits"))  # noqa: E731
+            table.add_row(str(p["batch"]), str(p["cache"]), cfg(h), f"{p['heuristic_us'] or float('nan'):.1f}",
+                          cfg(best), f"{best.get('us', float('nan')):.1f}", f"{p['sdpa_flash_us']:.1f}")
+        console.print(table)
+        console.print(f"wrote {payload['path']}")
+        return 0
     with console.status("decoding benchmark") as status:
         payload = run_decode_bench(args.out, progress=lambda what: status.update(str(what)))
     table = Table(title=f"decode bf16 on {payload['env']['device']}: GB/s of K+V read; × = peer time / our time")
@@ -155,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     att.set_defaults(func=_cmd_bench_attention)
     dec = bsub.add_parser("decode", help="split-KV decoding (contiguous and paged cache) vs SDPA flash/cuDNN")
     dec.add_argument("--out", default="bench/results")
+    dec.add_argument("--sweep-tiles", action="store_true",
+                     help="instead of the grid: time the split kernel's tile configs (BLOCK_N, warps, stages, splits)")
     dec.set_defaults(func=_cmd_bench_decode)
     iol = bsub.add_parser("io", help="IO lab: FA1 vs FA2, online vs safe softmax, ncu DRAM bytes vs Theorem 2, roofline")
     iol.add_argument("--out", default="bench/results")

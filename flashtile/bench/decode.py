@@ -10,8 +10,8 @@ random inputs:
 * ``flashtile``        — :func:`flashtile.ops.kvcache.flash_attn_with_kvcache`, contiguous cache
 * ``flashtile-paged``  — the same with 256-key pages in random physical order
 * ``flashtile-pp``     — contiguous, FlashDecoding++ (``unified_max=0``)
-* ``flashtile-kernel`` — :func:`flashtile.kernels.decode.flash_decode` on the contiguous cache: the
-  kernel wrapper with its own argument checks, without the API's cache_seqlens/block-table validation
+* ``flashtile-kernel`` — :func:`flashtile.runtime.decode.flash_decode` on the contiguous cache: the
+  op's checks on every call (no signature memo), no append
 * ``sdpa-flash``       — SDPA, FLASH_ATTENTION backend, ``enable_gqa=True``, on (B, H, L, d) views of the contiguous cache
 * ``sdpa-cudnn``       — SDPA, CUDNN_ATTENTION backend, same views
 * ``gather+sdpa``      — the paged baseline: gather the pages into a contiguous cache, then SDPA flash
@@ -43,8 +43,12 @@ timed after a read-only flush (:func:`flashtile.bench.common.median_ms_clean_l2`
 write-back does not move) and ``speedup["clean L2: sdpa-flash"]``.  That flush
 is long (``CLEAN_FLUSH``), so these times are the device's even at short caches,
 where an eager call's 50-100 µs of host time would otherwise decide the do_bench
-ratio (its rounds there flip between host- and device-bound, bench/NOTES.md
-attempt 17).
+ratio (its rounds there flip between host- and device-bound).
+
+:func:`run_tile_sweep` (``flashtile bench decode --sweep-tiles``) times the split kernel's
+tile configurations (BLOCK_N x warps x stages x split counts) under the same clean-L2
+timer, each checked against SDPA-flash first, to revisit :func:`~flashtile.runtime.decode.decode_config`
+and :func:`~flashtile.runtime.decode.num_splits_heuristic` on a new GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, median_ms_clean_l2, rel_err, write_json
 
-__all__ = ["run_decode_bench", "copy_bandwidth", "forced_decode", "PROVIDERS", "GRID"]
+__all__ = ["run_decode_bench", "run_tile_sweep", "copy_bandwidth", "forced_decode", "host_us", "PROVIDERS", "GRID"]
 
 HQ, HK, D, PAGE = 32, 8, 128, 256
 GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
@@ -114,8 +118,8 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
     """Zero-argument closures returning (B, 1, Hq, d) outputs."""
     from torch.nn.attention import SDPBackend
 
-    from flashtile.kernels.decode import flash_decode
     from flashtile.ops.kvcache import flash_attn_with_kvcache
+    from flashtile.runtime.decode import flash_decode
 
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copies
     flash, cudnn = _sdpa(SDPBackend.FLASH_ATTENTION), _sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -148,17 +152,17 @@ def forced_decode(
     block_n: int, num_warps: int, num_stages: int, n_splits: int,
 ) -> Callable[[], torch.Tensor]:
     """A contiguous-cache decode call (safe path, no window) with its tile config forced, for config
-    sweeps: ``n_splits`` goes through :func:`~flashtile.kernels.decode.decode_plan` (which sizes the
+    sweeps: ``n_splits`` goes through :func:`~flashtile.runtime.decode.decode_plan` (which sizes the
     merge tile from it), the tile, warps and stages replace the heuristic's.  Returns ``run() -> out``."""
-    from flashtile.kernels import decode as dec
+    from flashtile.runtime.decode import DecodeLaunch, decode_plan
 
     b, nq, hq, d = q.shape
     hk = k.shape[2]
-    plan = dec.decode_plan(b, nq, hq, hk, d, None, k.shape[1], n_splits, q.device)
+    plan = decode_plan(b, nq, hq, hk, d, None, k.shape[1], n_splits, q.device)
     plan = plan._replace(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    launch = dec.DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), k.stride(), v.stride(),
-                              None, None, None, -1, -1, False, False,
-                              lens.dtype, lens.stride(0), 0, k.shape[1], k.shape[0], q.device)
+    launch = DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), k.stride(), v.stride(),
+                          None, None, None, -1, -1, False, False,
+                          lens.dtype, lens.stride(0), 0, k.shape[1], k.shape[0], q.device)
 
     def run() -> torch.Tensor:
         out = torch.empty_like(q)
@@ -312,6 +316,78 @@ def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None) -> 
         "skipped": skipped,
     }
     payload["path"] = str(write_json(payload, out_dir, "decode"))
+    return payload
+
+
+SWEEP_POINTS = ((1, 4096), (1, 32768), (1, 131072), (8, 4096), (8, 32768), (64, 4096))
+SWEEP_TILES = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "splits": (0.5, 1, 2)}
+
+
+def run_tile_sweep(
+    out_dir, progress: Callable[[str], None] | None = None, points=SWEEP_POINTS, tiles: dict = SWEEP_TILES,
+) -> dict:
+    """Time every split-kernel config of ``tiles`` (split counts as multiples of the heuristic's)
+    at ``points`` (batch, cache) of the bench's shape, contiguous cache, clean-L2 device times; write
+    ``decode_tiles_<device>.json`` to ``out_dir`` and return the payload.  Each config's output is
+    checked against SDPA-flash first (relative error < 2e-2); a config that fails to compile or to
+    match is recorded with its error.  ``best`` per point lists the five fastest configs next to the
+    heuristic's."""
+    import itertools
+
+    from torch.nn.attention import SDPBackend
+
+    from flashtile.runtime.decode import MAX_SPLITS, decode_plan
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("`flashtile bench decode --sweep-tiles` needs a CUDA GPU")
+    flash = _sdpa(SDPBackend.FLASH_ATTENTION)
+    timer = lambda fn: median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH) * 1e3  # noqa: E731
+    copy_gbps = copy_bandwidth(timer=lambda fn: median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH))
+    rows = []
+    for batch, cache in points:
+        if progress:
+            progress(f"tile sweep B={batch} L={cache}")
+        torch.manual_seed(batch + cache)
+        q, k, v, _, _, _, lens = _inputs(batch, cache)
+        ref = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        base = decode_plan(batch, 1, HQ, HK, D, None, cache, 0, q.device)
+        kv_bytes = 2 * batch * cache * HK * D * 2
+        sdpa_us = timer(lambda: flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+        configs = []
+        grid = itertools.product(*(tiles[k_] for k_ in SWEEP_TILES))
+        for block_n, warps, stages, mult in grid:
+            splits = max(1, min(MAX_SPLITS, int(base.n_splits * mult)))
+            rec = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits}
+            try:
+                run = forced_decode(q, k, v, lens, block_n=block_n, num_warps=warps, num_stages=stages, n_splits=splits)
+                rec["err"] = rel_err(run(), ref)
+                if not rec["err"] < 2e-2:
+                    raise AssertionError(f"relative error {rec['err']:.2e} against SDPA-flash")
+                rec["us"] = timer(run)
+                rec["of_copy_bw"] = kv_bytes / (rec["us"] * 1e-6) / 1e9 / copy_gbps
+                rec["vs_sdpa_flash"] = sdpa_us / rec["us"]
+            except Exception as e:  # noqa: BLE001 - resources, compile errors, wrong results: recorded
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            configs.append(rec)
+        heuristic = {"block_n": base.block_n, "num_warps": base.num_warps, "num_stages": base.num_stages,
+                     "splits": base.n_splits}
+        timed = sorted((c for c in configs if "us" in c), key=lambda c: c["us"])
+        rows.append({
+            "batch": batch, "cache": cache, "kv_bytes": kv_bytes, "sdpa_flash_us": sdpa_us, "heuristic": heuristic,
+            "heuristic_us": next((c["us"] for c in timed if all(c[k_] == v_ for k_, v_ in heuristic.items())), None),
+            "best": timed[:5], "configs": configs,
+        })
+        del q, k, v, lens, ref
+        torch.cuda.empty_cache()
+    payload = {
+        "env": environment(),
+        "shape": {"dtype": "bfloat16", "heads_q": HQ, "heads_k": HK, "head_dim": D, "seqlen_q": 1},
+        "tiles": {k_: list(tiles[k_]) for k_ in SWEEP_TILES},
+        "timer": f"median_ms_clean_l2, {CLEAN_FLUSH >> 20} MB read flush",
+        "copy_gbps_clean_l2": copy_gbps,
+        "points": rows,
+    }
+    payload["path"] = str(write_json(payload, out_dir, "decode_tiles"))
     return payload
 
 

@@ -14,7 +14,7 @@ Masks follow :mod:`flashtile.reference.masks` with ``Nk`` replaced by ``L_b``
 query t of Nq sees keys ``j <= L_b - Nq + t``; so a step that appends its own
 Nq tokens lets token t see itself and everything before it.
 
-The append is one small Triton kernel (:func:`flashtile.kernels.decode.append_launch`,
+The append is one small Triton kernel (:func:`flashtile.runtime.decode.append_launch`,
 a scatter of ``2 B Nnew Hk d`` elements, negligible next to reading the cache).
 ``cache_seqlens`` is not updated (as in flash-attn): the caller advances it.
 
@@ -29,7 +29,7 @@ range); a used block-table entry outside ``[0, num_pages)`` is an absent page
 per-device error word; :func:`check_errors` (``flashtile.check_errors()``)
 reads and clears it (one device sync) and raises a ``ValueError`` naming
 ``cache_seqlens`` / ``block_table``.  The outputs of a call that set the
-word are not meaningful.  What the op itself checks:
+word are not meaningful (the kernels' side: ``docs/decoding.md``).  What the op itself checks:
 
 * an int ``cache_seqlens`` (or None) is checked on the host, which is free:
   a value outside ``[0, capacity - Nnew]`` raises before anything is written;
@@ -68,11 +68,11 @@ from typing import NamedTuple
 import torch
 
 from flashtile.kernels._common import unit_last_stride
-from flashtile.kernels.decode import (
+from flashtile.ops import validate
+from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
     default_unified_range, run_decode, take_errors,
 )
-from flashtile.ops import validate
 
 __all__ = ["flash_attn_with_kvcache", "check_errors"]
 
@@ -266,12 +266,12 @@ def _window(causal: object, window_size: object) -> object:
     return window_size
 
 
-def _prepare(
+def prepare_call(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
 ) -> _Call:
     """Every check of the arguments except the contents of tensor cache_seqlens / block_table;
-    raises on bad input."""
+    raises on bad input.  Also the checks of :func:`flashtile.runtime.decode.flash_decode`."""
     validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     paged = block_table is not None
     dims = _check_layout(q, k_cache, v_cache, paged)
@@ -322,14 +322,14 @@ def _call_key(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
 ) -> tuple | None:
-    """Everything :func:`_prepare` reads, as a hashable key, or None (then the call is checked in full).
+    """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
 
     Shapes, strides, dtypes and devices of the tensors; the Python arguments
     by value *and type* (``1`` and ``True`` hash alike, but only one of them
     is a valid ``causal``); for ``cache_seqlens`` its kind, stride and dtype
     and, when an int, its value.  Two calls with equal keys pass or fail the
-    checks alike, so a decoding loop runs them once per signature (their cost
-    is the host time of a short-cache step, bench/NOTES.md attempt 10)."""
+    checks alike, so a decoding loop runs them once per signature (run every
+    call, they cost about as much host time as a short-cache step's kernels take)."""
     if type(window_size) is not tuple:
         return None
     try:
@@ -440,7 +440,7 @@ def flash_attn_with_kvcache(
     key = _call_key(*args)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
-        call = _prepare(*args)
+        call = prepare_call(*args)
         if key is not None:
             _remember(key, call)
     if q.is_cuda and q.device.index != torch.cuda.current_device():

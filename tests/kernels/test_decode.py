@@ -1,4 +1,5 @@
-"""Tests of the split-KV decoding kernels (flashtile/kernels/decode.py).
+"""Tests of the split-KV decoding kernels (flashtile/kernels/decode.py) and their host side
+(flashtile/runtime/decode.py).
 
 Oracle: the float64 reference :func:`flashtile.reference.decoding.flash_decoding`
 (which takes (B, H, N, d) tensors, so the kernel's (B, N, H, d) inputs are
@@ -15,6 +16,7 @@ Tolerances (max |x - ref| / max(1, max |ref|), LSE -inf matched exactly):
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -22,8 +24,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtile.kernels import decode as decode_module
-from flashtile.kernels.decode import (
+from flashtile.kernels import decode as kernels_module
+from flashtile.runtime import decode as decode_module
+from flashtile.runtime.decode import (
     FLAG_ABOVE,
     FLAG_BELOW,
     FLAG_OVERFLOW,
@@ -345,25 +348,116 @@ def test_num_splits_heuristic():
             assert programs * s2 <= max(2 * programs, 4 * 132), "paged: at most two waves of two programs per SM"
 
 
-def test_bad_inputs_raise(device):
+def _kernel_params(kernel) -> tuple[str, ...]:
+    return tuple(inspect.signature(kernel.fn).parameters)
+
+
+@pytest.mark.parametrize(
+    "paged_, unified, alibi, splits",
+    [(False, False, False, 1), (False, True, True, 3), (True, False, True, 2), (True, True, False, 4)],
+)
+def test_launch_arguments_match_kernel_parameters(monkeypatch, paged_, unified, alibi, splits):
+    """The kernels are launched with positional argument tuples.  Every bound launch names its
+    arguments: the names equal the kernel's parameters in order, the values bound once sit under
+    the right names, and ``__call__`` passes each per-call value in its named slot (eagerly, and
+    the split + merge pair used while a graph is captured).  CPU, nothing is launched."""
+    b, nq, hq, hk, d, page = 2, 3, 4, 2, 24, 16
+    q = torch.randn(b, nq, hq, d)
+    k = torch.randn(7, page, hk, d) if paged_ else torch.randn(b, 40, hk, d)
+    v = torch.randn_like(k)
+    table = torch.zeros(b, 3, dtype=torch.int32) if paged_ else None
+    lens = torch.tensor([9, 0, 20, 0], dtype=torch.int64)[::2]  # int64, stride 2
+    slopes = torch.rand(b, hq) if alibi else None
+    alibi_t = decode_module.alibi_args(slopes) if alibi else None
+    plan, launch = decode_module.decode_launch(
+        q, k, v, table, alibi_t, left=5, right=0, softcap=1.0, unified=unified, num_splits=splits,
+        seqlens_k=lens, seqlen_add=2,
+    )
+    assert set(launch.arguments) == ({"fused"} if splits == 1 else {"fused", "split", "merge"})
+    for label, args in launch.arguments.items():
+        assert args.names() == _kernel_params(args.kernel), label
+    static = dict(launch.arguments["fused"].static)
+    capacity = 3 * page if paged_ else 40
+    want = dict(
+        stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
+        stride_bt_b=table.stride(0) if paged_ else 0, stride_sl=2,
+        stride_alibi_b=slopes.stride(0) if alibi else 0, stride_alibi_h=slopes.stride(1) if alibi else 0,
+        stride_ob=nq * hq * d, stride_om=hq * d, stride_oh=d,
+        n_heads_q=hq, n_heads_k=hk, kv_group=hq // hk, seqlen_q=nq, head_dim=d, n_splits=plan.n_splits,
+        window_left=5, window_right=0, seqlen_add=2, capacity=capacity, num_pages=k.shape[0],
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, PAGED=paged_,
+        PAGE_SIZE=page if paged_ else 1, HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=alibi,
+        UNIFIED=unified, EVEN_D=False, WRITE_OUT=splits == 1, FUSED=splits > 1,
+        MERGE_M=plan.merge_m, MERGE_S=plan.merge_s,
+    )
+    assert {name: static[name] for name in want} == want
+
+    recorded = {}
+    for label in ("fused", "split", "merge"):
+        monkeypatch.setattr(launch, label, lambda *a, label=label: recorded.__setitem__(label, a))
+    out, lse = torch.empty(b, nq, hq, d), torch.empty(b, hq, nq)
+    flags = torch.empty(b, hq, nq, dtype=torch.int32) if unified else None
+    phi = (0.5, -3.0, 4.0) if unified else None
+    call = (q, k, v, lens, table, slopes, out, lse, flags, 0.25, 1.0, phi)
+    launch(*call)
+    monkeypatch.setattr(decode_module, "_capturing", lambda dev: True)
+    launch(*call)
+    dyn = dict(zip(decode_module.SPLIT_DYNAMIC, recorded["fused"]))
+    expect = dict(
+        Q=q, K=k, V=v, BlockTable=table if paged_ else lens, SeqlensK=lens, Out=out, LSE=lse, Err=launch.err,
+        Flags=flags if unified else lse,
+    )
+    if alibi:
+        expect["Alibi"] = slopes
+    assert all(dyn[name] is value for name, value in expect.items())
+    assert (dyn["sm_scale"], dyn["softcap"]) == (0.25, 1.0)
+    if unified:
+        log2e = 1 / math.log(2)
+        assert [dyn[n] for n in ("phi2", "lo2", "hi2")] == pytest.approx([0.5 * log2e, -3.0 * log2e, 4.0 * log2e])
+    if splits > 1:
+        assert recorded["split"][:6] == recorded["fused"][:6]
+        merge = dict(zip(decode_module.MERGE_DYNAMIC, recorded["merge"]))
+        assert merge["Out"] is out and merge["LSE"] is lse and merge["Work"] is recorded["split"][6]
+        assert dict(launch.arguments["merge"].static)["n_splits"] == plan.n_splits
+
+    app = decode_module.append_launch(k, v, q[:, :2, :hk], q[:, :2, :hk], lens, table)
+    assert app.arguments.names() == _kernel_params(app.arguments.kernel)
+    assert dict(app.arguments.static)["stride_knn"] == q.stride(1) and dict(app.arguments.static)["n_new"] == 2
+    got = []
+    monkeypatch.setattr(app, "launcher", lambda *a: got.append(a))
+    app(k, v, q, q, lens, table)
+    named = dict(zip(decode_module.APPEND_DYNAMIC, got[0]))
+    assert named["K"] is k and named["V"] is v and named["SeqlensK"] is lens and named["Err"] is app.err
+    assert named["BlockTable"] is (table if paged_ else lens)
+
+
+def test_flash_decode_goes_through_the_op_checks(device):
+    """flash_decode has no checks of its own: a bad argument raises the public op's error,
+    naming the op's argument (the op's tests cover each check); only safe_range, which the op
+    does not take, is checked here."""
+    from flashtile.ops import kvcache
+
     q, k, v = make(2, 32, 4, 2, 16, device=device)
     lens = torch.tensor([32, 5], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="seqlens_k"):
+    calls = []
+    real = kvcache.prepare_call
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kvcache, "prepare_call", spy)
+        flash_decode(q, k, v, lens, causal=True, num_splits=2)
+    assert len(calls) == 1 and calls[0][0] is q and calls[0][5] is lens
+    with pytest.raises(ValueError, match="cache_seqlens"):
         flash_decode(q, k, v, lens[:1])
-    with pytest.raises(TypeError, match="seqlens_k"):
-        flash_decode(q, k, v, lens.float())
     with pytest.raises(ValueError, match="num_splits"):
         flash_decode(q, k, v, lens, num_splits=MAX_SPLITS + 1)
-    with pytest.raises(ValueError, match="unified_max"):
-        flash_decode(q, k, v, lens, unified_max=math.inf)
     with pytest.raises(ValueError, match="safe_range"):
         flash_decode(q, k, v, lens, unified_max=0.0, safe_range=(2.0, 1.0))
-    with pytest.raises(ValueError, match="multiple of the heads"):
-        flash_decode(q[:, :, :3], k, v, lens)
-    with pytest.raises(TypeError, match="dtype"):
-        flash_decode(q.half(), k, v, lens)
-    with pytest.raises(ValueError, match="page_size"):
-        flash_decode(q, k[:, :24], v[:, :24], lens, block_table=torch.zeros(2, 2, dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize("unified", [False, True])
@@ -456,7 +550,7 @@ def test_append_kernel_writes_only_in_range(device, paged_):
     decode_module.append_launch(kc, vc, k_new, v_new, lens, table)(kc, vc, k_new, v_new, lens, table)
     assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
     bits = dict((dev.type, bits) for dev, bits in decode_module.take_errors())[torch.device(device).type]
-    want = decode_module.ERR_SEQLENS | (decode_module.ERR_BLOCK_TABLE if paged_ else 0)
+    want = kernels_module.ERR_SEQLENS | (kernels_module.ERR_BLOCK_TABLE if paged_ else 0)
     assert bits == want
 
 

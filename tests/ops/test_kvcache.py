@@ -15,6 +15,7 @@ import torch
 from ops_oracle import assert_close64, attention64
 
 from flashtile.ops.kvcache import check_errors, flash_attn_with_kvcache
+from flashtile.runtime.decode import MAX_SPLITS
 
 
 def oracle(q, k_full, v_full, lens, *, causal, window=(-1, -1), softcap=0.0, alibi=None):
@@ -187,8 +188,11 @@ BAD = [
     ("dtype of k_cache", lambda a: dict(k=a["k"].half(), v=a["v"].half()), TypeError),
     ("k and v", lambda a: dict(v=None), ValueError),
     ("seqlen_new", lambda a: dict(k=a["k"][:, :, :1], v=a["v"][:, :, :1]), ValueError),
+    ("same dtype", lambda a: dict(q=a["q"].half()), TypeError),
     ("num_splits", lambda a: dict(num_splits=-1), ValueError),
+    ("num_splits", lambda a: dict(num_splits=MAX_SPLITS + 1), ValueError),
     ("unified_max", lambda a: dict(unified_max=math.nan), ValueError),
+    ("unified_max", lambda a: dict(unified_max=math.inf), ValueError),
     ("window_size", lambda a: dict(window_size=(-2, 0)), ValueError),
     ("alibi_slopes", lambda a: dict(alibi_slopes=torch.ones(3, device=a["q"].device)), ValueError),
 ]

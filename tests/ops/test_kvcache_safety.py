@@ -18,7 +18,7 @@ from ops_oracle import assert_close64
 from test_kvcache import logical, oracle, rand
 
 import flashtile
-from flashtile.kernels import decode as decode_module
+from flashtile.runtime import decode as decode_module
 from flashtile.ops.kvcache import check_errors, flash_attn_with_kvcache
 
 B, HQ, HK, D, PAGE, MAX_PAGES, N_NEW = 2, 4, 2, 16, 16, 3, 1

@@ -1,0 +1,621 @@
+"""Host side of split-KV decoding: plans, bound launches, device buffers and the wrappers.
+
+:func:`run_decode` launches the kernels of :mod:`flashtile.kernels.decode` for arguments the caller
+has validated (:func:`flashtile.ops.kvcache.flash_attn_with_kvcache` validates once per call
+signature); :func:`flash_decode` is a kernel-level convenience that goes through the same checks.
+The algorithm and the untrusted-index contract are in ``docs/decoding.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import NamedTuple, Sequence
+
+import torch
+import triton
+
+from flashtile.kernels._common import LOG2E, interpreting, unit_last_stride
+from flashtile.kernels._launch import KernelLauncher
+from flashtile.kernels.decode import (
+    ERR_BLOCK_TABLE, ERR_SEQLENS, FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW,
+    _append_kernel, _decode_merge_kernel, _decode_split_kernel,
+)
+from flashtile.reference.decoding import default_safe_range
+
+__all__ = [
+    "flash_decode",
+    "run_decode",
+    "decode_plan",
+    "DecodePlan",
+    "decode_launch",
+    "DecodeLaunch",
+    "append_launch",
+    "AppendLaunch",
+    "KernelArgs",
+    "alibi_args",
+    "decode_config",
+    "num_splits_heuristic",
+    "default_unified_range",
+    "arrival_counters",
+    "error_flags",
+    "take_errors",
+    "MAX_SPLITS",
+    "FLAG_ABOVE",
+    "FLAG_BELOW",
+    "FLAG_OVERFLOW",
+    "ERR_SEQLENS",
+    "ERR_BLOCK_TABLE",
+]
+
+MAX_SPLITS = 128  # workspace rows per output row; also the merge tile's width bound
+
+
+# --------------------------------------------------------------------------- #
+# configuration
+# --------------------------------------------------------------------------- #
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 for the interpreter), looked up once per device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _lowbit(x: int) -> int:
+    """Largest power of two dividing x."""
+    return x & -x
+
+
+def decode_config(d: int, rows: int, page_size: int | None, device: torch.device | str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = G * Nq`` packed rows.
+
+    BLOCK_M: the packed rows rounded up to a power of two, at least 16 (the
+    MMA minimum; Hq 32 / Hk 8 decoding has 4 rows, so 16 is the flat-GEMM
+    tile) and at most 64 (beyond, the row tiles become a grid dimension).
+    BLOCK_N: keys per tile; K/V tiles of ``BLOCK_N * d`` elements are the only
+    large loads, so 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per
+    operand in flight per stage with 3 stages (on an H100 no tile, warp or
+    stage count swept beat this by more than noise).  It is shrunk to divide
+    ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
+    small test caches span many tiles.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if interpreting(device):
+        block_n, warps, stages = 16, 4, 1
+    elif d <= 64:
+        block_n, warps, stages = 128, 4, 3
+    else:
+        block_n, warps, stages = 64, 4, 3
+    if page_size is not None:
+        block_n = min(block_n, _lowbit(page_size))
+    return block_m, block_n, warps, stages
+
+
+def num_splits_heuristic(
+    batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64, per_sm: int = 1
+) -> int:
+    """Number of kv splits when ``num_splits=0`` (measured reasons: ``docs/decoding.md``, "Tiles and split count").
+
+    With ``P = batch_kv_heads * row_tiles`` programs unsplit, aim at ``per_sm``
+    resident programs per SM: ``S = floor(per_sm * sm_count / P)``; a grid
+    already past that takes ``ceil(2 per_sm sm_count / P)`` when ``per_sm > 1``,
+    else 1.  One program per SM suits a contiguous cache (it beat two by 2-3 %
+    on an H100); a paged cache wants two (``per_sm=2``: each tile's address
+    waits on a block-table load).  S is then clamped to ``[1, T]`` with
+    ``T = ceil(max_seqlen / block_n)`` tiles and to ``MAX_SPLITS``, and balanced
+    (``S = ceil(T / ceil(T / S))``: the same work with no empty split).
+    ``max_seqlen`` is the cache's capacity, known without a device sync.
+    """
+    programs = max(1, batch_kv_heads * row_tiles)
+    tiles = max(1, -(-max_seqlen // block_n))
+    slots = per_sm * sm_count
+    if programs <= slots:
+        s = slots // programs
+    else:
+        s = -(-2 * slots // programs) if per_sm > 1 else 1
+    s = max(1, min(s, tiles, MAX_SPLITS))
+    return int(-(-tiles // -(-tiles // s)))
+
+
+def default_unified_range(dtype: torch.dtype, max_seqlen: int) -> tuple[float, float]:
+    """Safe range [lo, hi] (natural units) of ``s - phi`` on the FlashDecoding++ path.
+
+    exp and the sums run in fp32, so the range is
+    :func:`flashtile.reference.decoding.default_safe_range` of float32 for
+    ``max_seqlen`` terms (lo = -84.6, hi = 85.95 - log n).  P is rounded to
+    the input dtype for the P V product: bf16 has fp32's exponent range, but
+    fp16 overflows above 65504, so for fp16 ``hi`` is also capped at
+    ``log(65504) - log 16 = 8.3`` and ``lo`` raised to fp16's ``log(tiny) + log 16 = -6.9``
+    (below it the fp16 P loses relative precision): with fp16 inputs the
+    unified max must sit within a few units of every score, or rows fall back.
+    """
+    lo, hi = default_safe_range(torch.float32, max(1, max_seqlen))
+    if dtype == torch.float16:
+        lo16, hi16 = default_safe_range(torch.float16, 1)
+        lo, hi = max(lo, lo16), min(hi, hi16)
+    return lo, hi
+
+
+# --------------------------------------------------------------------------- #
+# plans, device buffers, launches
+# --------------------------------------------------------------------------- #
+class DecodePlan(NamedTuple):
+    """Launch parameters of one problem shape: tiles, warps, stages, split count, row tiles, merge tile."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    n_splits: int
+    row_tiles: int  # tiles of BLOCK_M packed (head, token) rows per kv head
+    merge_m: int  # packed rows per load of the fused merge
+    merge_s: int  # splits per load of the merge
+    interpret: bool  # Triton's interpreter runs the kernels (CPU tensors or TRITON_INTERPRET=1)
+
+
+# 64 registers a thread at 4 warps; Hq 32 / Hk 8 / d 128 with 16 splits merges in one load
+_MERGE_TILE = 8192
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_plan(
+    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
+    device: torch.device,
+) -> DecodePlan:
+    """:func:`decode_config`, the split count and the merge tile for one shape.  Pure function
+    of its integer arguments, memoised: a decoding loop asks for the same shape every step,
+    and a short-cache step's host time is comparable to its device time."""
+    rows = (hq // hk) * nq
+    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device)
+    row_tiles = triton.cdiv(rows, block_m)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(
+            b * hk, row_tiles, capacity, _sm_count(device), block_n, per_sm=1 if page_size is None else 2
+        )
+    block_d = max(16, triton.next_power_of_2(d))
+    # the merge loads (MERGE_M, MERGE_S, BLOCK_D) fp32 partials at once: at most _MERGE_TILE elements
+    merge_s = max(2, min(triton.next_power_of_2(num_splits), _MERGE_TILE // (2 * block_d)))
+    merge_m = max(2, min(triton.next_power_of_2(min(rows, block_m)), _MERGE_TILE // (merge_s * block_d)))
+    return DecodePlan(
+        block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device)
+    )
+
+
+def alibi_args(alibi: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(fp32 slopes, batch stride, head stride) of validated slopes of shape (Hq,) or (B, Hq)."""
+    alibi = alibi.to(torch.float32)
+    return (alibi, 0, alibi.stride(0)) if alibi.dim() == 1 else (alibi, alibi.stride(0), alibi.stride(1))
+
+
+# Arrival counters of the fused merge, one buffer per (device, stream): each launch leaves its
+# counters at zero (the last program of a tile resets its own), so launches that follow one another
+# on a stream can share a buffer; launches on different streams may overlap and must not.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS_MAX = 64
+# serialises every mutation of this module's device caches (reads are plain dict lookups): one
+# thread per GPU is a usual serving layout
+_LOCK = threading.Lock()
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` zeroed int32 counters for one fused launch on the current stream of ``device``.
+
+    CUDA: a buffer kept per (device, stream), grown when needed, for at most
+    ``_COUNTERS_MAX`` streams (the oldest is dropped; the caching allocator
+    keeps a dropped buffer's memory stream-ordered).  Never used while a CUDA
+    graph is captured (:meth:`DecodeLaunch.__call__` launches two kernels
+    then).  CPU (Triton's interpreter): a fresh buffer per call."""
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    index = _device_index(device)
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    with _LOCK:
+        buf = _COUNTERS.get(key)
+        if buf is None or buf.numel() < n:
+            if buf is None and len(_COUNTERS) >= _COUNTERS_MAX:
+                _COUNTERS.pop(next(iter(_COUNTERS)))
+            with torch.inference_mode(False):
+                buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            _COUNTERS[key] = buf
+    return buf
+
+
+# The error word of each device (never evicted: a captured CUDA graph keeps its address).
+_ERRORS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    return (device.type, _device_index(device) if device.type == "cuda" else device.index)
+
+
+def error_flags(device: torch.device) -> torch.Tensor:
+    """The int32 error word (shape (1,)) of ``device`` that the decode and append kernels OR
+    :data:`ERR_SEQLENS` / :data:`ERR_BLOCK_TABLE` into; created zeroed on first use."""
+    key = _device_key(device)
+    buf = _ERRORS.get(key)
+    if buf is None:
+        with _LOCK:
+            buf = _ERRORS.get(key)
+            if buf is None:
+                # a normal tensor even under inference_mode, so check_errors can clear it anywhere
+                with torch.inference_mode(False):
+                    buf = _ERRORS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf
+
+
+def take_errors() -> list[tuple[torch.device, int]]:
+    """``(device, bits)`` of every device whose error word is set, clearing it (one device
+    sync per device that has run a decode kernel)."""
+    found = []
+    for buf in list(_ERRORS.values()):
+        bits = int(buf.item())
+        if bits:
+            with torch.inference_mode(False):
+                buf.zero_()
+            found.append((buf.device, bits))
+    return found
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class KernelArgs(NamedTuple):
+    """What one bound launch passes to its kernel, by position: the names of the per-call
+    arguments (in the order the launch's ``__call__`` passes them), then the arguments bound once
+    as ``(name, value)`` pairs.  The names are checked against the kernel's parameters by a test
+    (``tests/kernels/test_decode.py``); the launch path uses only the values."""
+
+    kernel: object  # the triton.JITFunction
+    dynamic: tuple[str, ...]
+    static: tuple[tuple[str, object], ...]
+
+    def names(self) -> tuple[str, ...]:
+        return self.dynamic + tuple(name for name, _ in self.static)
+
+    def bind(self, grid: Sequence[int], options: dict, check: Sequence[int]) -> KernelLauncher:
+        return KernelLauncher(self.kernel, grid, tuple(value for _, value in self.static), options, check=check)
+
+
+# per-call arguments of the split kernel, in DecodeLaunch.__call__'s order
+SPLIT_DYNAMIC = (
+    "Q", "K", "V", "BlockTable", "SeqlensK", "Alibi", "Work", "FPart", "Count", "Out", "LSE", "Flags", "Err",
+    "sm_scale", "softcap", "phi2", "lo2", "hi2",
+)
+MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags")
+APPEND_DYNAMIC = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err")
+
+
+class DecodeLaunch:
+    """The decode kernels for one problem signature, their static arguments bound once.
+
+    A signature is everything but the data: the shapes, strides and dtype of q
+    and the caches, the block table's row stride and page size, the ALiBi
+    slopes' strides, the window, whether softcap / FlashDecoding++ are on,
+    the :class:`DecodePlan`, the dtype and stride of the lengths, the tokens
+    appended before the attention (``seqlen_add``, added to every length), the
+    capacity and page count the kernel clamps against, and the device.
+    :func:`decode_launch` memoises one instance per signature.  Calling it
+    allocates the fp32 workspace and launches through
+    :class:`~flashtile.kernels._launch.KernelLauncher` (Triton's per-call
+    argument binding cost 28 us for 48 arguments against 11 us for a direct
+    launch of the compiled kernel on the H100 host):
+
+    * one split: kernel 1 alone, which writes the outputs;
+    * eagerly: kernel 1 with the merge fused (its arrival counters from
+      :func:`arrival_counters`): one launch;
+    * while a CUDA graph is captured: kernel 1, then kernel 2 (the merge) as
+      a second node, because a graph replayed on any stream, or two graphs
+      replayed at once, must not share counters, and zeroing fresh ones in the
+      graph would cost a node as well.  In a graph the launch costs no host time.
+
+    ``arguments`` maps ``"fused"`` / ``"split"`` / ``"merge"`` to the
+    :class:`KernelArgs` of each launch this signature uses.
+    """
+
+    def __init__(
+        self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
+        q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
+        left: int, right: int, has_softcap: bool, unified: bool,
+        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
+        device: torch.device,
+    ) -> None:
+        s = plan.n_splits
+        self.err = error_flags(device)
+        self.write_out = s == 1  # one split is the answer: no workspace, no merge
+        self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
+        self.lse_offset = self.rows * plan.block_d
+        self.counters = b * hk * plan.row_tiles  # one per program tile (batch element, kv head, row tile)
+        self.unified = unified
+        out_strides = (
+            ("stride_ob", nq * hq * d), ("stride_om", hq * d), ("stride_oh", d),  # the output is allocated contiguous
+        )
+        shape = (
+            ("n_heads_q", hq), ("n_heads_k", hk), ("kv_group", hq // hk), ("seqlen_q", nq), ("head_dim", d),
+            ("n_splits", s),
+        )
+        static = (
+            *zip(("stride_qb", "stride_qm", "stride_qh"), q_strides[:3]),
+            *zip(("stride_kb", "stride_kn", "stride_kh"), k_strides[:3]),
+            *zip(("stride_vb", "stride_vn", "stride_vh"), v_strides[:3]),
+            ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
+            *zip(("stride_alibi_b", "stride_alibi_h"), alibi_strides or (0, 0)),
+            *out_strides, *shape,
+            ("window_left", left), ("window_right", right), ("lse_offset", self.lse_offset),
+            ("seqlen_add", seqlen_add), ("capacity", capacity), ("num_pages", num_pages),
+            ("BLOCK_M", plan.block_m), ("BLOCK_N", plan.block_n), ("BLOCK_D", plan.block_d),
+            ("PAGED", page_size is not None), ("PAGE_SIZE", page_size or 1),
+            ("HAS_LEFT", left >= 0), ("HAS_RIGHT", right >= 0),
+            ("HAS_SOFTCAP", has_softcap), ("HAS_ALIBI", alibi_strides is not None),
+            ("UNIFIED", unified), ("DOT_PRECISION", "tf32"),
+            ("UPCAST_DOT", dtype == torch.bfloat16 and plan.interpret),
+            ("EVEN_D", plan.block_d == d), ("WRITE_OUT", self.write_out),
+        )
+        merge = (("MERGE_M", plan.merge_m), ("MERGE_S", plan.merge_s))
+        options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+        grid = (b * hk, s, plan.row_tiles)
+        # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
+        # flags and outputs are aligned allocations
+        fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge))
+        self.arguments = {"fused": fused}
+        self.fused = fused.bind(grid, options, check=range(6))
+        self.split = self.merge = None
+        if not self.write_out:
+            split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge))
+            # one packed row a program, on one warp (two at 8K merge-tile elements): of 1/2/4 rows a
+            # program on 1/2/4 warps, the fastest in a graph (B=1: 0.7-1.6 us less than one row tile a program)
+            warps = max(1, min(4, 2 * plan.merge_s * plan.block_d // 4096))
+            merge_args = KernelArgs(_decode_merge_kernel, MERGE_DYNAMIC, (
+                *out_strides, *shape, ("lse_offset", self.lse_offset),
+                ("BLOCK_M", 1), ("MERGE_M", 2), ("MERGE_S", plan.merge_s), ("BLOCK_D", plan.block_d),
+                ("UNIFIED", unified),
+            ))
+            self.arguments.update(split=split, merge=merge_args)
+            self.split = split.bind(grid, options, check=range(6))
+            self.merge = merge_args.bind((b * hk, hq // hk * nq), dict(num_warps=warps), check=())
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+        block_table: torch.Tensor | None, alibi: torch.Tensor | None,
+        out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
+        scale: float, softcap: float, unified: tuple[float, float, float] | None,
+    ) -> None:
+        """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
+        errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
+        hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
+        this signature's dtype and stride."""
+        flags = lse if flags is None else flags
+        if self.write_out:
+            work = f_part = count = lse
+        else:
+            work = torch.empty(self.lse_offset + self.rows, dtype=torch.float32, device=q.device)
+            f_part = torch.empty(self.rows, dtype=torch.int8, device=q.device) if self.unified else work
+            graph = _capturing(q.device)
+            count = work if graph else arrival_counters(q.device, self.counters)
+        phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
+        args = (  # SPLIT_DYNAMIC
+            q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
+            seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
+            scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
+        )
+        if self.write_out or not graph:
+            self.fused(*args)
+        else:
+            self.split(*args)
+            self.merge(work, f_part, out, lse, flags)  # MERGE_DYNAMIC
+
+
+@functools.lru_cache(maxsize=256)  # thread-safe; keyed by device among the rest of the signature
+def _decode_launch(*signature) -> DecodeLaunch:
+    return DecodeLaunch(*signature)
+
+
+def decode_launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
+    num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
+) -> tuple[DecodePlan, DecodeLaunch]:
+    """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
+
+    ``seqlens_k`` (its dtype and stride; None: contiguous int32) and ``seqlen_add`` (the
+    tokens appended before attending) are part of the signature.  The launch is keyed by
+    q's device.
+
+    With one query token a right window bound allows every key before the cache's end
+    (token Nq - 1 sees keys ``j <= L - 1 + right``), so it is dropped: causal single-token
+    decoding runs the unmasked kernel, as SDPA does (2 % less device time at B=1, 32k keys)."""
+    b, nq, hq, d = q.shape
+    if nq == 1 and right >= 0:
+        right = -1
+    hk = k_cache.shape[2]
+    paged = block_table is not None
+    rows = k_cache.shape[1]
+    capacity = block_table.shape[1] * rows if paged else rows
+    plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device)
+    sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
+    launch = _decode_launch(
+        plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
+        block_table.stride(0) if paged else None, rows if paged else None,
+        alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
+        *sl, seqlen_add, capacity, k_cache.shape[0], q.device,
+    )
+    return plan, launch
+
+
+class AppendLaunch:
+    """The append kernel for one signature, bound once: grid (B, Nnew, Hk), one head row of d
+    elements a program, for k and v together.  ``arguments``: its :class:`KernelArgs`."""
+
+    def __init__(
+        self, b: int, n_new: int, hk: int, d: int, k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        kn_strides: tuple[int, ...], vn_strides: tuple[int, ...], bt_stride: int | None, page_size: int | None,
+        sl_stride: int, capacity: int, num_pages: int, device: torch.device,
+    ) -> None:
+        self.err = error_flags(device)
+        self.arguments = KernelArgs(_append_kernel, APPEND_DYNAMIC, (
+            *zip(("stride_kb", "stride_kn", "stride_kh"), k_strides[:3]),
+            *zip(("stride_vb", "stride_vn", "stride_vh"), v_strides[:3]),
+            *zip(("stride_knb", "stride_knn", "stride_knh"), kn_strides[:3]),
+            *zip(("stride_vnb", "stride_vnn", "stride_vnh"), vn_strides[:3]),
+            ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
+            ("n_new", n_new), ("capacity", capacity), ("num_pages", num_pages), ("head_dim", d),
+            ("BLOCK_D", max(16, triton.next_power_of_2(d))), ("PAGED", page_size is not None),
+            ("PAGE_SIZE", page_size or 1),
+        ))
+        self.launcher = self.arguments.bind((b, n_new, hk), dict(num_warps=1), check=range(6))
+
+    def __call__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+    ) -> None:
+        # APPEND_DYNAMIC
+        self.launcher(k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err)
+
+
+@functools.lru_cache(maxsize=256)
+def _append_launch(*signature) -> AppendLaunch:
+    return AppendLaunch(*signature[:-3])
+
+
+def append_launch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+) -> AppendLaunch:
+    """The memoised :class:`AppendLaunch` writing k, v (B, Nnew, Hk, d) into the caches at
+    positions ``seqlens_k[b] + i`` (validated shapes; the values are not trusted)."""
+    b, n_new, hk, d = k.shape
+    paged = block_table is not None
+    rows = k_cache.shape[1]
+    return _append_launch(
+        b, n_new, hk, d, k_cache.stride(), v_cache.stride(), k.stride(), v.stride(),
+        block_table.stride(0) if paged else None, rows if paged else None, seqlens_k.stride(0),
+        block_table.shape[1] * rows if paged else rows, k_cache.shape[0], k_cache.device,
+        k_cache.dtype, seqlens_k.dtype, block_table is not None,  # dtypes: one launcher per dtype
+    )
+
+
+def run_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, int, int] | None,
+    *,
+    scale: float,
+    softcap: float,
+    left: int,
+    right: int,
+    num_splits: int,
+    unified: tuple[float, float, float] | None,
+    return_flags: bool = False,
+    launch: DecodeLaunch | None = None,
+    seqlen_add: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The decode launch for validated arguments: ``(out, lse, flags)``.  No checks here.
+
+    For callers that validated the shapes already (``flash_attn_with_kvcache``):
+    q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
+    or int64 (B,) (any stride), block table with unit stride on dim 1,
+    ``alibi`` from :func:`alibi_args` or None, the window already normalised,
+    ``unified`` = (phi, lo, hi) or None.  Element b attends to keys
+    ``[0, seqlens_k[b] + seqlen_add)``; lengths and block-table entries are not
+    trusted (clamped / masked on the device, errors in :func:`error_flags`).  ``flags`` is None unless
+    ``unified`` is set or ``return_flags`` asks for (zero) flags.  ``launch``:
+    the :func:`decode_launch` of these arguments, when the caller kept it.
+    No host synchronisation: FlashDecoding++'s fallback happens in the kernel.
+    """
+    b, nq, hq, d = q.shape
+    dev = q.device
+    if launch is None:
+        launch = decode_launch(
+            q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
+            left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
+        )[1]
+    out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
+    flags = None
+    if unified is not None:
+        flags = torch.empty((b, hq, nq), dtype=torch.int32, device=dev)  # the kernel writes every row
+    elif return_flags:
+        flags = torch.zeros((b, hq, nq), dtype=torch.int32, device=dev)
+    if out.numel() == 0:
+        return out, lse, flags
+    launch(q, k_cache, v_cache, seqlens_k, block_table, alibi[0] if alibi is not None else None,
+           out, lse, flags, scale, softcap, unified)
+    return out, lse, flags
+
+
+def _check_safe_range(safe_range: object) -> tuple[float, float]:
+    ok = isinstance(safe_range, (tuple, list)) and len(safe_range) == 2
+    ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in safe_range)
+    if not ok or not (math.isfinite(safe_range[0]) and math.isfinite(safe_range[1]) and safe_range[0] < safe_range[1]):
+        raise ValueError(f"safe_range must be a pair (lo, hi) of finite floats, lo < hi, got {safe_range!r}")
+    return float(safe_range[0]), float(safe_range[1])
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int | None,
+    *,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    unified_max: float | None = None,
+    safe_range: tuple[float, float] | None = None,
+    return_recomputed: bool = False,
+):
+    """Split-KV decoding without an append: returns ``(out, lse)`` (plus the recomputed-row flags if asked).
+
+    The kernel-level view of :func:`flashtile.flash_attn_with_kvcache`: the arguments go
+    through the op's own checks (one definition of each, errors naming the op's arguments),
+    then :func:`run_decode`; what this adds is FlashDecoding++'s ``safe_range`` and its
+    per-row flags.  q (B, Nq, Hq, d); caches (B, Nk_max, Hk, d), or (num_pages, page_size,
+    Hk, d) with ``block_table`` (B, max_pages) int32; ``cache_seqlens`` (B,) int32 or int64
+    (or an int, or None: the capacity): element b attends to keys [0, cache_seqlens[b])
+    (tensor values are not trusted: see ``docs/decoding.md``).
+    ``out`` is (B, Nq, Hq, d) in q's dtype, ``lse`` (B, Hq, Nq) fp32 natural log, -inf on
+    rows with no allowed key (output 0).  ``unified_max`` switches to FlashDecoding++ with
+    ``phi = unified_max`` and ``safe_range`` (natural units, default
+    :func:`default_unified_range`); with ``return_recomputed`` a third value (B, Hq, Nq)
+    int32 holds each row's flag bits (FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW) ORed over its
+    splits, all zero on the safe path.  Forward only (no autograd).
+    """
+    from flashtile.ops.kvcache import prepare_call  # the op's checks; imported late: ops builds on runtime
+
+    call = prepare_call(
+        q, k_cache, v_cache, None, None, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+        True, alibi_slopes, num_splits, True, False, unified_max, False,
+    )
+    unified = call.unified
+    if safe_range is not None:
+        lo, hi = _check_safe_range(safe_range)
+        unified = None if unified is None else (unified[0], lo, hi)
+    if not isinstance(cache_seqlens, torch.Tensor):  # an int or None, checked by the op against the capacity
+        length = call.capacity if cache_seqlens is None else cache_seqlens
+        cache_seqlens = torch.full((call.dims.batch,), length, dtype=torch.int32, device=q.device)
+    if block_table is not None and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    out, lse, flags = run_decode(
+        unit_last_stride(q), k_cache, v_cache, cache_seqlens, block_table,
+        alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+        scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
+        unified=unified, return_flags=return_recomputed, launch=call.launch,
+    )
+    return (out, lse, flags) if return_recomputed else (out, lse)
