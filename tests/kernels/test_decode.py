@@ -600,9 +600,11 @@ def test_gpu_realistic(batch, cache, paged_):
 def test_gpu_fused_merge_is_race_free(batch, cache, splits, nq, hk):
     """The last-arriving split merges its tile: if any partial were read before it was
     visible, or a counter were not left at zero, results would differ between runs or
-    from the oracle.  Many splits and row tiles per launch, 30 runs alternating between
-    two streams (each with its own counters), then FlashDecoding++ with some splits
-    falling back on the device: the same bits every run."""
+    from the oracle.  Many splits and row tiles per launch; 30 launches alternating
+    between two streams with no synchronisation between them (each stream has its own
+    counters, and launches on the two streams run concurrently), compared bitwise with
+    the serial result; then FlashDecoding++ with some splits falling back on the device:
+    the same bits every run."""
     q, k, v = make(batch, cache, 32, hk, 128, dtype=torch.bfloat16, device="cuda", nq=nq, seed=splits)
     lens = torch.randint(64, cache + 1, (batch,), dtype=torch.int32, device="cuda")  # ragged, no empty rows
     ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)
@@ -611,11 +613,14 @@ def test_gpu_fused_merge_is_race_free(batch, cache, splits, nq, hk):
     assert_close(first_lse, ref_lse, 1e-2, "lse")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    for i in range(30):
-        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
-            out, lse = flash_decode(q, k, v, lens, causal=True, num_splits=splits)
-        torch.cuda.synchronize()
-        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    streams = (torch.cuda.current_stream(), side)
+    concurrent = []
+    for i in range(30):  # no sync in this loop: the two streams' launches overlap on the device
+        with torch.cuda.stream(streams[i % 2]):
+            concurrent.append(flash_decode(q, k, v, lens, causal=True, num_splits=splits))
+    torch.cuda.synchronize()
+    for i, (out, lse) in enumerate(concurrent):
+        assert torch.equal(out, first) and torch.equal(lse, first_lse), f"concurrent launch {i} differs from serial"
     assert all(int(c.count_nonzero()) == 0 for c in decode_module._COUNTERS.values())
     q[0] *= 300.0  # FlashDecoding++ with element 0's splits falling back on the device
     ref_out, ref_lse = _gpu_oracle(q, k, v, lens, causal=True)

@@ -336,6 +336,9 @@ def test_gpu_cuda_graph_capture_and_replay():
         assert torch.equal(k_snapshot, k_pool) and torch.equal(v_snapshot, v_pool)  # same append, same place
         assert torch.equal(static_out, eager)
         assert torch.equal(static_pp, step_pp())
+        ref, _ = oracle(q, logical(k_pool, table), logical(v_pool, table), (lens + 1).tolist(), causal=False)
+        assert_close64(static_out, ref, torch.bfloat16, "cuda", f"replay {t} vs float64 oracle")
+        assert_close64(static_pp, ref, torch.bfloat16, "cuda", f"replay {t} (FlashDecoding++) vs float64 oracle")
         err = (static_pp.float() - eager.float()).abs().max() / eager.float().abs().max()
         assert err < 1e-2, f"replay {t}: FlashDecoding++ vs safe, max error {err:.2e}"
 
