@@ -16,7 +16,7 @@ natural-log LSE L (B, Hq, Nq) saved:
 Three kernels:
 
 1. ``_bwd_preprocess``: D = rowsum(dO o O) in fp32, shape (B, Hq, Nq).
-2. ``_bwd_dkdv_kernel``: grid (cdiv(Nk, BLOCK_N), B * Hk).  One program owns one
+2. ``_bwd_dkdv_kernel``: one program per (kv tile, B * Hk pair).  One program owns one
    kv tile of one KV head: it loads K_j, V_j once and walks every q head of its
    GQA group and every q block that can see the tile (Alg. 2 outer loop over j,
    inner loop over i).  It works on transposed tiles S^T = K_j Q_i^T (BLOCK_N,
@@ -28,7 +28,7 @@ Three kernels:
    ``deterministic=False`` the same program also adds dQ_i += scale * dS K_j
    into an fp32 buffer with ``tl.atomic_add`` (Alg. 2 line 15 as written):
    fewest matmuls, but the summation order of dQ depends on scheduling.
-3. ``_bwd_dq_kernel`` (``deterministic=True``): grid (cdiv(Nq, BLOCK_M), B * Hq),
+3. ``_bwd_dq_kernel`` (``deterministic=True``): one program per (q tile, B * Hq pair),
    one program per q tile walks its kv blocks and accumulates dQ in registers;
    the extra Q K^T and dO V^T recomputation buys bitwise reproducibility.  K_j^T
    and V_j^T are loaded transposed, so no register tile is transposed either.
@@ -40,6 +40,13 @@ cross the sequence end or the padded head dim (``EVEN_M``/``EVEN_N`` constexprs:
 Nq, Nk multiples of the tiles; d a power of two >= 16).  Block-sparse masks
 (FA1 Algorithm 5) restrict the walk to the listed blocks of
 ``flashtile.kernels._blocksparse``.
+
+Grids (:func:`bwd_grids`): tiles on axis x, fastest, and the (batch, head) pairs folded
+in by ``_common.fold_grid``, so any B * H launches within CUDA's grid limits.  Row
+index x row stride can pass 2^31 elements (long sequences in the (B, N, H, d)
+layout, an (N, N) bias): every tile is addressed from a 64-bit scalar base
+(``_tile_base``) plus 32-bit in-tile offsets.  Dropout's Philox [seed, offset] is
+read from an int64 device tensor (CUDA-graph safe).
 
 fp32 inputs use ``tl.dot`` with input_precision "tf32" on the GPU (10-bit
 mantissa products, fp32 accumulation): expect ~1e-3 relative gradient error,
@@ -63,14 +70,18 @@ from flashtile.kernels._common import (
     SUPPORTED_DTYPES,
     allowed,
     check_device_mode,
+    check_rng_state,
     dropout_keep,
+    fold_grid,
     pdl_supported,
+    philox_state,
     score_mods,
+    unfold_pid,
     unit_last_stride,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
-__all__ = ["BwdConfig", "bwd_config", "fa2_backward"]
+__all__ = ["BwdConfig", "BwdGrids", "bwd_config", "bwd_grids", "fa2_backward"]
 
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _MAX_HEAD_DIM = 256
@@ -177,20 +188,29 @@ def _fit_block_mask(cfg: BwdConfig, block_mask: BlockMask | None) -> BwdConfig:
 
 
 @triton.jit
+def _tile_base(base, start, stride_r):
+    """Pointer to row ``start``: row index times row stride can pass 2^31 elements, so the
+    scalar tile base is formed in 64 bits and only in-tile offsets stay 32-bit."""
+    return base + tl.cast(start, tl.int64) * stride_r
+
+
+@triton.jit
 def _load_tile(
-    base, offs_r, stride_r, n_rows, offs_d,
+    base, start, offs_r, stride_r, n_rows, offs_d,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr,
 ):
-    """Tile of a (N, d) matrix with unit column stride, zero outside (N, d):
-    (rows, D_PAD), or (D_PAD, rows) with TRANS (the transpose is pointer
-    arithmetic, not a register shuffle).  EVEN_R says no row of the tile is
-    past N; with a power-of-two d too the load carries no mask at all."""
+    """Tile of rows offs_r = start + arange of a (N, d) matrix with unit column
+    stride, zero outside (N, d): (rows, D_PAD), or (D_PAD, rows) with TRANS (the
+    transpose is pointer arithmetic, not a register shuffle).  EVEN_R says no
+    row of the tile is past N; with a power-of-two d too the load carries no mask."""
+    rows = tl.arange(0, offs_r.shape[0])
+    tile = _tile_base(base, start, stride_r)
     if TRANS:
-        ptrs = base + offs_r[None, :] * stride_r + offs_d[:, None]
+        ptrs = tile + rows[None, :] * stride_r + offs_d[:, None]
         row_ok = offs_r[None, :] < n_rows
         col_ok = offs_d[:, None] < HEAD_DIM
     else:
-        ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+        ptrs = tile + rows[:, None] * stride_r + offs_d[None, :]
         row_ok = offs_r[:, None] < n_rows
         col_ok = offs_d[None, :] < HEAD_DIM
     if EVEN_R:
@@ -207,14 +227,15 @@ def _load_tile(
 
 
 @triton.jit
-def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _load_rows(base, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """(rows, D_PAD) tile with row and column masks (once-per-program loads)."""
-    return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False)
+    return _load_tile(base, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False)
 
 
 @triton.jit
-def _store_rows(base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+def _store_rows(base, x, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    rows = tl.arange(0, offs_r.shape[0])
+    ptrs = _tile_base(base, start, stride_r) + rows[:, None] * stride_r + offs_d[None, :]
     if HEAD_DIM == D_PAD:
         mask = offs_r[:, None] < n_rows
     else:
@@ -263,7 +284,8 @@ def _probs(
     HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr,
 ):
     """P = exp(S - L) from the raw products qk = Q K^T (Alg. 2 lines 9-10), S
-    rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  With
+    rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  ``Biash``
+    points at the bias of the tile's first query row and first key.  With
     TRANS the tile is (BLOCK_N, BLOCK_M) = (Q K^T)^T and P^T comes back.
     Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative.
     With MASK, the elementwise mask is applied when the runtime scalar ``edge``
@@ -284,12 +306,14 @@ def _probs(
         else:
             s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_BIAS:
+            rows_m = tl.arange(0, offs_m.shape[0])
+            rows_n = tl.arange(0, offs_n.shape[0])
             if TRANS:
                 in_seq = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
-                ptrs = Biash + offs_n[:, None] * stride_bn + offs_m[None, :] * stride_bm
+                ptrs = Biash + rows_n[:, None] * stride_bn + rows_m[None, :] * stride_bm
             else:
                 in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-                ptrs = Biash + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
+                ptrs = Biash + rows_m[:, None] * stride_bm + rows_n[None, :] * stride_bn
             s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
         s2 = s * _LOG2E
     else:
@@ -401,20 +425,22 @@ def _kv_range(
 def _bwd_preprocess(
     Out, DOut, Delta,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    H_Q, seqlen_q,
+    H_Q, n_bh, seqlen_q,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4)."""
+    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4).  Grid: fold_grid(q tiles, B * Hq)."""
     if USE_PDL:  # let the dK/dV kernel start its programs (they wait for D before reading it)
         gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = unfold_pid(tl.cdiv(seqlen_q, BLOCK_M))
+    if bh >= n_bh:
+        return
     b = (bh // H_Q).to(tl.int64)
     h = (bh % H_Q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, start_m, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    do = _load_rows(DOut + b * stride_dob + h * stride_doh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
@@ -447,12 +473,13 @@ def _dkdv_inner(
     starting outside [clear_lo, clear_hi) (the fully-allowed band) are masked."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
-        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+        qT = _load_tile(Qh, start_m, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
+        do = _load_tile(DOh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
         lse2 = _load_lse2(LSEh, offs_m, seqlen_q, EVEN_M)
         delta = _load_vec(Deltah, offs_m, seqlen_q, EVEN_M)
         pT, tT = _probs(
-            _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
+            _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, _tile_base(Biash, start_m, stride_bm),
+            stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_m < clear_lo) | (start_m >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
         )
@@ -468,7 +495,7 @@ def _dkdv_inner(
         dk += _mm(dsT, tl.trans(qT), DOT_PREC, UPCAST_DOT)
         if ATOMIC_DQ:
             dq = _mm(tl.trans(dsT), k, DOT_PREC, UPCAST_DOT) * softmax_scale
-            ptrs = DQh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            ptrs = _tile_base(DQh, start_m, stride_dqm) + tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
             if EVEN_M and HEAD_DIM == D_PAD:
                 tl.atomic_add(ptrs, dq, sem="relaxed")
             else:
@@ -479,7 +506,7 @@ def _dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex, Rng,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -493,8 +520,8 @@ def _bwd_dkdv_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_cb, stride_ch, stride_cn,
     stride_ib, stride_ih, stride_in,
-    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    window_left, window_right, philox_seed, philox_offset,
+    H_Q, H_K, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -503,9 +530,11 @@ def _bwd_dkdv_kernel(
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
     reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
-    == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j."""
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j.
+    Grid: fold_grid(kv tiles, B * Hk); Rng: the int64 Philox [seed, offset]."""
+    pid_n, bhk = unfold_pid(tl.cdiv(seqlen_k, BLOCK_N))
+    if bhk >= n_bh:
+        return
     b = bhk // H_K
     hk = bhk % H_K
     group = H_Q // H_K
@@ -517,8 +546,9 @@ def _bwd_dkdv_kernel(
 
     Kh = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
-    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    k = _load_tile(Kh, start_n, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    v = _load_tile(Vh, start_n, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     if USE_PDL:
         # programmatic dependent launch: this grid may start while the preprocess kernel runs
         # (everything read above predates it); D is read only after it has finished
@@ -539,13 +569,14 @@ def _bwd_dkdv_kernel(
         DQh = DQacc + b64 * stride_dqb + h64 * stride_dqh
         LSEh = LSE + bh.to(tl.int64) * seqlen_q
         Deltah = Delta + bh.to(tl.int64) * seqlen_q
-        Biash = Bias + b64 * stride_bb + h64 * stride_bh
+        # bias of this kv tile's first key (the inner loop adds the q tile's row)
+        Biash = _tile_base(Bias + b64 * stride_bb + h64 * stride_bh, start_n, stride_bn)
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
         if BLOCK_SPARSE:
             # FA1 Alg. 5: only the q blocks listed for this kv block are visited
-            c = start_n // mask_block_n
+            c = (start_n // mask_block_n).to(tl.int64)
             count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + c * stride_cn)
             row = BlkIndex + b64 * stride_ib + h64 * stride_ih + c * stride_in
             for idx in range(0, count):
@@ -576,8 +607,10 @@ def _bwd_dkdv_kernel(
             )
 
     dk = dk * softmax_scale
-    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
-    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, start_n, offs_n, stride_dkn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, start_n, offs_n, stride_dvn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD)
 
 
 @triton.jit
@@ -600,10 +633,11 @@ def _dq_inner(
     carry a row mask unless Nk is a multiple of BLOCK_N."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
-        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        kT = _load_tile(Kh, start_n, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        vT = _load_tile(Vh, start_n, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
         p, t = _probs(
-            _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
+            _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, _tile_base(Biash, start_n, stride_bn),
+            stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_n < clear_lo) | (start_n >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
         )
@@ -618,7 +652,7 @@ def _dq_inner(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex,
+    Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex, Rng,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -630,17 +664,19 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_cb, stride_ch, stride_cm,
     stride_ib, stride_ih, stride_im,
-    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    window_left, window_right, philox_seed, philox_offset,
+    H_Q, H_K, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """dQ of one q tile of one q head, accumulated in registers (deterministic)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    """dQ of one q tile of one q head, accumulated in registers (deterministic).
+    Grid: fold_grid(q tiles, B * Hq)."""
+    pid_m, bh = unfold_pid(tl.cdiv(seqlen_q, BLOCK_M))
+    if bh >= n_bh:
+        return
     b = bh // H_Q
     h = bh % H_Q
     hk = h // (H_Q // H_K)
@@ -654,15 +690,17 @@ def _bwd_dq_kernel(
 
     Qh = Q + b64 * stride_qb + h64 * stride_qh
     DOh = DO + b64 * stride_dob + h64 * stride_doh
-    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
-    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    q = _load_tile(Qh, start_m, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    do = _load_tile(DOh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     if USE_PDL:  # started during the dK/dV kernel: wait for it (and so for D) to finish
         gdc_wait()
     delta = _load_vec(Delta + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     Kh = K + b64 * stride_kb + hk64 * stride_kh
     Vh = V + b64 * stride_vb + hk64 * stride_vh
-    Biash = Bias + b64 * stride_bb + h64 * stride_bh
+    # bias of this q tile's first row (the inner loop adds the kv tile's key)
+    Biash = _tile_base(Bias + b64 * stride_bb + h64 * stride_bh, start_m, stride_bm)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
@@ -672,7 +710,7 @@ def _bwd_dq_kernel(
     )
 
     if BLOCK_SPARSE:
-        r = start_m // mask_block_m
+        r = (start_m // mask_block_m).to(tl.int64)
         count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + r * stride_cm)
         row = BlkIndex + b64 * stride_ib + h64 * stride_ih + r * stride_im
         for idx in range(0, count):
@@ -698,7 +736,7 @@ def _bwd_dq_kernel(
         )
 
     dq = dq * softmax_scale
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, start_m, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
 
 
 # ---------------------------------------------------------------------------
@@ -791,6 +829,20 @@ def _grad_buffer(given, name: str, like: torch.Tensor) -> tuple[torch.Tensor, to
     return given, given
 
 
+class BwdGrids(NamedTuple):
+    """Launch grids of the three backward kernels (each within CUDA's grid limits)."""
+
+    preprocess: tuple[int, int]
+    dkdv: tuple[int, int]
+    dq: tuple[int, int]
+
+
+def bwd_grids(b: int, hq: int, hk: int, nq: int, nk: int, cfg: BwdConfig) -> BwdGrids:
+    """Tiles on the fast axis, (batch, head) pairs folded in by :func:`_common.fold_grid`."""
+    q_tiles = fold_grid(triton.cdiv(nq, cfg.dq_block_m), b * hq)
+    return BwdGrids(q_tiles, fold_grid(triton.cdiv(nk, cfg.block_n), b * hk), q_tiles)
+
+
 def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Block-list tensors and strides; a broadcast (size 1) leading dim gets stride 0."""
     if lists is None:
@@ -818,6 +870,7 @@ def fa2_backward(
     dropout_p: float = 0.0,
     philox_seed: int = 0,
     philox_offset: int = 0,
+    rng_state: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     deterministic: bool = False,
     dq: torch.Tensor | None = None,
@@ -833,6 +886,9 @@ def fa2_backward(
     ``dk``, ``dv`` when given.  ``deterministic=True`` uses the separate dQ
     kernel (bitwise reproducible); otherwise dQ is accumulated with fp32
     atomics inside the dK/dV kernel.  No gradient flows to bias or ALiBi.
+    Dropout's Philox state: ``rng_state``, an int64 tensor [seed, offset] on
+    q's device (read by the kernels, so a CUDA graph replays it with the values
+    of each replay), or the ints ``philox_seed`` / ``philox_offset``.
     """
     _check_inputs(dout, q, k, v, out, lse)
     scale, softcap, dropout_p = _check_scalars(softmax_scale, softcap, dropout_p, philox_seed, philox_offset)
@@ -862,9 +918,8 @@ def fa2_backward(
     d_pad = max(16, triton.next_power_of_2(d))
     on_gpu = dev.type == "cuda"
 
-    # without dropout every int argument is fixed for the problem's signature: the kernels are bound
-    # once and launched from Triton's compiled objects (the Philox seed / offset change every call)
-    fast = dropout_p == 0
+    # every int argument is fixed for the problem's signature (the Philox state is read from a
+    # tensor): the kernels are bound once and launched from Triton's compiled objects
     # preprocess -> dK/dV -> dQ run back to back: each later kernel is launched as a programmatic
     # dependent of the one before (Hopper), so its programs start while that one drains
     pdl = pdl_supported(dev)
@@ -875,11 +930,13 @@ def fa2_backward(
     # zeroed before the preprocess kernel, so that nothing runs between it and its dependent
     dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
+    grids = bwd_grids(b, hq, hk, nq, nk, cfg)
     launch(
-        _bwd_preprocess, (triton.cdiv(nq, cfg.dq_block_m), b * hq), (out, dout, delta),
+        _bwd_preprocess, grids.preprocess, (out, dout, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, nq, d, d_pad, cfg.dq_block_m, pdl), num_warps=4, num_stages=1, bind=fast,
+         hq, b * hq, nq, d, d_pad, cfg.dq_block_m, pdl), num_warps=4, num_stages=1,
     )
+    rng = check_rng_state(rng_state, philox_seed, philox_offset, dev) if dropout_p > 0 else delta
 
     slopes_t = slopes if slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
@@ -893,19 +950,19 @@ def fa2_backward(
     dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
     floats = (scale, softcap, dropout_p, dropout_scale)
-    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right, philox_seed, philox_offset)
+    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right)
 
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
     cnt, idx, list_strides = _list_args(qlists, delta)
     launch(
-        _bwd_dkdv_kernel, (triton.cdiv(nk, cfg.block_n), b * hk),
-        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, *floats),
+        _bwd_dkdv_kernel, grids.dkdv,
+        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, *floats),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
          *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
-         stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+         stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hk, *sizes[2:],
          d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
          *features, atomic, *precision, pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
     )
 
     if atomic:
@@ -913,13 +970,13 @@ def fa2_backward(
     else:
         cnt, idx, list_strides = _list_args(klists, delta)
         launch(
-            _bwd_dq_kernel, (triton.cdiv(nq, cfg.dq_block_m), b * hq),
-            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, *floats),
+            _bwd_dq_kernel, grids.dq,
+            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, *floats),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
-             stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+             stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hq, *sizes[2:],
              d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
              *features, *precision, pdl),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):
