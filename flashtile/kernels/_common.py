@@ -103,6 +103,20 @@ def unfold_pid(n_tiles):
     return pid % n_tiles, tl.program_id(1) * per_x + pid // n_tiles
 
 
+# Tiles are addressed from a 64-bit base plus 32-bit in-tile offsets (tile row x row stride,
+# tiles of at most 256 rows): a row stride below this keeps those offsets under 2^31
+TILE_ROW_STRIDE_MAX = 2**31 // 256
+
+
+def wide_rows(*tensors: torch.Tensor) -> bool:
+    """Whether some tensor's row stride (dim -2) would overflow 32-bit in-tile offsets: a bitwise
+    OR bounds the maximum because the limit is a power of two."""
+    acc = 0
+    for x in tensors:
+        acc |= x.stride(-2)
+    return acc >= TILE_ROW_STRIDE_MAX
+
+
 def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     """The kernels vectorise along the last dim: copy only when its stride is not 1."""
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
@@ -200,7 +214,8 @@ def check_rng_state(rng_state, philox_seed: int, philox_offset: int, device: tor
                 raise ValueError(f"{name} must be an int in [0, 2^63), got {x!r}")
         return torch.tensor([philox_seed, philox_offset], dtype=torch.int64, device=device)
     if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64:
-        raise TypeError(f"rng_state must be an int64 torch.Tensor [seed, offset], got {getattr(rng_state, 'dtype', type(rng_state).__name__)}")
+        got = rng_state.dtype if isinstance(rng_state, torch.Tensor) else type(rng_state).__name__
+        raise TypeError(f"rng_state must be an int64 torch.Tensor [seed, offset], got {got}")
     if tuple(rng_state.shape) != (2,):
         raise ValueError(f"rng_state must have shape (2,) = [seed, offset], got {tuple(rng_state.shape)}")
     if rng_state.device != device:

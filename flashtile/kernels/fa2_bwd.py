@@ -78,6 +78,7 @@ from flashtile.kernels._common import (
     score_mods,
     unfold_pid,
     unit_last_stride,
+    wide_rows,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
@@ -306,8 +307,10 @@ def _probs(
         else:
             s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_BIAS:
-            rows_m = tl.arange(0, offs_m.shape[0])
-            rows_n = tl.arange(0, offs_n.shape[0])
+            # in-tile offsets in 64 bits too: a (Nq, Nk) bias row stride is Nk, so q row x stride
+            # passes 2^31 inside one tile once Nk > 2^31 / BLOCK_M (a transposed bias: key x Nq)
+            rows_m = tl.arange(0, offs_m.shape[0]).to(tl.int64)
+            rows_n = tl.arange(0, offs_n.shape[0]).to(tl.int64)
             if TRANS:
                 in_seq = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
                 ptrs = Biash + rows_n[:, None] * stride_bn + rows_m[None, :] * stride_bm
@@ -913,6 +916,11 @@ def fa2_backward(
         return dq_ret, dk_ret, dv_ret
 
     q, k, v, dout, out = (unit_last_stride(x) for x in (q, k, v, dout, out))
+    if wide_rows(q, k, v, dout, out, dq_buf, dk_buf, dv_buf):
+        # a row stride past TILE_ROW_STRIDE_MAX (e.g. > 8M heads x d in the (B, N, H, d) layout):
+        # compact copies, whose row stride is d, keep the kernels' in-tile offsets 32-bit
+        q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
+        dq_buf, dk_buf, dv_buf = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     cfg = _fit_block_mask(bwd_config(d, q.dtype, bool(causal), nq, nk, dev), block_mask)
     d_pad = max(16, triton.next_power_of_2(d))

@@ -75,6 +75,7 @@ from flashtile.kernels._common import (
     score_mods,
     unfold_pid,
     unit_last_stride,
+    wide_rows,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
@@ -165,7 +166,8 @@ def _fwd_tiles(
         if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:
             s, _ = score_mods(qk * sm_scale, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
             if HAS_BIAS:
-                bias_ptrs = (bias_base + n64 * stride_bias_n) + offs_n0[None, :] * stride_bias_n
+                # 64-bit key offsets: a transposed bias has key stride Nq, x BLOCK_N can pass 2^31
+                bias_ptrs = (bias_base + n64 * stride_bias_n) + offs_n0.to(tl.int64)[None, :] * stride_bias_n
                 bias = _load_bias(bias_ptrs, offs_m, offs_n, seqlen_q, seqlen_k, not EVEN_M, MASKED and not EVEN_N)
                 s = s + bias
             s = s * _LOG2E  # natural units -> base 2
@@ -664,6 +666,8 @@ def fa2_forward(
         lse.fill_(float("-inf"))
         return result, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    if wide_rows(k, v):  # 32-bit in-tile offsets of the K/V tiles (q and out rows use 64-bit)
+        k, v = k.contiguous(), v.contiguous()
     plain = softcap == 0 and alibi_slopes is None and bias is None
     if plain and softmax_scale <= 0:
         # the kernel's fast path takes the row max of unscaled scores and multiplies

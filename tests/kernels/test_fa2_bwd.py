@@ -605,6 +605,29 @@ def test_grids_within_cuda_limits(b, hq, hk, nq, nk, d, dtype):
         assert (grid[0] // tiles) * grid[1] >= pairs > (grid[0] // tiles) * (grid[1] - 1), (name, grid)
 
 
+def test_row_strides_past_the_tile_offset_limit_are_compacted(device):
+    """Tiles are addressed with 32-bit in-tile offsets (row x row stride): inputs and gradient
+    views whose row stride reaches TILE_ROW_STRIDE_MAX go through compact copies, and the
+    gradients land in the given views, equal to those of contiguous inputs."""
+    from flashtile.kernels._common import TILE_ROW_STRIDE_MAX, wide_rows
+
+    q, k, v, do = inputs(1, 1, 1, 2, 2, 16, F32, device, seed=41)
+    out, lse = make(q.shape, F32, device, 42), make((1, 1, 2), F32, device, 43)
+
+    def spread(x):  # same values, row stride TILE_ROW_STRIDE_MAX
+        y = torch.zeros(TILE_ROW_STRIDE_MAX * 2, device=device).as_strided(x.shape, (0, 0, TILE_ROW_STRIDE_MAX, 1))
+        return y.copy_(x)
+
+    assert wide_rows(spread(q)) and not wide_rows(q, k, v)
+    kw = dict(softmax_scale=0.25, causal=True)
+    want = fa2_backward(do, q, k, v, out, lse, **kw)
+    views = [spread(torch.zeros_like(x)) for x in (q, k, v)]
+    got = fa2_backward(*(spread(x) for x in (do, q, k, v, out)), lse, dq=views[0], dk=views[1], dv=views[2], **kw)
+    for g, view, w in zip(got, views, want):
+        assert g is view
+        assert torch.equal(g, w)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_folded_grid_runs_every_pair_once(device, monkeypatch, deterministic):
     """With axis x shrunk to a few programs, the (batch, head) pairs spill onto axis y with a

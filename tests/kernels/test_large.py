@@ -150,6 +150,41 @@ def check_additive_mask(n, d, deterministic, device):
         assert rel_err(dq[0, :, a:b], rq) < 2e-2
 
 
+@pytest.mark.gpu
+def test_bias_row_offsets_past_2_pow_31_inside_one_tile():
+    """A (64, Nk) bias with Nk = 3 * 2^24: q row x row stride (Nk) passes 2^31 from row 43 on,
+    inside a single 64-row tile, so the in-tile offsets themselves need 64 bits.  The bias
+    -|i + Nk - Nq - j| / 8 is ALiBi with slope 1/8 (exact in bf16 wherever exp does not
+    underflow): out and gradients must equal the alibi_slopes call's (fp32 atomic dQ path)."""
+    nq, nk, d, slope = 64, 3 * 2**24, 16, 0.125
+    assert (nq - 1) * nk > I32_MAX
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, dout = (torch.randn(1, 1, nq, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 1, nk, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    for x in (q, k, v):
+        x.requires_grad_()
+    bias = torch.empty(nq, nk, device="cuda", dtype=BF16)
+    keys = torch.arange(nk, device="cuda", dtype=torch.float32)
+    for i in range(nq):
+        bias[i] = -(keys - (i + nk - nq)).abs() * slope
+    del keys
+    scale = d ** -0.5
+
+    def run(**kw):
+        out, _, _ = attention(q, k, v, seq_major=False, softmax_scale=scale, causal=False, window=(-1, -1), **kw)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    biased = run(bias=bias.expand(1, 1, nq, nk))
+    context_alive("cuda")
+    del bias
+    alibi = run(alibi_slopes=torch.full((1,), slope, device="cuda"))
+    for name, a, c in zip(("out", "dq", "dk", "dv"), biased, alibi):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, c) < 2e-2, name
+        if name in ("dk", "dv"):  # the keys that matter: the last few hundred
+            assert rel_err(a[..., -2048:, :], c[..., -2048:, :]) < 2e-2, name
+
+
 # --------------------------------------------------------------------------- #
 # Batch x heads past CUDA's 65535 programs on grid axes y / z
 # --------------------------------------------------------------------------- #
