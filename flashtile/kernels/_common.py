@@ -79,28 +79,26 @@ GRID_X_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
 
 
-def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int]:
-    """Grid for ``n_tiles`` tiles of each of ``n_bh`` (batch, head) pairs within CUDA's limits.
-
-    Program (x, y) owns tile ``x % n_tiles`` of pair ``y * (grid_x // n_tiles) + x // n_tiles``
-    (:func:`unfold_pid`): the tile index is fastest, as in a (tiles, pairs) grid, and the pairs
-    move to axis y only when tiles * pairs exceeds axis x (programs past the last pair exit)."""
-    per_x = max(1, GRID_X_MAX // n_tiles)
-    if n_bh <= per_x:
-        return n_tiles * n_bh, 1
-    rows = -(-n_bh // per_x)
-    if rows > GRID_YZ_MAX:
-        raise ValueError(f"batch * heads = {n_bh} with {n_tiles} tiles each exceeds CUDA's grid limits")
-    return n_tiles * per_x, rows
+def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int, int]:
+    """Grid (tiles, Y, Z) for ``n_tiles`` tiles of each of ``n_bh`` (batch, head) pairs within
+    CUDA's limits: program (x, y, z) owns tile x of pair z * Y + y (:func:`unfold_pid`).  The
+    tile index stays fastest and the pairs follow in order, as in a (tiles, pairs) grid; axis
+    z carries the pairs past 65535 (the last z-row's programs past the last pair exit).  The
+    tile index is program_id(0) itself, no division: a divided-out index is a value the kernel
+    must keep live, where program_id is re-read for free (ptxas, sm_90a: larger spills)."""
+    if n_tiles > GRID_X_MAX:
+        raise ValueError(f"{n_tiles} tiles per (batch, head) exceed CUDA's {GRID_X_MAX} programs on grid axis x")
+    if n_bh > GRID_X_MAX - GRID_YZ_MAX:  # the kernels index pairs, spare programs included, in int32
+        raise ValueError(f"batch * heads = {n_bh} exceeds the {GRID_X_MAX - GRID_YZ_MAX} (batch, head) pairs the kernels index")
+    y = min(n_bh, GRID_YZ_MAX)
+    return n_tiles, y, -(-n_bh // y)  # y * z < n_bh + y <= 2^31 - 1, so z < 65535
 
 
 @triton.jit
-def unfold_pid(n_tiles):
+def unfold_pid():
     """(tile, pair) of this program in a :func:`fold_grid` grid; pair may reach past the last
-    (batch, head) pair when the grid has more than one row (the caller's program then exits)."""
-    pid = tl.program_id(0)
-    per_x = tl.num_programs(0) // n_tiles
-    return pid % n_tiles, tl.program_id(1) * per_x + pid // n_tiles
+    (batch, head) pair when the grid has more than one z-row (the caller's program then exits)."""
+    return tl.program_id(0), tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
 
 
 # Tiles are addressed from a 64-bit base plus 32-bit in-tile offsets (tile row x row stride,
@@ -248,7 +246,7 @@ def _dropout_mask_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m, bh = unfold_pid(tl.cdiv(seqlen_q, BLOCK_M))
+    pid_m, bh = unfold_pid()
     if bh >= n_bh:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -44,8 +44,8 @@ Nq, Nk multiples of the tiles; d a power of two >= 16).  Block-sparse masks
 Grids (:func:`bwd_grids`): tiles on axis x, fastest, and the (batch, head) pairs folded
 in by ``_common.fold_grid``, so any B * H launches within CUDA's grid limits.  Row
 index x row stride can pass 2^31 elements (long sequences in the (B, N, H, d)
-layout, an (N, N) bias): every tile is addressed from a 64-bit scalar base
-(``_tile_base``) plus 32-bit in-tile offsets.  Dropout's Philox [seed, offset] is
+layout, an (N, N) bias): the host then sets ``WIDE`` and the kernels form row
+offsets in 64 bits (``_row_offsets``); head and batch offsets are always 64-bit.  Dropout's Philox [seed, offset] is
 read from an int64 device tensor (CUDA-graph safe).
 
 fp32 inputs use ``tl.dot`` with input_precision "tf32" on the GPU (10-bit
@@ -78,7 +78,6 @@ from flashtile.kernels._common import (
     score_mods,
     unfold_pid,
     unit_last_stride,
-    wide_rows,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
@@ -189,29 +188,36 @@ def _fit_block_mask(cfg: BwdConfig, block_mask: BlockMask | None) -> BwdConfig:
 
 
 @triton.jit
-def _tile_base(base, start, stride_r):
-    """Pointer to row ``start``: row index times row stride can pass 2^31 elements, so the
-    scalar tile base is formed in 64 bits and only in-tile offsets stay 32-bit."""
-    return base + tl.cast(start, tl.int64) * stride_r
+def _row_offsets(offs_r, stride_r, WIDE: tl.constexpr):
+    """Row index x row stride, in 64 bits when WIDE (some N x row stride reaches 2^31:
+    long sequences in the (B, N, H, d) layout, an (N, N) bias), else in 32 bits.  The
+    host decides (``_wide``), so common sizes keep 32-bit address arithmetic.  Built
+    from the loop's row indices, the offsets are recomputed per tile: a 64-bit tile
+    base plus loop-invariant 32-bit in-tile offsets, tried instead, spilled more under
+    ptxas (sm_90a), the hoisted offsets staying live across the loop."""
+    if WIDE:
+        off = offs_r.to(tl.int64) * stride_r
+    else:
+        off = offs_r * stride_r
+    return off
 
 
 @triton.jit
 def _load_tile(
-    base, start, offs_r, stride_r, n_rows, offs_d,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr,
+    base, offs_r, stride_r, n_rows, offs_d,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """Tile of rows offs_r = start + arange of a (N, d) matrix with unit column
-    stride, zero outside (N, d): (rows, D_PAD), or (D_PAD, rows) with TRANS (the
-    transpose is pointer arithmetic, not a register shuffle).  EVEN_R says no
-    row of the tile is past N; with a power-of-two d too the load carries no mask."""
-    rows = tl.arange(0, offs_r.shape[0])
-    tile = _tile_base(base, start, stride_r)
+    """Tile of a (N, d) matrix with unit column stride, zero outside (N, d):
+    (rows, D_PAD), or (D_PAD, rows) with TRANS (the transpose is pointer
+    arithmetic, not a register shuffle).  EVEN_R says no row of the tile is
+    past N; with a power-of-two d too the load carries no mask at all."""
+    rows = _row_offsets(offs_r, stride_r, WIDE)
     if TRANS:
-        ptrs = tile + rows[None, :] * stride_r + offs_d[:, None]
+        ptrs = base + rows[None, :] + offs_d[:, None]
         row_ok = offs_r[None, :] < n_rows
         col_ok = offs_d[:, None] < HEAD_DIM
     else:
-        ptrs = tile + rows[:, None] * stride_r + offs_d[None, :]
+        ptrs = base + rows[:, None] + offs_d[None, :]
         row_ok = offs_r[:, None] < n_rows
         col_ok = offs_d[None, :] < HEAD_DIM
     if EVEN_R:
@@ -228,15 +234,16 @@ def _load_tile(
 
 
 @triton.jit
-def _load_rows(base, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WIDE: tl.constexpr):
     """(rows, D_PAD) tile with row and column masks (once-per-program loads)."""
-    return _load_tile(base, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False)
+    return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False, WIDE)
 
 
 @triton.jit
-def _store_rows(base, x, start, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    rows = tl.arange(0, offs_r.shape[0])
-    ptrs = _tile_base(base, start, stride_r) + rows[:, None] * stride_r + offs_d[None, :]
+def _store_rows(
+    base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WIDE: tl.constexpr,
+):
+    ptrs = base + _row_offsets(offs_r, stride_r, WIDE)[:, None] + offs_d[None, :]
     if HEAD_DIM == D_PAD:
         mask = offs_r[:, None] < n_rows
     else:
@@ -282,11 +289,10 @@ def _probs(
     qk, offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right, edge,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """P = exp(S - L) from the raw products qk = Q K^T (Alg. 2 lines 9-10), S
-    rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  ``Biash``
-    points at the bias of the tile's first query row and first key.  With
+    rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  With
     TRANS the tile is (BLOCK_N, BLOCK_M) = (Q K^T)^T and P^T comes back.
     Returns (P, t) with t = tanh(scale*qk/softcap) for the softcap derivative.
     With MASK, the elementwise mask is applied when the runtime scalar ``edge``
@@ -307,16 +313,15 @@ def _probs(
         else:
             s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_BIAS:
-            # in-tile offsets in 64 bits too: a (Nq, Nk) bias row stride is Nk, so q row x stride
-            # passes 2^31 inside one tile once Nk > 2^31 / BLOCK_M (a transposed bias: key x Nq)
-            rows_m = tl.arange(0, offs_m.shape[0]).to(tl.int64)
-            rows_n = tl.arange(0, offs_n.shape[0]).to(tl.int64)
+            # a dense (Nq, Nk) bias has row stride Nk: q row x Nk reaches 2^31 for Nq Nk >= 2^31
+            rows_m = _row_offsets(offs_m, stride_bm, WIDE)
+            rows_n = _row_offsets(offs_n, stride_bn, WIDE)
             if TRANS:
                 in_seq = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
-                ptrs = Biash + rows_n[:, None] * stride_bn + rows_m[None, :] * stride_bm
+                ptrs = Biash + rows_n[:, None] + rows_m[None, :]
             else:
                 in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-                ptrs = Biash + rows_m[:, None] * stride_bm + rows_n[None, :] * stride_bn
+                ptrs = Biash + rows_m[:, None] + rows_n[None, :]
             s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
         s2 = s * _LOG2E
     else:
@@ -429,12 +434,12 @@ def _bwd_preprocess(
     Out, DOut, Delta,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     H_Q, n_bh, seqlen_q,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4).  Grid: fold_grid(q tiles, B * Hq)."""
     if USE_PDL:  # let the dK/dV kernel start its programs (they wait for D before reading it)
         gdc_launch_dependents()
-    pid_m, bh = unfold_pid(tl.cdiv(seqlen_q, BLOCK_M))
+    pid_m, bh = unfold_pid()
     if bh >= n_bh:
         return
     b = (bh // H_Q).to(tl.int64)
@@ -442,8 +447,8 @@ def _bwd_preprocess(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, start_m, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-    do = _load_rows(DOut + b * stride_dob + h * stride_doh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
+    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
@@ -459,7 +464,7 @@ def _dkdv_inner(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Alg. 2 inner loop (lines 8-16) for one kv tile over q blocks [lo, hi), in
     transposed orientation (tiles (BLOCK_N, BLOCK_M), as FA2's backward):
@@ -476,15 +481,15 @@ def _dkdv_inner(
     starting outside [clear_lo, clear_hi) (the fully-allowed band) are masked."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load_tile(Qh, start_m, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
-        do = _load_tile(DOh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True, WIDE)
+        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
         lse2 = _load_lse2(LSEh, offs_m, seqlen_q, EVEN_M)
         delta = _load_vec(Deltah, offs_m, seqlen_q, EVEN_M)
         pT, tT = _probs(
-            _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, _tile_base(Biash, start_m, stride_bm),
-            stride_bm, stride_bn, slope,
+            _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_m < clear_lo) | (start_m >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
+            WIDE,
         )
         dpT = _mm(v, tl.trans(do), DOT_PREC, UPCAST_DOT)
         pT_drop = pT
@@ -498,7 +503,7 @@ def _dkdv_inner(
         dk += _mm(dsT, tl.trans(qT), DOT_PREC, UPCAST_DOT)
         if ATOMIC_DQ:
             dq = _mm(tl.trans(dsT), k, DOT_PREC, UPCAST_DOT) * softmax_scale
-            ptrs = _tile_base(DQh, start_m, stride_dqm) + tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
+            ptrs = DQh + _row_offsets(offs_m, stride_dqm, WIDE)[:, None] + offs_d[None, :]
             if EVEN_M and HEAD_DIM == D_PAD:
                 tl.atomic_add(ptrs, dq, sem="relaxed")
             else:
@@ -529,13 +534,13 @@ def _bwd_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
     reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
     == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j.
     Grid: fold_grid(kv tiles, B * Hk); Rng: the int64 Philox [seed, offset]."""
-    pid_n, bhk = unfold_pid(tl.cdiv(seqlen_k, BLOCK_N))
+    pid_n, bhk = unfold_pid()
     if bhk >= n_bh:
         return
     b = bhk // H_K
@@ -549,8 +554,8 @@ def _bwd_dkdv_kernel(
 
     Kh = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    k = _load_tile(Kh, start_n, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
-    v = _load_tile(Vh, start_n, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False, WIDE)
+    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False, WIDE)
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     if USE_PDL:
         # programmatic dependent launch: this grid may start while the preprocess kernel runs
@@ -572,8 +577,7 @@ def _bwd_dkdv_kernel(
         DQh = DQacc + b64 * stride_dqb + h64 * stride_dqh
         LSEh = LSE + bh.to(tl.int64) * seqlen_q
         Deltah = Delta + bh.to(tl.int64) * seqlen_q
-        # bias of this kv tile's first key (the inner loop adds the q tile's row)
-        Biash = _tile_base(Bias + b64 * stride_bb + h64 * stride_bh, start_n, stride_bn)
+        Biash = Bias + b64 * stride_bb + h64 * stride_bh
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
@@ -593,7 +597,7 @@ def _bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                     dropout_p, dropout_scale, philox_seed, philox_offset,
                     HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+                    HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT, WIDE,
                 )
         else:
             # one sweep over the q blocks that see this kv tile; blocks outside the fully-allowed
@@ -606,14 +610,14 @@ def _bwd_dkdv_kernel(
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N),
-                DOT_PREC, UPCAST_DOT,
+                DOT_PREC, UPCAST_DOT, WIDE,
             )
 
     dk = dk * softmax_scale
-    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, start_n, offs_n, stride_dkn, seqlen_k,
-                offs_d, HEAD_DIM, D_PAD)
-    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, start_n, offs_n, stride_dvn, seqlen_k,
-                offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD, WIDE)
+    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD, WIDE)
 
 
 @triton.jit
@@ -626,7 +630,7 @@ def _dq_inner(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """dQ_i += dS_ij K_j (unscaled) over kv blocks [lo, hi): the q-outer
     ordering of Alg. 2 line 15, so each dQ_i has a single writer.  K_j^T and
@@ -636,13 +640,13 @@ def _dq_inner(
     carry a row mask unless Nk is a multiple of BLOCK_N."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_tile(Kh, start_n, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
-        vT = _load_tile(Vh, start_n, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True, WIDE)
+        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True, WIDE)
         p, t = _probs(
-            _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, _tile_base(Biash, start_n, stride_bn),
-            stride_bm, stride_bn, slope,
+            _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_n < clear_lo) | (start_n >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
+            WIDE,
         )
         dp = _mm(do, vT, DOT_PREC, UPCAST_DOT)
         if HAS_DROPOUT:
@@ -673,11 +677,11 @@ def _bwd_dq_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """dQ of one q tile of one q head, accumulated in registers (deterministic).
     Grid: fold_grid(q tiles, B * Hq)."""
-    pid_m, bh = unfold_pid(tl.cdiv(seqlen_q, BLOCK_M))
+    pid_m, bh = unfold_pid()
     if bh >= n_bh:
         return
     b = bh // H_Q
@@ -693,8 +697,8 @@ def _bwd_dq_kernel(
 
     Qh = Q + b64 * stride_qb + h64 * stride_qh
     DOh = DO + b64 * stride_dob + h64 * stride_doh
-    q = _load_tile(Qh, start_m, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
-    do = _load_tile(DOh, start_m, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
+    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     if USE_PDL:  # started during the dK/dV kernel: wait for it (and so for D) to finish
@@ -702,8 +706,7 @@ def _bwd_dq_kernel(
     delta = _load_vec(Delta + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     Kh = K + b64 * stride_kb + hk64 * stride_kh
     Vh = V + b64 * stride_vb + hk64 * stride_vh
-    # bias of this q tile's first row (the inner loop adds the kv tile's key)
-    Biash = _tile_base(Bias + b64 * stride_bb + h64 * stride_bh, start_m, stride_bm)
+    Biash = Bias + b64 * stride_bb + h64 * stride_bh
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
@@ -726,7 +729,7 @@ def _bwd_dq_kernel(
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+                HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT, WIDE,
             )
     else:
         dq = _dq_inner(
@@ -735,11 +738,11 @@ def _bwd_dq_kernel(
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
             HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PREC, UPCAST_DOT,
+            HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PREC, UPCAST_DOT, WIDE,
         )
 
     dq = dq * softmax_scale
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, start_m, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
 
 
 # ---------------------------------------------------------------------------
@@ -835,15 +838,29 @@ def _grad_buffer(given, name: str, like: torch.Tensor) -> tuple[torch.Tensor, to
 class BwdGrids(NamedTuple):
     """Launch grids of the three backward kernels (each within CUDA's grid limits)."""
 
-    preprocess: tuple[int, int]
-    dkdv: tuple[int, int]
-    dq: tuple[int, int]
+    preprocess: tuple[int, int, int]
+    dkdv: tuple[int, int, int]
+    dq: tuple[int, int, int]
 
 
 def bwd_grids(b: int, hq: int, hk: int, nq: int, nk: int, cfg: BwdConfig) -> BwdGrids:
     """Tiles on the fast axis, (batch, head) pairs folded in by :func:`_common.fold_grid`."""
     q_tiles = fold_grid(triton.cdiv(nq, cfg.dq_block_m), b * hq)
     return BwdGrids(q_tiles, fold_grid(triton.cdiv(nk, cfg.block_n), b * hk), q_tiles)
+
+
+def _wide(nq: int, q_side: tuple, nk: int, kv_side: tuple, bias: torch.Tensor | None) -> bool:
+    """Whether some row index x row stride can reach 2^31 (an OR of strides bounds their
+    maximum within a factor of 2, so this errs on the 64-bit side by at most that)."""
+    sq = sk = 0
+    for x in q_side:
+        sq |= x.stride(2)
+    for x in kv_side:
+        sk |= x.stride(2)
+    far = max(nq * sq, nk * sk)
+    if bias is not None:
+        far = max(far, nq * bias.stride(2), nk * bias.stride(3))
+    return far >= 2**31
 
 
 def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -916,11 +933,6 @@ def fa2_backward(
         return dq_ret, dk_ret, dv_ret
 
     q, k, v, dout, out = (unit_last_stride(x) for x in (q, k, v, dout, out))
-    if wide_rows(q, k, v, dout, out, dq_buf, dk_buf, dv_buf):
-        # a row stride past TILE_ROW_STRIDE_MAX (e.g. > 8M heads x d in the (B, N, H, d) layout):
-        # compact copies, whose row stride is d, keep the kernels' in-tile offsets 32-bit
-        q, k, v, dout, out = (x.contiguous() for x in (q, k, v, dout, out))
-        dq_buf, dk_buf, dv_buf = (torch.empty(x.shape, dtype=x.dtype, device=dev) for x in (q, k, v))
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     cfg = _fit_block_mask(bwd_config(d, q.dtype, bool(causal), nq, nk, dev), block_mask)
     d_pad = max(16, triton.next_power_of_2(d))
@@ -939,10 +951,12 @@ def fa2_backward(
     dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
     grids = bwd_grids(b, hq, hk, nq, nk, cfg)
+    # some row index x row stride reaches 2^31: the kernels form row offsets in 64 bits (WIDE)
+    wide = _wide(nq, (q, dout, out, dq_buf, dq_acc), nk, (k, v, dk_buf, dv_buf), bias_x)
     launch(
         _bwd_preprocess, grids.preprocess, (out, dout, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, b * hq, nq, d, d_pad, cfg.dq_block_m, pdl), num_warps=4, num_stages=1,
+         hq, b * hq, nq, d, d_pad, cfg.dq_block_m, pdl, wide), num_warps=4, num_stages=1,
     )
     rng = check_rng_state(rng_state, philox_seed, philox_offset, dev) if dropout_p > 0 else delta
 
@@ -969,7 +983,7 @@ def fa2_backward(
          *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
          stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hk, *sizes[2:],
          d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
-         *features, atomic, *precision, pdl),
+         *features, atomic, *precision, pdl, wide),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
     )
 
@@ -983,7 +997,7 @@ def fa2_backward(
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
              stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hq, *sizes[2:],
              d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
-             *features, *precision, pdl),
+             *features, *precision, pdl, wide),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
         )
 

@@ -64,6 +64,7 @@ from flashtile.kernels._common import (
     LN2,
     LOG2E,
     SUPPORTED_DTYPES,
+    TILE_ROW_STRIDE_MAX,
     allowed,
     check_kernel_tensors,
     check_rng_state,
@@ -166,8 +167,7 @@ def _fwd_tiles(
         if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:
             s, _ = score_mods(qk * sm_scale, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
             if HAS_BIAS:
-                # 64-bit key offsets: a transposed bias has key stride Nq, x BLOCK_N can pass 2^31
-                bias_ptrs = (bias_base + n64 * stride_bias_n) + offs_n0.to(tl.int64)[None, :] * stride_bias_n
+                bias_ptrs = (bias_base + n64 * stride_bias_n) + offs_n0[None, :] * stride_bias_n
                 bias = _load_bias(bias_ptrs, offs_m, offs_n, seqlen_q, seqlen_k, not EVEN_M, MASKED and not EVEN_N)
                 s = s + bias
             s = s * _LOG2E  # natural units -> base 2
@@ -295,11 +295,10 @@ def _fa2_fwd_kernel(
     H200: bench/NOTES.md, attempt 4).  Within a head, tiles run last-to-first
     so the causal tiles with the most kv work start first.  Rng: the int64
     Philox [seed, offset] of dropout."""
-    n_m = tl.cdiv(seqlen_q, BLOCK_M)
-    tile, bh = unfold_pid(n_m)
+    tile, bh = unfold_pid()
     if bh >= n_bh:
         return
-    pid_m = n_m - 1 - tile
+    pid_m = tl.num_programs(0) - 1 - tile
     off_h = bh % n_heads
     off_b = bh // n_heads
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
@@ -604,7 +603,7 @@ def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, hea
     return block_m, block_n, num_warps, num_stages
 
 
-def fwd_grid(b: int, hq: int, nq: int, block_m: int) -> tuple[int, int]:
+def fwd_grid(b: int, hq: int, nq: int, block_m: int) -> tuple[int, int, int]:
     """Launch grid of the forward kernel: query tiles fastest, the B * Hq pairs folded in by
     :func:`_common.fold_grid` (any batch and head count within CUDA's grid limits)."""
     return fold_grid(triton.cdiv(nq, block_m), b * hq)
@@ -668,6 +667,9 @@ def fa2_forward(
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     if wide_rows(k, v):  # 32-bit in-tile offsets of the K/V tiles (q and out rows use 64-bit)
         k, v = k.contiguous(), v.contiguous()
+    if bias is not None and bias_t.stride(3) >= TILE_ROW_STRIDE_MAX:  # the same for the bias's key axis
+        bias_t = bias_t.contiguous()
+        bias_strides = bias_t.stride()
     plain = softcap == 0 and alibi_slopes is None and bias is None
     if plain and softmax_scale <= 0:
         # the kernel's fast path takes the row max of unscaled scores and multiplies

@@ -584,7 +584,7 @@ def test_gpu_dependent_launch_changes_no_bit(monkeypatch):
 @pytest.mark.parametrize(
     "b,hq,hk,nq,nk,d",
     [(2048, 32, 32, 16, 16, 16), (2048, 32, 8, 16, 16, 16), (70000, 1, 1, 16, 16, 64), (1, 70000, 1, 16, 16, 64),
-     (1, 64, 1, 263168, 263168, 128), (2**20, 2**11, 2**11, 1, 1, 16), (8, 16, 16, 2**26, 2**26, 64)],
+     (1, 64, 1, 263168, 263168, 128), (2**20, 2**11 - 1, 2**11 - 1, 1, 1, 16), (8, 16, 16, 2**26, 2**26, 64)],
 )
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_grids_within_cuda_limits(b, hq, hk, nq, nk, d, dtype):
@@ -600,15 +600,15 @@ def test_grids_within_cuda_limits(b, hq, hk, nq, nk, d, dtype):
         ("dkdv", grids.dkdv, -(-nk // cfg.block_n), b * hk),
         ("dq", grids.dq, -(-nq // cfg.dq_block_m), b * hq),
     ):
-        assert 1 <= grid[0] <= _common.GRID_X_MAX and all(1 <= g <= _common.GRID_YZ_MAX for g in grid[1:]), (name, grid)
-        assert grid[0] % tiles == 0, (name, grid)  # whole rows of tiles per pair on axis x
-        assert (grid[0] // tiles) * grid[1] >= pairs > (grid[0] // tiles) * (grid[1] - 1), (name, grid)
+        assert len(grid) == 3 and grid[0] == tiles <= _common.GRID_X_MAX, (name, grid)
+        assert all(1 <= g <= _common.GRID_YZ_MAX for g in grid[1:]), (name, grid)
+        assert grid[1] * grid[2] >= pairs > grid[1] * (grid[2] - 1), (name, grid)  # every pair, < 1 row spare
 
 
-def test_row_strides_past_the_tile_offset_limit_are_compacted(device):
-    """Tiles are addressed with 32-bit in-tile offsets (row x row stride): inputs and gradient
-    views whose row stride reaches TILE_ROW_STRIDE_MAX go through compact copies, and the
-    gradients land in the given views, equal to those of contiguous inputs."""
+def test_wide_row_strides(device):
+    """Inputs and gradient views with a row stride of TILE_ROW_STRIDE_MAX (the forward's limit
+    for 32-bit in-tile offsets; the backward forms row offsets in 64 bits) give the gradients
+    of contiguous inputs, written into the given views."""
     from flashtile.kernels._common import TILE_ROW_STRIDE_MAX, wide_rows
 
     q, k, v, do = inputs(1, 1, 1, 2, 2, 16, F32, device, seed=41)
@@ -628,9 +628,41 @@ def test_row_strides_past_the_tile_offset_limit_are_compacted(device):
         assert torch.equal(g, w)
 
 
+def test_wide_decision():
+    """64-bit row offsets (WIDE) exactly when some row index x row stride can reach 2^31."""
+    from flashtile.kernels.fa2_bwd import _wide
+
+    def view(b, h, n, d, seq_major=False):  # (B, H, N, d) view, strides only (no storage)
+        shape = (b, n, h, d) if seq_major else (b, h, n, d)
+        t = torch.empty_strided(shape, torch.empty(shape, device="meta").stride(), device="meta")
+        return t.transpose(1, 2) if seq_major else t
+
+    flash = view(1, 128, 263168, 64, seq_major=True)  # row stride 8192: 263168 * 8192 > 2^31
+    assert _wide(263168, (flash,), 263168, (flash,), None)
+    small = view(2, 8, 4096, 128)
+    assert not _wide(4096, (small,), 4096, (small,), None)
+    one = view(1, 1, 47104, 64)  # q, k, v small, but an (n, n) bias has row stride n
+    bias = torch.empty(47104, 47104, device="meta").expand(1, 1, 47104, 47104)
+    assert _wide(47104, (one,), 47104, (one,), bias) and not _wide(47104, (one,), 47104, (one,), None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wide_offsets_give_the_same_gradients(device, monkeypatch, deterministic):
+    """The 64-bit row-offset variant of the kernels (taken for tensors past 2^31 elements, which
+    the interpreter cannot hold) matches the oracle on a small problem, bias and dropout included."""
+    from flashtile.kernels import fa2_bwd
+
+    monkeypatch.setattr(fa2_bwd, "_wide", lambda *args: True)
+    q, k, v, do = inputs(2, 2, 1, 40, 56, 16, F32, device, seed=33)
+    bias = make((1, 2, 40, 56), F32, device, 34)
+    got, ref, _, _ = run(q, k, v, do, causal=True, bias=bias, dropout_p=0.2, seed=5, offset=9,
+                         deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_folded_grid_runs_every_pair_once(device, monkeypatch, deterministic):
-    """With axis x shrunk to a few programs, the (batch, head) pairs spill onto axis y with a
+    """With axis y shrunk to a few programs, the (batch, head) pairs spill onto axis z with a
     partial last row (its extra programs must exit): forward, dropout keep-mask and every
     backward kernel still match the float64 oracle, so each pair ran exactly once."""
     from flashtile.kernels import _common
@@ -640,7 +672,7 @@ def test_folded_grid_runs_every_pair_once(device, monkeypatch, deterministic):
         pytest.skip("the interpreter's grid is the point here; the GPU runs the real grids")
     q, k, v, do = inputs(3, 2, 1, 40, 56, 16, F32, device, seed=31)
     full_keep = dropout_keep_mask(11, 3, 3, 2, 40, 56, 0.25, device)
-    monkeypatch.setattr(_common, "GRID_X_MAX", 5)
+    monkeypatch.setattr(_common, "GRID_YZ_MAX", 4)  # 6 q-head and 3 kv-head pairs: z-rows of 4
     assert torch.equal(dropout_keep_mask(11, 3, 3, 2, 40, 56, 0.25, device), full_keep)
     got, ref, _, _ = run(q, k, v, do, causal=True, dropout_p=0.25, seed=11, offset=3, deterministic=deterministic)
     assert_grads(got, ref, tolerance(F32, device))

@@ -220,6 +220,20 @@ def check_many_heads(b, h, deterministic, device, n=16, d=16):
 # --------------------------------------------------------------------------- #
 # Dropout in a CUDA graph
 # --------------------------------------------------------------------------- #
+def test_next_philox_state_peeks_the_draw_of_the_next_call(device):
+    """next_philox_state does not advance the generator and names the exact [seed, offset] the
+    next dropout call draws on the device (the state the keep-mask tests rebuild)."""
+    from flashtile.ops.autograd import next_philox_state
+
+    q, k, v = (torch.randn(1, 1, 16, 16, device=device) for _ in range(3))
+    peek = next_philox_state(device)
+    assert next_philox_state(device) == peek
+    _, _, rng = attention(q, k, v, seq_major=False, softmax_scale=0.25, causal=False, window=(-1, -1), dropout_p=0.5)
+    assert rng.device.type == torch.device(device).type and rng.dtype == torch.int64
+    assert tuple(rng.tolist()) == peek
+    assert next_philox_state(device) != peek
+
+
 @pytest.mark.gpu
 def test_dropout_fwd_bwd_captured_in_cuda_graph():
     """Forward and backward with dropout captured once, replayed twice: every replay draws a
