@@ -859,7 +859,7 @@ def _wide(nq: int, q_side: tuple, nk: int, kv_side: tuple, bias: torch.Tensor | 
         sk |= x.stride(2)
     far = max(nq * sq, nk * sk)
     if bias is not None:
-        far = max(far, nq * bias.stride(2), nk * bias.stride(3))
+        far = max(far, nq * bias.stride(2) + nk * bias.stride(3))  # row and key offsets add up
     return far >= 2**31
 
 
