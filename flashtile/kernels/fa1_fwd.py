@@ -66,10 +66,10 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._common import (
-    SUPPORTED_DTYPES, allowed, check_kernel_tensors, interpreting, mma, unit_last_stride,
+    GRID_X_MAX, SUPPORTED_DTYPES, allowed, check_kernel_tensors, interpreting, mma, unit_last_stride,
 )
 
-__all__ = ["fa1_forward", "fa1_tiles", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["fa1_forward", "fa1_tiles", "fa1_grid", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 _MIN_TILE = 16  # smallest tl.dot operand dimension
@@ -239,6 +239,13 @@ def _num_warps(block_m: int, block_n: int) -> int:
     return 4 if block_m * block_n <= 64 * 64 else 8
 
 
+def fa1_grid(b: int, h: int) -> tuple[int]:
+    """One program per (batch, head) on grid axis x (CUDA allows 2^31 - 1 there; y and z only 65535)."""
+    if b * h > GRID_X_MAX:
+        raise ValueError(f"batch * heads = {b * h} exceeds the {GRID_X_MAX} programs FA1's grid allows")
+    return (b * h,)
+
+
 # --------------------------------------------------------------------------- #
 # Python wrapper
 # --------------------------------------------------------------------------- #
@@ -303,7 +310,7 @@ def fa1_forward(
     block_d = max(_MIN_TILE, triton.next_power_of_2(d))
     o32 = torch.empty((b * h, nq, block_d), dtype=torch.float32, device=device)
     l_hbm, m_hbm = lse_state[0], lse_state[1]
-    _fa1_fwd_kernel[(b * h,)](
+    _fa1_fwd_kernel[fa1_grid(b, h)](
         q, k, v, out, o32, l_hbm, m_hbm,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),

@@ -16,7 +16,7 @@ natural-log LSE L (B, Hq, Nq) saved:
 Three kernels:
 
 1. ``_bwd_preprocess``: D = rowsum(dO o O) in fp32, shape (B, Hq, Nq).
-2. ``_bwd_dkdv_kernel``: grid (cdiv(Nk, BLOCK_N), B * Hk).  One program owns one
+2. ``_bwd_dkdv_kernel``: one program per (kv tile, B * Hk pair).  One program owns one
    kv tile of one KV head: it loads K_j, V_j once and walks every q head of its
    GQA group and every q block that can see the tile (Alg. 2 outer loop over j,
    inner loop over i).  It works on transposed tiles S^T = K_j Q_i^T (BLOCK_N,
@@ -28,7 +28,7 @@ Three kernels:
    ``deterministic=False`` the same program also adds dQ_i += scale * dS K_j
    into an fp32 buffer with ``tl.atomic_add`` (Alg. 2 line 15 as written):
    fewest matmuls, but the summation order of dQ depends on scheduling.
-3. ``_bwd_dq_kernel`` (``deterministic=True``): grid (cdiv(Nq, BLOCK_M), B * Hq),
+3. ``_bwd_dq_kernel`` (``deterministic=True``): one program per (q tile, B * Hq pair),
    one program per q tile walks its kv blocks and accumulates dQ in registers;
    the extra Q K^T and dO V^T recomputation buys bitwise reproducibility.  K_j^T
    and V_j^T are loaded transposed, so no register tile is transposed either.
@@ -40,6 +40,13 @@ cross the sequence end or the padded head dim (``EVEN_M``/``EVEN_N`` constexprs:
 Nq, Nk multiples of the tiles; d a power of two >= 16).  Block-sparse masks
 (FA1 Algorithm 5) restrict the walk to the listed blocks of
 ``flashtile.kernels._blocksparse``.
+
+Grids (:func:`bwd_grids`): tiles on axis x, fastest, and the (batch, head) pairs folded
+in by ``_common.fold_grid``, so any B * H launches within CUDA's grid limits.  Row
+index x row stride can pass 2^31 elements (long sequences in the (B, N, H, d)
+layout, an (N, N) bias): the host then sets ``WIDE`` and the kernels form row
+offsets in 64 bits (``_row_offsets``); head and batch offsets are always 64-bit.  Dropout's Philox [seed, offset] is
+read from an int64 device tensor (CUDA-graph safe).
 
 fp32 inputs use ``tl.dot`` with input_precision "tf32" on the GPU (10-bit
 mantissa products, fp32 accumulation): expect ~1e-3 relative gradient error,
@@ -63,14 +70,18 @@ from flashtile.kernels._common import (
     SUPPORTED_DTYPES,
     allowed,
     check_device_mode,
+    check_rng_state,
     dropout_keep,
+    fold_grid,
     pdl_supported,
+    philox_state,
     score_mods,
+    unfold_pid,
     unit_last_stride,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
-__all__ = ["BwdConfig", "bwd_config", "fa2_backward"]
+__all__ = ["BwdConfig", "BwdGrids", "bwd_config", "bwd_grids", "fa2_backward"]
 
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _MAX_HEAD_DIM = 256
@@ -177,20 +188,36 @@ def _fit_block_mask(cfg: BwdConfig, block_mask: BlockMask | None) -> BwdConfig:
 
 
 @triton.jit
+def _row_offsets(offs_r, stride_r, WIDE: tl.constexpr):
+    """Row index x row stride, in 64 bits when WIDE (some N x row stride reaches 2^31:
+    long sequences in the (B, N, H, d) layout, an (N, N) bias), else in 32 bits.  The
+    host decides (``_wide``), so common sizes keep 32-bit address arithmetic.  Built
+    from the loop's row indices, the offsets are recomputed per tile: a 64-bit tile
+    base plus loop-invariant 32-bit in-tile offsets, tried instead, spilled more under
+    ptxas (sm_90a), the hoisted offsets staying live across the loop."""
+    if WIDE:
+        off = offs_r.to(tl.int64) * stride_r
+    else:
+        off = offs_r * stride_r
+    return off
+
+
+@triton.jit
 def _load_tile(
     base, offs_r, stride_r, n_rows, offs_d,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, EVEN_R: tl.constexpr, TRANS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Tile of a (N, d) matrix with unit column stride, zero outside (N, d):
     (rows, D_PAD), or (D_PAD, rows) with TRANS (the transpose is pointer
     arithmetic, not a register shuffle).  EVEN_R says no row of the tile is
     past N; with a power-of-two d too the load carries no mask at all."""
+    rows = _row_offsets(offs_r, stride_r, WIDE)
     if TRANS:
-        ptrs = base + offs_r[None, :] * stride_r + offs_d[:, None]
+        ptrs = base + rows[None, :] + offs_d[:, None]
         row_ok = offs_r[None, :] < n_rows
         col_ok = offs_d[:, None] < HEAD_DIM
     else:
-        ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+        ptrs = base + rows[:, None] + offs_d[None, :]
         row_ok = offs_r[:, None] < n_rows
         col_ok = offs_d[None, :] < HEAD_DIM
     if EVEN_R:
@@ -207,14 +234,16 @@ def _load_tile(
 
 
 @triton.jit
-def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WIDE: tl.constexpr):
     """(rows, D_PAD) tile with row and column masks (once-per-program loads)."""
-    return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False)
+    return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, D_PAD, False, False, WIDE)
 
 
 @triton.jit
-def _store_rows(base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :]
+def _store_rows(
+    base, x, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WIDE: tl.constexpr,
+):
+    ptrs = base + _row_offsets(offs_r, stride_r, WIDE)[:, None] + offs_d[None, :]
     if HEAD_DIM == D_PAD:
         mask = offs_r[:, None] < n_rows
     else:
@@ -260,7 +289,7 @@ def _probs(
     qk, offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right, edge,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """P = exp(S - L) from the raw products qk = Q K^T (Alg. 2 lines 9-10), S
     rebuilt exactly as the forward: scale, softcap, ALiBi, bias, mask.  With
@@ -284,12 +313,15 @@ def _probs(
         else:
             s, t = score_mods(s, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_BIAS:
+            # a dense (Nq, Nk) bias has row stride Nk: q row x Nk reaches 2^31 for Nq Nk >= 2^31
+            rows_m = _row_offsets(offs_m, stride_bm, WIDE)
+            rows_n = _row_offsets(offs_n, stride_bn, WIDE)
             if TRANS:
                 in_seq = (offs_n[:, None] < seqlen_k) & (offs_m[None, :] < seqlen_q)
-                ptrs = Biash + offs_n[:, None] * stride_bn + offs_m[None, :] * stride_bm
+                ptrs = Biash + rows_n[:, None] + rows_m[None, :]
             else:
                 in_seq = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
-                ptrs = Biash + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
+                ptrs = Biash + rows_m[:, None] + rows_n[None, :]
             s = s + tl.load(ptrs, mask=in_seq, other=0.0).to(tl.float32)
         s2 = s * _LOG2E
     else:
@@ -401,20 +433,22 @@ def _kv_range(
 def _bwd_preprocess(
     Out, DOut, Delta,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    H_Q, seqlen_q,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr,
+    H_Q, n_bh, seqlen_q,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4)."""
+    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4).  Grid: fold_grid(q tiles, B * Hq)."""
     if USE_PDL:  # let the dK/dV kernel start its programs (they wait for D before reading it)
         gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = unfold_pid()
+    if bh >= n_bh:
+        return
     b = (bh // H_Q).to(tl.int64)
     h = (bh % H_Q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD)
-    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
+    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
@@ -430,7 +464,7 @@ def _dkdv_inner(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Alg. 2 inner loop (lines 8-16) for one kv tile over q blocks [lo, hi), in
     transposed orientation (tiles (BLOCK_N, BLOCK_M), as FA2's backward):
@@ -447,14 +481,15 @@ def _dkdv_inner(
     starting outside [clear_lo, clear_hi) (the fully-allowed band) are masked."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True)
-        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, True, WIDE)
+        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
         lse2 = _load_lse2(LSEh, offs_m, seqlen_q, EVEN_M)
         delta = _load_vec(Deltah, offs_m, seqlen_q, EVEN_M)
         pT, tT = _probs(
             _mm(k, qT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_m < clear_lo) | (start_m >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, True,
+            WIDE,
         )
         dpT = _mm(v, tl.trans(do), DOT_PREC, UPCAST_DOT)
         pT_drop = pT
@@ -468,7 +503,7 @@ def _dkdv_inner(
         dk += _mm(dsT, tl.trans(qT), DOT_PREC, UPCAST_DOT)
         if ATOMIC_DQ:
             dq = _mm(tl.trans(dsT), k, DOT_PREC, UPCAST_DOT) * softmax_scale
-            ptrs = DQh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+            ptrs = DQh + _row_offsets(offs_m, stride_dqm, WIDE)[:, None] + offs_d[None, :]
             if EVEN_M and HEAD_DIM == D_PAD:
                 tl.atomic_add(ptrs, dq, sem="relaxed")
             else:
@@ -479,7 +514,7 @@ def _dkdv_inner(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Slopes, Bias, BlkCount, BlkIndex, Rng,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -493,19 +528,21 @@ def _bwd_dkdv_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_cb, stride_ch, stride_cn,
     stride_ib, stride_ih, stride_in,
-    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    window_left, window_right, philox_seed, philox_offset,
+    H_Q, H_K, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
     reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
-    == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j."""
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j.
+    Grid: fold_grid(kv tiles, B * Hk); Rng: the int64 Philox [seed, offset]."""
+    pid_n, bhk = unfold_pid()
+    if bhk >= n_bh:
+        return
     b = bhk // H_K
     hk = bhk % H_K
     group = H_Q // H_K
@@ -517,8 +554,9 @@ def _bwd_dkdv_kernel(
 
     Kh = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
-    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False)
+    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False, WIDE)
+    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N, False, WIDE)
+    philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     if USE_PDL:
         # programmatic dependent launch: this grid may start while the preprocess kernel runs
         # (everything read above predates it); D is read only after it has finished
@@ -545,7 +583,7 @@ def _bwd_dkdv_kernel(
             slope = tl.load(Slopes + b64 * stride_sb + h64 * stride_sh)
         if BLOCK_SPARSE:
             # FA1 Alg. 5: only the q blocks listed for this kv block are visited
-            c = start_n // mask_block_n
+            c = (start_n // mask_block_n).to(tl.int64)
             count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + c * stride_cn)
             row = BlkIndex + b64 * stride_ib + h64 * stride_ih + c * stride_in
             for idx in range(0, count):
@@ -559,7 +597,7 @@ def _bwd_dkdv_kernel(
                     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                     dropout_p, dropout_scale, philox_seed, philox_offset,
                     HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                    HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT,
+                    HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PREC, UPCAST_DOT, WIDE,
                 )
         else:
             # one sweep over the q blocks that see this kv tile; blocks outside the fully-allowed
@@ -572,12 +610,14 @@ def _bwd_dkdv_kernel(
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N),
-                DOT_PREC, UPCAST_DOT,
+                DOT_PREC, UPCAST_DOT, WIDE,
             )
 
     dk = dk * softmax_scale
-    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
-    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD, WIDE)
+    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k,
+                offs_d, HEAD_DIM, D_PAD, WIDE)
 
 
 @triton.jit
@@ -590,7 +630,7 @@ def _dq_inner(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """dQ_i += dS_ij K_j (unscaled) over kv blocks [lo, hi): the q-outer
     ordering of Alg. 2 line 15, so each dQ_i has a single writer.  K_j^T and
@@ -600,12 +640,13 @@ def _dq_inner(
     carry a row mask unless Nk is a multiple of BLOCK_N."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
-        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True)
+        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True, WIDE)
+        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, D_PAD, EVEN_N or not MASK, True, WIDE)
         p, t = _probs(
             _mm(q, kT, DOT_PREC, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bm, stride_bn, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             (start_n < clear_lo) | (start_n >= clear_hi), HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, MASK, False,
+            WIDE,
         )
         dp = _mm(do, vT, DOT_PREC, UPCAST_DOT)
         if HAS_DROPOUT:
@@ -618,7 +659,7 @@ def _dq_inner(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex,
+    Q, K, V, DO, LSE, Delta, DQ, Slopes, Bias, BlkCount, BlkIndex, Rng,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -630,17 +671,19 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_cb, stride_ch, stride_cm,
     stride_ib, stride_ih, stride_im,
-    H_Q, H_K, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
-    window_left, window_right, philox_seed, philox_offset,
+    H_Q, H_K, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
 ):
-    """dQ of one q tile of one q head, accumulated in registers (deterministic)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    """dQ of one q tile of one q head, accumulated in registers (deterministic).
+    Grid: fold_grid(q tiles, B * Hq)."""
+    pid_m, bh = unfold_pid()
+    if bh >= n_bh:
+        return
     b = bh // H_Q
     h = bh % H_Q
     hk = h // (H_Q // H_K)
@@ -654,8 +697,9 @@ def _bwd_dq_kernel(
 
     Qh = Q + b64 * stride_qb + h64 * stride_qh
     DOh = DO + b64 * stride_dob + h64 * stride_doh
-    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
-    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False)
+    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
+    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, D_PAD, EVEN_M, False, WIDE)
+    philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
     if USE_PDL:  # started during the dK/dV kernel: wait for it (and so for D) to finish
         gdc_wait()
@@ -672,7 +716,7 @@ def _bwd_dq_kernel(
     )
 
     if BLOCK_SPARSE:
-        r = start_m // mask_block_m
+        r = (start_m // mask_block_m).to(tl.int64)
         count = tl.load(BlkCount + b64 * stride_cb + h64 * stride_ch + r * stride_cm)
         row = BlkIndex + b64 * stride_ib + h64 * stride_ih + r * stride_im
         for idx in range(0, count):
@@ -685,7 +729,7 @@ def _bwd_dq_kernel(
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
                 dropout_p, dropout_scale, philox_seed, philox_offset,
                 HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT,
+                HAS_BIAS, HAS_DROPOUT, True, DOT_PREC, UPCAST_DOT, WIDE,
             )
     else:
         dq = _dq_inner(
@@ -694,11 +738,11 @@ def _bwd_dq_kernel(
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
             dropout_p, dropout_scale, philox_seed, philox_offset,
             HEAD_DIM, D_PAD, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PREC, UPCAST_DOT,
+            HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PREC, UPCAST_DOT, WIDE,
         )
 
     dq = dq * softmax_scale
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD)
+    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, D_PAD, WIDE)
 
 
 # ---------------------------------------------------------------------------
@@ -791,6 +835,34 @@ def _grad_buffer(given, name: str, like: torch.Tensor) -> tuple[torch.Tensor, to
     return given, given
 
 
+class BwdGrids(NamedTuple):
+    """Launch grids of the three backward kernels (each within CUDA's grid limits)."""
+
+    preprocess: tuple[int, int, int]
+    dkdv: tuple[int, int, int]
+    dq: tuple[int, int, int]
+
+
+def bwd_grids(b: int, hq: int, hk: int, nq: int, nk: int, cfg: BwdConfig) -> BwdGrids:
+    """Tiles on the fast axis, (batch, head) pairs folded in by :func:`_common.fold_grid`."""
+    q_tiles = fold_grid(triton.cdiv(nq, cfg.dq_block_m), b * hq)
+    return BwdGrids(q_tiles, fold_grid(triton.cdiv(nk, cfg.block_n), b * hk), q_tiles)
+
+
+def _wide(nq: int, q_side: tuple, nk: int, kv_side: tuple, bias: torch.Tensor | None) -> bool:
+    """Whether some row index x row stride can reach 2^31 (an OR of strides bounds their
+    maximum within a factor of 2, so this errs on the 64-bit side by at most that)."""
+    sq = sk = 0
+    for x in q_side:
+        sq |= x.stride(2)
+    for x in kv_side:
+        sk |= x.stride(2)
+    far = max(nq * sq, nk * sk)
+    if bias is not None:
+        far = max(far, nq * bias.stride(2) + nk * bias.stride(3))  # row and key offsets add up
+    return far >= 2**31
+
+
 def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Block-list tensors and strides; a broadcast (size 1) leading dim gets stride 0."""
     if lists is None:
@@ -818,6 +890,7 @@ def fa2_backward(
     dropout_p: float = 0.0,
     philox_seed: int = 0,
     philox_offset: int = 0,
+    rng_state: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     deterministic: bool = False,
     dq: torch.Tensor | None = None,
@@ -833,6 +906,9 @@ def fa2_backward(
     ``dk``, ``dv`` when given.  ``deterministic=True`` uses the separate dQ
     kernel (bitwise reproducible); otherwise dQ is accumulated with fp32
     atomics inside the dK/dV kernel.  No gradient flows to bias or ALiBi.
+    Dropout's Philox state: ``rng_state``, an int64 tensor [seed, offset] on
+    q's device (read by the kernels, so a CUDA graph replays it with the values
+    of each replay), or the ints ``philox_seed`` / ``philox_offset``.
     """
     _check_inputs(dout, q, k, v, out, lse)
     scale, softcap, dropout_p = _check_scalars(softmax_scale, softcap, dropout_p, philox_seed, philox_offset)
@@ -862,9 +938,8 @@ def fa2_backward(
     d_pad = max(16, triton.next_power_of_2(d))
     on_gpu = dev.type == "cuda"
 
-    # without dropout every int argument is fixed for the problem's signature: the kernels are bound
-    # once and launched from Triton's compiled objects (the Philox seed / offset change every call)
-    fast = dropout_p == 0
+    # every int argument is fixed for the problem's signature (the Philox state is read from a
+    # tensor): the kernels are bound once and launched from Triton's compiled objects
     # preprocess -> dK/dV -> dQ run back to back: each later kernel is launched as a programmatic
     # dependent of the one before (Hopper), so its programs start while that one drains
     pdl = pdl_supported(dev)
@@ -875,11 +950,15 @@ def fa2_backward(
     # zeroed before the preprocess kernel, so that nothing runs between it and its dependent
     dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
+    grids = bwd_grids(b, hq, hk, nq, nk, cfg)
+    # some row index x row stride reaches 2^31: the kernels form row offsets in 64 bits (WIDE)
+    wide = _wide(nq, (q, dout, out, dq_buf, dq_acc), nk, (k, v, dk_buf, dv_buf), bias_x)
     launch(
-        _bwd_preprocess, (triton.cdiv(nq, cfg.dq_block_m), b * hq), (out, dout, delta),
+        _bwd_preprocess, grids.preprocess, (out, dout, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, nq, d, d_pad, cfg.dq_block_m, pdl), num_warps=4, num_stages=1, bind=fast,
+         hq, b * hq, nq, d, d_pad, cfg.dq_block_m, pdl, wide), num_warps=4, num_stages=1,
     )
+    rng = check_rng_state(rng_state, philox_seed, philox_offset, dev) if dropout_p > 0 else delta
 
     slopes_t = slopes if slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
@@ -893,19 +972,19 @@ def fa2_backward(
     dropout_scale = 1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0
     mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
     floats = (scale, softcap, dropout_p, dropout_scale)
-    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right, philox_seed, philox_offset)
+    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right)
 
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
     cnt, idx, list_strides = _list_args(qlists, delta)
     launch(
-        _bwd_dkdv_kernel, (triton.cdiv(nk, cfg.block_n), b * hk),
-        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, *floats),
+        _bwd_dkdv_kernel, grids.dkdv,
+        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, *floats),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
          *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
-         stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+         stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hk, *sizes[2:],
          d, d_pad, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
-         *features, atomic, *precision, pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
+         *features, atomic, *precision, pdl, wide),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
     )
 
     if atomic:
@@ -913,13 +992,13 @@ def fa2_backward(
     else:
         cnt, idx, list_strides = _list_args(klists, delta)
         launch(
-            _bwd_dq_kernel, (triton.cdiv(nq, cfg.dq_block_m), b * hq),
-            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, *floats),
+            _bwd_dq_kernel, grids.dq,
+            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, *floats),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
-             stride_sb, stride_sh, *bias_strides, *list_strides, *sizes,
+             stride_sb, stride_sh, *bias_strides, *list_strides, *sizes[:2], b * hq, *sizes[2:],
              d, d_pad, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
-             *features, *precision, pdl),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, bind=fast, pdl=pdl,
+             *features, *precision, pdl, wide),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
         )
 
     for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):

@@ -64,17 +64,23 @@ from flashtile.kernels._common import (
     LN2,
     LOG2E,
     SUPPORTED_DTYPES,
+    TILE_ROW_STRIDE_MAX,
     allowed,
     check_kernel_tensors,
+    check_rng_state,
     dropout_keep,
+    fold_grid,
     interpreting,
     mma,
+    philox_state,
     score_mods,
+    unfold_pid,
     unit_last_stride,
+    wide_rows,
 )
 from flashtile.reference.masks import BlockMask, normalize_window
 
-__all__ = ["fa2_forward", "fwd_config", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["fa2_forward", "fwd_config", "fwd_grid", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 
@@ -256,9 +262,9 @@ def _fwd_range(
     }
 )
 # lengths-derived ints that only feed arithmetic: no recompiles when they hit 1 or a multiple of 16
-@triton.jit(do_not_specialize=["tune_nq", "tune_nk", "philox_seed", "philox_offset", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["tune_nq", "tune_nk", "window_left", "window_right"])
 def _fa2_fwd_kernel(
-    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx,
+    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng,
     sm_scale, softcap, dropout_p,
     # ints and constexprs: fixed for a problem signature (kernels/_launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -269,8 +275,8 @@ def _fa2_fwd_kernel(
     stride_alibi_b, stride_alibi_h,
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
-    n_heads, kv_group, seqlen_q, seqlen_k, head_dim,
-    window_left, window_right, philox_seed, philox_offset,
+    n_heads, n_bh, kv_group, seqlen_q, seqlen_k, head_dim,
+    window_left, window_right,
     mask_block_m, mask_block_n,
     tune_nq, tune_nk,  # autotune key buckets (Nq // 128, Nk // 128); unused by the body
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -280,19 +286,23 @@ def _fa2_fwd_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Grid (cdiv(Nq, BLOCK_M), Hq, B): program (m, h, b) computes O and LSE for
-    rows [m * BLOCK_M, (m + 1) * BLOCK_M) of query head h of batch b.
+    """Grid ``fwd_grid``: fold_grid(cdiv(Nq, BLOCK_M), B * Hq); a program computes O
+    and LSE for rows [m * BLOCK_M, (m + 1) * BLOCK_M) of query head h of batch b.
 
     The query-tile index is the fastest grid dimension, so programs running
     together share one head's K and V in L2 (making it the slowest dimension,
     to dispatch every head's heaviest causal tile first, cost 10-20% on an
     H200: bench/NOTES.md, attempt 4).  Within a head, tiles run last-to-first
-    so the causal tiles with the most kv work start first."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
+    so the causal tiles with the most kv work start first.  Rng: the int64
+    Philox [seed, offset] of dropout."""
+    tile, bh = unfold_pid()
+    if bh >= n_bh:
+        return
+    pid_m = tl.num_programs(0) - 1 - tile
+    off_h = bh % n_heads
+    off_b = bh // n_heads
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
-    bh = off_b * n_heads + off_h
+    philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -314,7 +324,7 @@ def _fa2_fwd_kernel(
         )
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(Alibi + off_b * stride_alibi_b + off_h * stride_alibi_h).to(tl.float32)
+        slope = tl.load(Alibi + off_b.to(tl.int64) * stride_alibi_b + off_h.to(tl.int64) * stride_alibi_h).to(tl.float32)
 
     # Algorithm 1 line 4: load Q_i once; it stays in registers for the whole kv sweep
     if EVEN_M and EVEN_D:
@@ -350,8 +360,8 @@ def _fa2_fwd_kernel(
     if IS_BLOCK_SPARSE:
         # FA1 Algorithm 5: visit only the kv blocks listed for this tile's mask row;
         # BLOCK_M divides the mask's Br, so the tile lies inside one mask row
-        row = start_m // mask_block_m
-        cnt_ptr = KVCount + off_b * stride_cnt_b + off_h * stride_cnt_h + row * stride_cnt_r
+        row = (start_m // mask_block_m).to(tl.int64)
+        cnt_ptr = KVCount + off_b.to(tl.int64) * stride_cnt_b + off_h.to(tl.int64) * stride_cnt_h + row * stride_cnt_r
         idx_base = KVIdx + off_b.to(tl.int64) * stride_idx_b + off_h.to(tl.int64) * stride_idx_h + row * stride_idx_r
         n_blocks = tl.load(cnt_ptr)
         for t in range(0, n_blocks):
@@ -593,6 +603,12 @@ def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, hea
     return block_m, block_n, num_warps, num_stages
 
 
+def fwd_grid(b: int, hq: int, nq: int, block_m: int) -> tuple[int, int, int]:
+    """Launch grid of the forward kernel: query tiles fastest, the B * Hq pairs folded in by
+    :func:`_common.fold_grid` (any batch and head count within CUDA's grid limits)."""
+    return fold_grid(triton.cdiv(nq, block_m), b * hq)
+
+
 def fa2_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -607,6 +623,7 @@ def fa2_forward(
     dropout_p: float = 0.0,
     philox_seed: int = 0,
     philox_offset: int = 0,
+    rng_state: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -618,6 +635,9 @@ def fa2_forward(
     given view when passed); ``lse`` (B, Hq, Nq) float32 is the natural-log
     sum-exp of the modified, masked scores, -inf on rows that see no key (whose
     output is 0).  Semantics of every option: :mod:`flashtile.reference.masks`.
+    Dropout's Philox state: ``rng_state``, an int64 tensor [seed, offset] on q's
+    device (read by the kernel: CUDA-graph safe), or the ints ``philox_seed`` /
+    ``philox_offset``.
     """
     _check_inputs(q, k, v)
     left, right = normalize_window(causal, window_size)
@@ -645,6 +665,11 @@ def fa2_forward(
         lse.fill_(float("-inf"))
         return result, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    if wide_rows(k, v):  # 32-bit in-tile offsets of the K/V tiles (q and out rows use 64-bit)
+        k, v = k.contiguous(), v.contiguous()
+    if bias is not None and bias_t.stride(3) >= TILE_ROW_STRIDE_MAX:  # the same for the bias's key axis
+        bias_t = bias_t.contiguous()
+        bias_strides = bias_t.stride()
     plain = softcap == 0 and alibi_slopes is None and bias is None
     if plain and softmax_scale <= 0:
         # the kernel's fast path takes the row max of unscaled scores and multiplies
@@ -657,17 +682,16 @@ def fa2_forward(
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
     counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
     block_d = max(16, triton.next_power_of_2(d))
-    if hq > 65535 or b > 65535:  # CUDA's limit on the y and z grid dimensions
-        raise ValueError(f"heads={hq} and batch={b} must each be at most 65535")
-    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, softmax_scale, softcap, dropout_p)
+    rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
+    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, softmax_scale, softcap, dropout_p)
     ints = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         target.stride(0), target.stride(1), target.stride(2),
         *bias_strides, s_ab, s_ah, *cnt_strides, *idx_strides,
-        hq, hq // hk, nq, nk, d,
-        left, right, int(philox_seed), int(philox_offset),
+        hq, b * hq, hq // hk, nq, nk, d,
+        left, right,
         br, bc, nq // 128, nk // 128,
     )
     flags = dict(
@@ -680,19 +704,18 @@ def fa2_forward(
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
-        grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), hq, b)  # noqa: E731
+        grid = lambda meta: fwd_grid(b, hq, nq, meta["BLOCK_M"])  # noqa: E731
         _autotuned_kernel()[grid](*dynamic, *ints, **flags)
     else:
         # EVEN_M / EVEN_N, which the kernel's ``triton.heuristics`` derives per call, are passed
-        # here so the kernel can be bound once per signature; the Philox seed and offset change
-        # every call (and may outgrow int32), so dropout goes through Triton's binding
+        # here so the kernel can be bound once per signature (the Philox state is a tensor)
         constexprs = (
             block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
             flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"],
             nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
         )
-        launch(_fa2_fwd_kernel.fn, (triton.cdiv(nq, block_m), hq, b), dynamic, ints + constexprs,
-               num_warps=num_warps, num_stages=num_stages, bind=dropout_p == 0)
+        launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, nq, block_m), dynamic, ints + constexprs,
+               num_warps=num_warps, num_stages=num_stages)
 
     if result is not target:  # ``out`` had a non-unit stride on d
         result.copy_(target)

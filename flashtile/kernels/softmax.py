@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashtile.kernels._common import GRID_X_MAX
+
 __all__ = ["softmax_online", "softmax_safe", "softmax_block", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -156,8 +158,16 @@ def _launch(kernel, x: torch.Tensor, block_size: int | None) -> torch.Tensor:
         x2 = x2.contiguous()
     y2 = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = softmax_block(n, x.device) if block_size is None else int(block_size)
-    kernel[(x2.shape[0],)](x2, y2, x2.stride(0), y2.stride(0), n, BLOCK=block, num_warps=_num_warps(block))
+    for start, rows in row_chunks(x2.shape[0]):
+        xs, ys = (x2, y2) if rows == x2.shape[0] else (x2[start:start + rows], y2[start:start + rows])
+        kernel[(rows,)](xs, ys, x2.stride(0), y2.stride(0), n, BLOCK=block, num_warps=_num_warps(block))
     return y2.view(x.shape)
+
+
+def row_chunks(rows: int) -> list[tuple[int, int]]:
+    """(first row, row count) of each launch: one program per row on grid axis x, whose
+    CUDA limit is 2^31 - 1 programs, so a tensor with more rows takes several launches."""
+    return [(start, min(GRID_X_MAX, rows - start)) for start in range(0, rows, GRID_X_MAX)]
 
 
 def softmax_online(x: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:

@@ -16,15 +16,18 @@ Layouts: with ``seq_major=True`` q/k/v are (B, N, H, d) (flash-attn) and the
 op returns ``out`` / ``dq, dk, dv`` contiguous in that layout; otherwise
 (B, H, N, d) (SDPA).  The kernels see ``x.transpose(1, 2)`` views either way.
 
-Dropout randomness: the forward op draws ``(philox_seed, philox_offset)``
-from torch's default generator of the device *inside* the op and returns them
-as a CPU int64 tensor ``rng_state = [seed, offset]`` that autograd saves for
-the backward, which regenerates the identical keep-mask (FA1 paper,
-Algorithm 2 line 14 / Algorithm 4 line 13: only the RNG state is stored).
-Drawing inside the op rather than in the Python wrapper keeps a compiled
-graph from freezing one seed as a constant; the op is tagged
-``nondeterministic_seeded`` so graph passes neither merge nor recompute it.
-:func:`next_philox_state` tells which pair the next call will draw.
+Dropout randomness: the forward op draws ``rng_state = [seed, offset]``, an
+int64 tensor *on the device*, with one ``torch.randint`` on the device's
+default generator, *inside* the op; the kernels read it through a pointer and
+autograd saves it for the backward, which regenerates the identical keep-mask
+(FA1 paper, Algorithm 2 line 14 / Algorithm 4 line 13: only the RNG state is
+stored).  torch's RNG ops are CUDA-graph safe (each replay draws new values
+into the same tensor), nothing reads the state on the host (no sync), and
+``torch.manual_seed`` replays it.  Drawing inside the op rather than in the
+Python wrapper keeps a compiled graph from freezing one seed as a constant;
+the op is tagged ``nondeterministic_seeded`` so graph passes neither merge nor
+recompute it.  :func:`next_philox_state` tells which pair the next call will
+draw.  Without dropout ``rng_state`` is a CPU tensor of zeros (no device work).
 """
 
 import functools
@@ -42,38 +45,34 @@ _SEED_MASK = (1 << 62) - 1  # seeds stay positive int64 (they travel in an int64
 # --------------------------------------------------------------------------- #
 # Philox state from torch's default generators
 # --------------------------------------------------------------------------- #
-def _philox(device: torch.device, increment: int) -> tuple[int, int]:
-    """(seed, offset) for a call consuming ``increment`` counters; 0 peeks without advancing.
+def _philox(device: torch.device) -> torch.Tensor:
+    """The int64 [seed, offset] of one dropout call, drawn on ``device`` from its default generator.
 
-    CUDA: the seed of the device's default generator and its Philox offset,
-    advanced past the counters this call uses (rounded to 4, as torch does),
-    so successive calls draw disjoint streams and ``torch.manual_seed``
-    replays them.  CPU (interpreter): a seed drawn from the CPU default
-    generator, offset 0.
+    One RNG kernel, no host sync, CUDA-graph safe.  Each call draws a fresh seed (and offset), so
+    calls use independent Philox streams; the kernels count elements from the offset in 64 bits.
     """
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gen = torch.cuda.default_generators[index]
-        seed, offset = gen.initial_seed() & _SEED_MASK, gen.get_offset()
-        if increment:
-            gen.set_offset(offset + (increment + 3) // 4 * 4)
-        return seed, offset
-    gen = torch.default_generator
-    state = None if increment else gen.get_state()
-    seed = int(torch.randint(0, _SEED_MASK, (1,), generator=gen).item())
-    if state is not None:
-        gen.set_state(state)
-    return seed, 0
+    return torch.randint(0, _SEED_MASK, (2,), dtype=torch.int64, device=device)
 
 
 def next_philox_state(device: torch.device | str) -> tuple[int, int]:
     """The ``(philox_seed, philox_offset)`` the next dropout call on ``device`` will use.
 
-    Does not advance the generator.  Tests feed the pair to
-    :func:`flashtile.kernels._common.dropout_keep_mask` to rebuild the exact
-    keep-mask of the call and check it against a float64 oracle.
+    Does not advance the generator: draws as :func:`_philox` does, then restores the
+    generator's state (a host sync; for tests).  Tests feed the pair to
+    :func:`flashtile.kernels._common.dropout_keep_mask` to rebuild the exact keep-mask of the
+    call and check it against a float64 oracle.
     """
-    return _philox(torch.device(device), 0)
+    device = torch.device(device)
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+        rng = _philox(device)
+        torch.cuda.set_rng_state(state, device)
+    else:
+        state = torch.get_rng_state()
+        rng = _philox(device)
+        torch.set_rng_state(state)
+    seed, offset = rng.tolist()
+    return seed, offset
 
 
 # --------------------------------------------------------------------------- #
@@ -132,8 +131,8 @@ def flash_attn_fwd(
     """FA2 forward: ``(out, lse, rng_state)``.
 
     out: q's shape and dtype, contiguous; lse: (B, Hq, Nq) float32, natural
-    log, -inf on rows with no allowed key; rng_state: CPU int64 [seed, offset]
-    (zeros without dropout).  ``deterministic`` is only read by the backward;
+    log, -inf on rows with no allowed key; rng_state: int64 [seed, offset] on
+    q's device (CPU zeros without dropout).  ``deterministic`` is only read by the backward;
     it is an input here so that autograd's setup_context can save it.
     """
     return _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
@@ -148,16 +147,15 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
-    seed, offset = _philox(q.device, b * hq * nq * kb.shape[2]) if dropout_p > 0 else (0, 0)
+    rng = _philox(q.device) if dropout_p > 0 else None
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _, lse = fa2_forward(
         qb, kb, vb,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        dropout_p=dropout_p, philox_seed=seed, philox_offset=offset,
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, dropout_p=dropout_p, rng_state=rng,
         block_mask=_block_mask(block_mask, mask_block_q, mask_block_k), out=_bhnd(out, seq_major),
     )
-    return out, lse, torch.tensor([seed, offset], dtype=torch.int64)
+    return out, lse, rng if rng is not None else torch.zeros(2, dtype=torch.int64)
 
 
 @flash_attn_fwd.register_fake
@@ -166,7 +164,7 @@ def _flash_attn_fwd_fake(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, 
     b, hq, nq = _bhnd(q, seq_major).shape[:3]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    return out, lse, torch.empty(2, dtype=torch.int64, device="cpu")
+    return out, lse, torch.empty(2, dtype=torch.int64, device=q.device if dropout_p > 0 else "cpu")
 
 
 @torch.library.custom_op("flashtile::flash_attn_bwd", mutates_args=())
@@ -194,7 +192,7 @@ def flash_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 backward: ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
 
-    Replays the forward's dropout from ``rng_state``; ``deterministic=True``
+    Replays the forward's dropout from ``rng_state`` (read on the device); ``deterministic=True``
     asks the kernel for a fixed accumulation order (bitwise-reproducible dQ).
     """
     return _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
@@ -207,7 +205,6 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
     from flashtile.kernels.fa2_bwd import fa2_backward
 
-    seed, offset = (int(x) for x in rng_state.tolist())
     if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
         dout = dout.contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -218,7 +215,7 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
         _bhnd(out, seq_major), lse,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias,
-        dropout_p=dropout_p, philox_seed=seed, philox_offset=offset,
+        dropout_p=dropout_p, rng_state=rng_state if dropout_p > 0 else None,
         block_mask=_block_mask(block_mask, mask_block_q, mask_block_k), deterministic=deterministic,
         dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major), dv=_bhnd(dv, seq_major),
     )

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtile.iomodel import fa1_block_sizes
-from flashtile.kernels.fa1_fwd import fa1_forward, fa1_tiles
+from flashtile.kernels.fa1_fwd import fa1_forward, fa1_grid, fa1_tiles
 from flashtile.reference.attention import flash_attn1, standard_attention
 
 
@@ -190,3 +190,11 @@ def test_gpu_sram_sizes_fp32(sram):
     out = fa1_forward(q, k, v, sram_elems=sram)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
     assert rel(out, ref.cpu()) <= tolerance(torch.float32, "cuda")
+
+
+def test_grid_within_cuda_limits():
+    """One program per (batch, head) on grid axis x (CUDA: 2^31 - 1; y and z stop at 65535)."""
+    assert fa1_grid(2048, 32) == (65536,)
+    assert fa1_grid(70000, 3) == (210000,)
+    with pytest.raises(ValueError, match="batch \\* heads"):
+        fa1_grid(2**20, 2**11)

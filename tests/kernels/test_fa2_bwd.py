@@ -274,6 +274,22 @@ def test_dropout(device, deterministic, causal, dtype):
     assert_grads(got, ref, tolerance(dtype, device))
 
 
+def test_dropout_state_from_a_device_tensor(device):
+    """rng_state (the int64 [seed, offset] tensor the op draws on the device, read by the
+    kernels) replays exactly the keep-mask of the same pair passed as ints, 64-bit values included."""
+    seed, offset = 2**40 + 5, 2**33 + 7
+    q, k, v, do = inputs(1, 2, 1, 40, 48, 16, F32, device, seed=27)
+    got, ref, lse, _ = run(q, k, v, do, dropout_p=0.3, seed=seed, offset=offset, deterministic=True)
+    assert_grads(got, ref, tolerance(F32, device))
+    rng = torch.tensor([seed, offset], dtype=torch.int64, device=device)
+    out = make(q.shape, F32, device, 28)
+    kw = dict(softmax_scale=0.25, dropout_p=0.3, deterministic=True)
+    from_ints = fa2_backward(do, q, k, v, out, lse.to(device=device, dtype=F32), philox_seed=seed, philox_offset=offset, **kw)
+    from_tensor = fa2_backward(do, q, k, v, out, lse.to(device=device, dtype=F32), rng_state=rng, **kw)
+    for a, c in zip(from_ints, from_tensor):
+        assert torch.equal(a, c)
+
+
 def test_dropout_mask_mismatch_is_detected(device):
     """The oracle is sensitive to the keep pattern: a different seed must fail."""
     q, k, v, do = inputs(1, 1, 1, 32, 32, 16, F32, device, seed=23)
@@ -467,6 +483,10 @@ def _args(device, **over):
         ({}, {"softcap": -1.0}, ValueError, "softcap"),
         ({}, {"softmax_scale": math.nan}, ValueError, "softmax_scale"),
         ({}, {"philox_seed": -1}, ValueError, "philox_seed"),
+        ({}, {"dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int32)}, TypeError, "rng_state"),
+        ({}, {"dropout_p": 0.1, "rng_state": torch.zeros(3, dtype=torch.int64)}, ValueError, "rng_state"),
+        ({}, {"dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int64), "philox_seed": 3}, ValueError,
+         "rng_state"),
         ({}, {"alibi_slopes": torch.ones(3)}, ValueError, "alibi_slopes"),
         ({}, {"bias": torch.zeros(3, 8, 8)}, ValueError, "bias"),
         ({}, {"block_mask": torch.ones(1, 1, dtype=torch.bool)}, TypeError, "block_mask"),
@@ -556,3 +576,108 @@ def test_gpu_dependent_launch_changes_no_bit(monkeypatch):
     for a, c in zip(with_pdl, plain):
         assert torch.isfinite(a).all()
         assert torch.equal(a, c)
+
+
+# --------------------------------------------------------------------------- #
+# Launch grids: CUDA allows 2^31 - 1 programs on axis x, 65535 on y and z
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "b,hq,hk,nq,nk,d",
+    [(2048, 32, 32, 16, 16, 16), (2048, 32, 8, 16, 16, 16), (70000, 1, 1, 16, 16, 64), (1, 70000, 1, 16, 16, 64),
+     (1, 64, 1, 263168, 263168, 128), (2**20, 2**11 - 1, 2**11 - 1, 1, 1, 16), (8, 16, 16, 2**26, 2**26, 64)],
+)
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_grids_within_cuda_limits(b, hq, hk, nq, nk, d, dtype):
+    """The grid of every backward kernel, at the GPU tile sizes, fits CUDA's limits and has a
+    program for every (tile, batch-head) pair: B * H > 65535 used to go on axis y."""
+    from flashtile.kernels import _common
+    from flashtile.kernels.fa2_bwd import bwd_grids
+
+    cfg = bwd_config(d, dtype, True, nq, nk, "cuda")
+    grids = bwd_grids(b, hq, hk, nq, nk, cfg)
+    for name, grid, tiles, pairs in (
+        ("preprocess", grids.preprocess, -(-nq // cfg.dq_block_m), b * hq),
+        ("dkdv", grids.dkdv, -(-nk // cfg.block_n), b * hk),
+        ("dq", grids.dq, -(-nq // cfg.dq_block_m), b * hq),
+    ):
+        assert len(grid) == 3 and grid[0] == tiles <= _common.GRID_X_MAX, (name, grid)
+        assert all(1 <= g <= _common.GRID_YZ_MAX for g in grid[1:]), (name, grid)
+        assert grid[1] * grid[2] >= pairs > grid[1] * (grid[2] - 1), (name, grid)  # every pair, < 1 row spare
+
+
+def test_wide_row_strides(device):
+    """Inputs and gradient views with a row stride of TILE_ROW_STRIDE_MAX (the forward's limit
+    for 32-bit in-tile offsets; the backward forms row offsets in 64 bits) give the gradients
+    of contiguous inputs, written into the given views."""
+    from flashtile.kernels._common import TILE_ROW_STRIDE_MAX, wide_rows
+
+    q, k, v, do = inputs(1, 1, 1, 2, 2, 16, F32, device, seed=41)
+    out, lse = make(q.shape, F32, device, 42), make((1, 1, 2), F32, device, 43)
+
+    def spread(x):  # same values, row stride TILE_ROW_STRIDE_MAX
+        y = torch.zeros(TILE_ROW_STRIDE_MAX * 2, device=device).as_strided(x.shape, (0, 0, TILE_ROW_STRIDE_MAX, 1))
+        return y.copy_(x)
+
+    assert wide_rows(spread(q)) and not wide_rows(q, k, v)
+    kw = dict(softmax_scale=0.25, causal=True)
+    want = fa2_backward(do, q, k, v, out, lse, **kw)
+    views = [spread(torch.zeros_like(x)) for x in (q, k, v)]
+    got = fa2_backward(*(spread(x) for x in (do, q, k, v, out)), lse, dq=views[0], dk=views[1], dv=views[2], **kw)
+    for g, view, w in zip(got, views, want):
+        assert g is view
+        assert torch.equal(g, w)
+
+
+def test_wide_decision():
+    """64-bit row offsets (WIDE) exactly when some row index x row stride can reach 2^31."""
+    from flashtile.kernels.fa2_bwd import _wide
+
+    def view(b, h, n, d, seq_major=False):  # (B, H, N, d) view, strides only (no storage)
+        shape = (b, n, h, d) if seq_major else (b, h, n, d)
+        t = torch.empty_strided(shape, torch.empty(shape, device="meta").stride(), device="meta")
+        return t.transpose(1, 2) if seq_major else t
+
+    flash = view(1, 128, 263168, 64, seq_major=True)  # row stride 8192: 263168 * 8192 > 2^31
+    assert _wide(263168, (flash,), 263168, (flash,), None)
+    small = view(2, 8, 4096, 128)
+    assert not _wide(4096, (small,), 4096, (small,), None)
+    one = view(1, 1, 47104, 64)  # q, k, v small, but an (n, n) bias has row stride n
+    bias = torch.empty(47104, 47104, device="meta").expand(1, 1, 47104, 47104)
+    assert _wide(47104, (one,), 47104, (one,), bias) and not _wide(47104, (one,), 47104, (one,), None)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_wide_offsets_give_the_same_gradients(device, monkeypatch, deterministic):
+    """The 64-bit row-offset variant of the kernels (taken for tensors past 2^31 elements, which
+    the interpreter cannot hold) matches the oracle on a small problem, bias and dropout included."""
+    from flashtile.kernels import fa2_bwd
+
+    monkeypatch.setattr(fa2_bwd, "_wide", lambda *args: True)
+    q, k, v, do = inputs(2, 2, 1, 40, 56, 16, F32, device, seed=33)
+    bias = make((1, 2, 40, 56), F32, device, 34)
+    got, ref, _, _ = run(q, k, v, do, causal=True, bias=bias, dropout_p=0.2, seed=5, offset=9,
+                         deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_folded_grid_runs_every_pair_once(device, monkeypatch, deterministic):
+    """With axis y shrunk to a few programs, the (batch, head) pairs spill onto axis z with a
+    partial last row (its extra programs must exit): forward, dropout keep-mask and every
+    backward kernel still match the float64 oracle, so each pair ran exactly once."""
+    from flashtile.kernels import _common
+    from flashtile.kernels.fa2_fwd import fa2_forward
+
+    if device == "cuda":
+        pytest.skip("the interpreter's grid is the point here; the GPU runs the real grids")
+    q, k, v, do = inputs(3, 2, 1, 40, 56, 16, F32, device, seed=31)
+    full_keep = dropout_keep_mask(11, 3, 3, 2, 40, 56, 0.25, device)
+    monkeypatch.setattr(_common, "GRID_YZ_MAX", 4)  # 6 q-head and 3 kv-head pairs: z-rows of 4
+    assert torch.equal(dropout_keep_mask(11, 3, 3, 2, 40, 56, 0.25, device), full_keep)
+    got, ref, _, _ = run(q, k, v, do, causal=True, dropout_p=0.25, seed=11, offset=3, deterministic=deterministic)
+    assert_grads(got, ref, tolerance(F32, device))
+    out, lse = fa2_forward(q, k, v, softmax_scale=0.25, causal=True)
+    ref_out, ref_lse, _, _ = oracle(do, q, k, v, scale=0.25, causal=True, window=(-1, -1), softcap=0.0, alibi=None,
+                                    bias=None, block_mask=None, keep=None, dropout_p=0.0)
+    assert torch.allclose(out.double().cpu(), ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)

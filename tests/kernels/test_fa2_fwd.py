@@ -283,6 +283,59 @@ def test_dropout_lse_is_dropout_free(device):
     assert torch.equal(lse_drop, lse)
 
 
+def test_dropout_state_from_a_device_tensor(device):
+    """rng_state, the int64 [seed, offset] tensor read by the kernel (what the op draws on the
+    device), gives exactly the output of the same pair passed as ints; wrong ones are refused."""
+    q, k, v = qkv(1, 2, 2, 32, 40, 16, torch.float32, device)
+    seed, offset = 2**41 + 3, 2**35 + 1
+    want, _ = fa2_forward(q, k, v, softmax_scale=0.25, dropout_p=0.4, philox_seed=seed, philox_offset=offset)
+    rng = torch.tensor([seed, offset], dtype=torch.int64, device=device)
+    got, _ = fa2_forward(q, k, v, softmax_scale=0.25, dropout_p=0.4, rng_state=rng)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="rng_state"):
+        fa2_forward(q, k, v, softmax_scale=0.25, dropout_p=0.4, rng_state=rng.float())
+    with pytest.raises(ValueError, match="rng_state"):
+        fa2_forward(q, k, v, softmax_scale=0.25, dropout_p=0.4, rng_state=rng[:1])
+    with pytest.raises(ValueError, match="philox_seed"):
+        fa2_forward(q, k, v, softmax_scale=0.25, dropout_p=0.4, philox_seed=-1)
+
+
+def test_wide_kv_row_strides_are_compacted(device):
+    """K/V tiles use 32-bit in-tile offsets (key x row stride): k, v whose row stride reaches
+    TILE_ROW_STRIDE_MAX go through compact copies and give the output of contiguous inputs."""
+    from flashtile.kernels._common import TILE_ROW_STRIDE_MAX, wide_rows
+
+    q, k, v = qkv(1, 1, 1, 3, 2, 16, torch.float32, device)
+
+    def spread(x):  # same values, row stride TILE_ROW_STRIDE_MAX
+        y = torch.zeros(TILE_ROW_STRIDE_MAX * 2, device=device).as_strided(x.shape, (0, 0, TILE_ROW_STRIDE_MAX, 1))
+        return y.copy_(x)
+
+    assert wide_rows(spread(k)) and not wide_rows(k, v)
+    want, want_lse = fa2_forward(q, k, v, softmax_scale=0.25)
+    got, lse = fa2_forward(q, spread(k), spread(v), softmax_scale=0.25)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize(
+    "b,hq,nq", [(2048, 32, 16), (70000, 1, 16), (1, 70000, 16), (1, 64, 263168), (2**20, 2**11 - 1, 1), (1, 1, 2**31 - 1)]
+)
+def test_grid_within_cuda_limits(b, hq, nq):
+    """The forward's grid at every GPU tile size fits CUDA's limits (2^31 - 1 programs on x,
+    65535 on y and z) with a program per (q tile, batch-head) pair: B or Hq > 65535 used to be
+    refused."""
+    from flashtile.kernels._common import GRID_X_MAX, GRID_YZ_MAX
+
+    for block_m in (64, 128):
+        grid = fa2_fwd.fwd_grid(b, hq, nq, block_m)
+        tiles = -(-nq // block_m)
+        assert len(grid) == 3 and grid[0] == tiles <= GRID_X_MAX
+        assert 1 <= grid[1] <= GRID_YZ_MAX and 1 <= grid[2] <= GRID_YZ_MAX
+        assert grid[1] * grid[2] >= b * hq > grid[1] * (grid[2] - 1)
+    with pytest.raises(ValueError, match="batch \\* heads"):
+        fa2_fwd.fwd_grid(2**20, 2**11, 1, 64)  # 2^31 pairs: past what int32 pair indices reach
+
+
 # --------------------------------------------------------------------------- #
 # GQA / MQA and layouts
 # --------------------------------------------------------------------------- #

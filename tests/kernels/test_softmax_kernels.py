@@ -47,6 +47,25 @@ def test_matches_torch(kernel, dtype, n, block, device):
     assert err(y, oracle(x)) <= TOL[dtype]
 
 
+def test_row_chunks_respect_grid_limit():
+    """One program per row on grid axis x (CUDA: at most 2^31 - 1): more rows take several launches."""
+    from flashtile.kernels.softmax import row_chunks
+
+    assert row_chunks(5) == [(0, 5)]
+    assert row_chunks(2**31 + 5) == [(0, 2**31 - 1), (2**31 - 1, 6)]
+
+
+@pytest.mark.parametrize("kernel", [softmax_online, softmax_safe])
+def test_rows_split_over_launches(kernel, device, monkeypatch):
+    """With the per-launch row limit shrunk to 3, a 7-row tensor runs as launches of 3, 3 and 1
+    rows: every row is still written once, from its own input row."""
+    from flashtile.kernels import softmax
+
+    monkeypatch.setattr(softmax, "GRID_X_MAX", 3)
+    x = randn(7, 37, device=device, seed=4)
+    assert err(kernel(x), oracle(x)) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("kernel, ref", [(softmax_online, block_online_softmax), (softmax_safe, safe_softmax)])
 def test_matches_reference_variant(kernel, ref, device):
     x = randn(4, 100, device=device, seed=1)
