@@ -164,9 +164,9 @@ def test_bias_row_offsets_past_2_pow_31_inside_one_tile():
     for x in (q, k, v):
         x.requires_grad_()
     bias = torch.empty(nq, nk, device="cuda", dtype=BF16)
-    keys = torch.arange(nk, device="cuda", dtype=torch.float32)
+    keys = torch.arange(nk, device="cuda", dtype=torch.int64)  # float32 is not exact past 2^24 keys
     for i in range(nq):
-        bias[i] = -(keys - (i + nk - nq)).abs() * slope
+        bias[i] = -(keys - (i + nk - nq)).abs().to(torch.float32) * slope
     del keys
     scale = d ** -0.5
 
@@ -275,9 +275,10 @@ def test_dropout_fwd_bwd_captured_in_cuda_graph():
         assert 0.5 < keep.float().mean().item() < 0.9
         flat = lambda x: x.reshape(b * h, n, d)  # noqa: E731
         ref_out, ref_grads = oracle(flat(q), flat(k), flat(v), flat(dout), allowed, scale, keep=keep, dropout_p=p)
+        # fp32 inputs run the products in TF32 (u = 2^-11); a gradient passes three chained products
         assert rel_err(flat(out), ref_out) < 2e-3
         for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
-            assert rel_err(flat(g), r) < 2e-3, name
+            assert rel_err(flat(g), r) < 4e-3, name
 
 
 @pytest.mark.gpu
