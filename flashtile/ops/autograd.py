@@ -14,7 +14,8 @@ its bool tensor plus its two block sizes and is rebuilt inside.
 
 Layouts: with ``seq_major=True`` q/k/v are (B, N, H, d) (flash-attn) and the
 op returns ``out`` / ``dq, dk, dv`` contiguous in that layout; otherwise
-(B, H, N, d) (SDPA).  The kernels see ``x.transpose(1, 2)`` views either way.
+(B, H, N, d) (SDPA), with ``out`` a view of (B, N, H, d) storage as torch's flash
+backend returns it.  The kernels see ``x.transpose(1, 2)`` views either way.
 
 Dropout randomness: the forward op draws ``rng_state = [seed, offset]``, an
 int64 tensor *on the device*, with one ``torch.randint`` on the device's
@@ -103,6 +104,15 @@ def _bhnd(x: torch.Tensor, seq_major: bool) -> torch.Tensor:
     return x.transpose(1, 2) if seq_major else x
 
 
+def _out_like(q: torch.Tensor, seq_major: bool) -> torch.Tensor:
+    """The output in (B, N, H, d) storage either way: with ``seq_major=False`` a (B, H, N, d) view of
+    it, the layout torch's flash / cuDNN SDPA backends return (the transpose(1, 2) models apply next is free)."""
+    if seq_major:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    b, h, n, d = q.shape
+    return torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
 def _block_mask(mask: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int) -> Optional[BlockMask]:
     return None if mask is None else BlockMask(mask, (mask_block_q, mask_block_k))
 
@@ -130,7 +140,7 @@ def flash_attn_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2 forward: ``(out, lse, rng_state)``.
 
-    out: q's shape and dtype, contiguous; lse: (B, Hq, Nq) float32, natural
+    out: q's shape and dtype in (B, N, H, d) storage; lse: (B, Hq, Nq) float32, natural
     log, -inf on rows with no allowed key; rng_state: int64 [seed, offset] on
     q's device (CPU zeros without dropout).  ``deterministic`` is only read by the backward;
     it is an input here so that autograd's setup_context can save it.
@@ -148,7 +158,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
     rng = _philox(q.device) if dropout_p > 0 else None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _out_like(q, seq_major)
     _, lse = fa2_forward(
         qb, kb, vb,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
@@ -162,7 +172,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
 def _flash_attn_fwd_fake(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
                          window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     b, hq, nq = _bhnd(q, seq_major).shape[:3]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _out_like(q, seq_major)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     return out, lse, torch.empty(2, dtype=torch.int64, device=q.device if dropout_p > 0 else "cpu")
 

@@ -110,12 +110,10 @@ def scaled_dot_product_attention(
     if is_causal:
         k, v, causal, window = _causal_top_left(k, v, dims.seqlen_q, dims.seqlen_k)
 
-    # run in the (B, N, H, d) layout on transposed views (the kernels see the same strides): the
-    # output is then a (B, H, N, d) view of (B, N, H, d) storage, as torch's flash / cuDNN backends
-    # return it, so the usual out.transpose(1, 2).reshape(B, N, H * d) that follows copies nothing
+    # out is a (B, H, N, d) view of (B, N, H, d) storage, as torch's flash / cuDNN backends return
+    # it, so the usual out.transpose(1, 2).reshape(B, N, H * d) that follows copies nothing
     out, _, _ = attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), seq_major=True, softmax_scale=softmax_scale,
-        causal=causal, window=window, bias=bias, dropout_p=dropout_p,
+        q, k, v, seq_major=False, softmax_scale=softmax_scale, causal=causal, window=window,
+        bias=bias, dropout_p=dropout_p,
     )
-    out = out.transpose(1, 2)
     return out.squeeze(0) if ndim == 3 else out
