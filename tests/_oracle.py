@@ -36,6 +36,7 @@ __all__ = [
     "attention_ref_grads",
     "backend",
     "grads_ref",
+    "rounding_slack",
     "ref_kwargs",
     "scores_ref",
     "tolerance",
@@ -87,11 +88,16 @@ def assert_close(
     *,
     tol: float | None = None,
     tf32: bool = True,
+    magnitude: float | None = None,
+    slack: float = 0.0,
 ) -> None:
     """|actual - expected| <= tol * (|expected| + max|expected|) elementwise; infinities matched exactly, no NaN.
 
     ``dtype`` / ``device`` default to ``actual``'s (the precision the kernel computed in); ``tol``
-    overrides the table.  Shapes must agree exactly.
+    overrides the table.  ``magnitude`` replaces max|expected| where the result cancels to far below
+    the size of its terms (dq of a row with one visible key is 0 up to rounding of dO.v - D: pass
+    the largest of dq, dk, dv); ``slack`` is added to the absolute tolerance (see :func:`rounding_slack`).
+    Shapes must agree exactly.
     """
     dtype = actual.dtype if dtype is None else dtype
     device = actual.device if device is None else device
@@ -101,8 +107,9 @@ def assert_close(
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
     finite = torch.isfinite(expected)
     scale = float(expected[finite].abs().max()) if finite.any() else 1.0
+    scale = scale if magnitude is None else max(scale, magnitude)
     torch.testing.assert_close(
-        actual, expected, rtol=tol, atol=tol * max(scale, 1e-3), msg=lambda m: f"{what} (tol {tol:g}): {m}"
+        actual, expected, rtol=tol, atol=tol * max(scale, 1e-3) + slack, msg=lambda m: f"{what} (tol {tol:g}): {m}"
     )
 
 
@@ -131,14 +138,14 @@ def scores_ref(
     bias: torch.Tensor | None = None,
     block_mask: object = None,
     lens: Sequence[int] | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The modified scores (B, Hq, Nq, Nk) in float64, -inf exactly where key j is not visible to row i.
+    """The modified scores (B, Hq, Nq, Nk) in ``dtype``, -inf exactly where key j is not visible to row i.
 
     Arguments as :func:`attention_ref`; differentiable in q, k (and a float bias).
     """
-    f64 = torch.float64
     dev = q.device
-    q, k = q.to(f64), k.to(dev, f64)
+    q, k = q.to(dtype), k.to(dev, dtype)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if hk < 1 or hq % hk:
@@ -158,9 +165,9 @@ def scores_ref(
     diag = i + (length - nq).view(b, 1, 1, 1)  # key column of query row i's bottom-right-aligned diagonal
 
     if alibi is not None:
-        slopes = alibi.to(dev, f64)
+        slopes = alibi.to(dev, dtype)
         slopes = slopes.view(1, hq, 1, 1) if slopes.dim() == 1 else slopes.view(b, hq, 1, 1)
-        s = s - slopes * (diag - j).abs().to(f64)
+        s = s - slopes * (diag - j).abs().to(dtype)
 
     left, right = (int(w) for w in window)
     if causal:
@@ -182,7 +189,7 @@ def scores_ref(
         if bias.dtype == torch.bool:
             visible = visible & bias
         else:
-            bias = bias.to(f64)
+            bias = bias.to(dtype)
             visible = visible & (bias != -math.inf)
             s = s + torch.where(visible, bias, 0.0)
     return torch.where(visible, s, -math.inf)
@@ -203,6 +210,7 @@ def attention_ref(
     keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     lens: Sequence[int] | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention: q (B, Hq, Nq, d), k / v (B, Hk, Nk, d) -> (out (B, Hq, Nq, d), lse (B, Hq, Nq)).
 
@@ -211,20 +219,21 @@ def attention_ref(
     (B, Hq), or a ``BlockMask`` (read through ``.mask`` / ``.block_size``).  ``keep`` bool broadcastable
     to (B, Hq, Nq, Nk): dropout's keep-mask, kept entries scaled by 1/(1 - dropout_p).  ``lens`` (B,):
     batch element b sees keys [0, L_b) only, every alignment taken with Nk = L_b.  Computed in float64
-    on q's device, differentiable in q, k, v (and a float bias).
+    on q's device, differentiable in q, k, v (and a float bias).  ``dtype=q.dtype`` computes the same
+    function in another precision.
     """
     masked = scores_ref(
         q, k, scale=scale, causal=causal, window=window, softcap=softcap, alibi=alibi, bias=bias,
-        block_mask=block_mask, lens=lens,
+        block_mask=block_mask, lens=lens, dtype=dtype,
     )
     hq, hk = q.shape[1], k.shape[1]
-    v = v.to(q.device, torch.float64)[:, torch.arange(hq, device=q.device) // (hq // hk)]
+    v = v.to(q.device, dtype)[:, torch.arange(hq, device=q.device) // (hq // hk)]
     empty = ~(masked > -math.inf).any(dim=-1, keepdim=True)
     # an empty row takes its LSE over finite zeros, so exp(-inf - lse) = 0 there and no gradient is NaN
     lse = torch.logsumexp(torch.where(empty, 0.0, masked), dim=-1, keepdim=True)
     p = torch.exp(masked - lse)
     if keep is not None:
-        p = p * keep.to(q.device, torch.float64) / (1.0 - dropout_p)
+        p = p * keep.to(q.device, dtype) / (1.0 - dropout_p)
     return p @ v, torch.where(empty, -math.inf, lse).squeeze(-1)
 
 
@@ -253,8 +262,40 @@ def grads_ref(out: torch.Tensor, inputs: Sequence[torch.Tensor], dout: torch.Ten
 def attention_ref_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, dq, dk, dv) in float64: :func:`attention_ref` and its gradients against ``dout``."""
-    q, k, v = (x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v))
+    """(out, lse, dq, dk, dv) in float64 (or ``dtype=``): :func:`attention_ref` and its gradients against ``dout``."""
+    dtype = kwargs.get("dtype", torch.float64)
+    q, k, v = (x.detach().to(dtype).requires_grad_(True) for x in (q, k, v))
     out, lse = attention_ref(q, k, v, **kwargs)
     dq, dk, dv = grads_ref(out, (q, k, v), dout)
     return out.detach(), lse.detach(), dq, dk, dv
+
+
+def rounding_slack(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dtype: torch.dtype, **kwargs
+) -> tuple[float, float, float]:
+    """Bounds on the dq, dk errors that storing O in ``dtype`` causes in a FlashAttention backward.
+
+    The backward takes D_i = rowsum(dO_i * O_i) from O as stored (FA2, Algorithm 2), so
+    |dD_i| <= u * sum_c |dO_ic O_ic| (u: the unit roundoff of ``dtype``), and with
+    dS_ij = P_ij (dP_ij - D_i): |d dq_i| <= scale * |dD_i| * max|k|,
+    |d dk_j| <= scale * sum_{i, heads of j's group} P_ij |dD_i| * max|q|.  It matters where a gradient
+    cancels to far below the size of its terms (dq of a row with one visible key is exactly 0).
+    Inputs (B, H, N, d) in float64; ``kwargs`` as :func:`attention_ref`.  dv gets no such term: 0.
+    """
+    u = torch.finfo(dtype).eps / 2
+    out, lse = attention_ref(q, k, v, **kwargs)
+    score_kw = {key: val for key, val in kwargs.items() if key not in ("keep", "dropout_p")}
+    p = torch.exp(scores_ref(q, k, **score_kw) - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    delta = u * (dout.to(torch.float64) * out).abs().sum(-1)  # (B, Hq, Nq)
+    scale = kwargs.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if not delta.numel() or not k.numel():
+        return 0.0, 0.0, 0.0
+    b, hq, nq, _ = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    per_key = (p * delta.unsqueeze(-1)).sum(-2).view(b, hk, hq // hk, nk).sum(2)
+    return (
+        scale * float(delta.max()) * float(k.abs().max()),
+        scale * float(per_key.max()) * float(q.abs().max()),
+        0.0,
+    )
