@@ -41,29 +41,29 @@ def fuzz(examples: int) -> settings:
 
 
 def tensor(shape, dtype, layout, g, *, seq_dim=1, head_dim=2):
-    """Random ``shape`` tensor viewed in ``layout``; storage the view does not cover holds NaN.
+    """Random ``shape`` tensor on DEVICE viewed in ``layout``; storage the view does not cover holds NaN.
 
     transposed: the sequence and head dims are swapped in memory; strided: every other sequence row
-    of a buffer with one spare head and 3 spare columns.  The result is a leaf (autograd-ready).
+    of a buffer with one spare head and 3 spare columns.  Built on DEVICE (``.to`` of a view with gaps
+    would copy it contiguous).  The result is a leaf (autograd-ready).
     """
-    values = torch.randn(shape, generator=g).to(dtype)
+    values = torch.randn(shape, generator=g).to(dtype).to(DEVICE)
     if layout == "contiguous":
-        x = values.clone()
-    elif layout == "transposed":
-        x = values.transpose(seq_dim, head_dim).contiguous().transpose(seq_dim, head_dim)
-    else:
-        big = list(shape)
-        big[seq_dim] *= 2
-        big[head_dim] += 1
-        big[-1] += 3
-        buf = torch.full(big, math.nan, dtype=dtype)
-        idx = [slice(None)] * len(shape)
-        idx[seq_dim] = slice(None, None, 2)
-        idx[head_dim] = slice(0, shape[head_dim])
-        idx[-1] = slice(0, shape[-1])
-        x = buf[tuple(idx)]
-        x.copy_(values)
-    return x.to(DEVICE).detach()
+        return values
+    if layout == "transposed":
+        return values.transpose(seq_dim, head_dim).contiguous().transpose(seq_dim, head_dim)
+    big = list(shape)
+    big[seq_dim] *= 2
+    big[head_dim] += 1
+    big[-1] += 3
+    buf = torch.full(big, math.nan, dtype=dtype, device=DEVICE)
+    idx = [slice(None)] * len(shape)
+    idx[seq_dim] = slice(None, None, 2)
+    idx[head_dim] = slice(0, shape[head_dim])
+    idx[-1] = slice(0, shape[-1])
+    x = buf[tuple(idx)]
+    x.copy_(values)
+    return x.detach()
 
 
 def f64_bhnd(x: torch.Tensor) -> torch.Tensor:
