@@ -138,14 +138,14 @@ def scores_ref(
     bias: torch.Tensor | None = None,
     block_mask: object = None,
     lens: Sequence[int] | torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The modified scores (B, Hq, Nq, Nk) in ``dtype``, -inf exactly where key j is not visible to row i.
+    """The modified scores (B, Hq, Nq, Nk) in float64, -inf exactly where key j is not visible to row i.
 
     Arguments as :func:`attention_ref`; differentiable in q, k (and a float bias).
     """
+    f64 = torch.float64
     dev = q.device
-    q, k = q.to(dtype), k.to(dev, dtype)
+    q, k = q.to(f64), k.to(dev, f64)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if hk < 1 or hq % hk:
@@ -165,9 +165,9 @@ def scores_ref(
     diag = i + (length - nq).view(b, 1, 1, 1)  # key column of query row i's bottom-right-aligned diagonal
 
     if alibi is not None:
-        slopes = alibi.to(dev, dtype)
+        slopes = alibi.to(dev, f64)
         slopes = slopes.view(1, hq, 1, 1) if slopes.dim() == 1 else slopes.view(b, hq, 1, 1)
-        s = s - slopes * (diag - j).abs().to(dtype)
+        s = s - slopes * (diag - j).abs().to(f64)
 
     left, right = (int(w) for w in window)
     if causal:
@@ -189,7 +189,7 @@ def scores_ref(
         if bias.dtype == torch.bool:
             visible = visible & bias
         else:
-            bias = bias.to(dtype)
+            bias = bias.to(f64)
             visible = visible & (bias != -math.inf)
             s = s + torch.where(visible, bias, 0.0)
     return torch.where(visible, s, -math.inf)
@@ -210,7 +210,6 @@ def attention_ref(
     keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     lens: Sequence[int] | torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention: q (B, Hq, Nq, d), k / v (B, Hk, Nk, d) -> (out (B, Hq, Nq, d), lse (B, Hq, Nq)).
 
@@ -219,21 +218,20 @@ def attention_ref(
     (B, Hq), or a ``BlockMask`` (read through ``.mask`` / ``.block_size``).  ``keep`` bool broadcastable
     to (B, Hq, Nq, Nk): dropout's keep-mask, kept entries scaled by 1/(1 - dropout_p).  ``lens`` (B,):
     batch element b sees keys [0, L_b) only, every alignment taken with Nk = L_b.  Computed in float64
-    on q's device, differentiable in q, k, v (and a float bias).  ``dtype=q.dtype`` computes the same
-    function in another precision.
+    on q's device, differentiable in q, k, v (and a float bias).
     """
     masked = scores_ref(
         q, k, scale=scale, causal=causal, window=window, softcap=softcap, alibi=alibi, bias=bias,
-        block_mask=block_mask, lens=lens, dtype=dtype,
+        block_mask=block_mask, lens=lens,
     )
     hq, hk = q.shape[1], k.shape[1]
-    v = v.to(q.device, dtype)[:, torch.arange(hq, device=q.device) // (hq // hk)]
+    v = v.to(q.device, torch.float64)[:, torch.arange(hq, device=q.device) // (hq // hk)]
     empty = ~(masked > -math.inf).any(dim=-1, keepdim=True)
     # an empty row takes its LSE over finite zeros, so exp(-inf - lse) = 0 there and no gradient is NaN
     lse = torch.logsumexp(torch.where(empty, 0.0, masked), dim=-1, keepdim=True)
     p = torch.exp(masked - lse)
     if keep is not None:
-        p = p * keep.to(q.device, dtype) / (1.0 - dropout_p)
+        p = p * keep.to(q.device, torch.float64) / (1.0 - dropout_p)
     return p @ v, torch.where(empty, -math.inf, lse).squeeze(-1)
 
 
@@ -262,9 +260,8 @@ def grads_ref(out: torch.Tensor, inputs: Sequence[torch.Tensor], dout: torch.Ten
 def attention_ref_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, dq, dk, dv) in float64 (or ``dtype=``): :func:`attention_ref` and its gradients against ``dout``."""
-    dtype = kwargs.get("dtype", torch.float64)
-    q, k, v = (x.detach().to(dtype).requires_grad_(True) for x in (q, k, v))
+    """(out, lse, dq, dk, dv) in float64: :func:`attention_ref` and its gradients against ``dout``."""
+    q, k, v = (x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v))
     out, lse = attention_ref(q, k, v, **kwargs)
     dq, dk, dv = grads_ref(out, (q, k, v), dout)
     return out.detach(), lse.detach(), dq, dk, dv
