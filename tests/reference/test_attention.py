@@ -1,13 +1,13 @@
 """Tests of the reference attention forwards: values against a dense oracle, and exact counts.
 
-Every algorithm runs in float64 and is compared with :func:`oracle`, an
-independent dense implementation written from the definition in the
-``flashtile.reference.masks`` docstring (it builds its own masks and bias from
-indices and uses ``torch.softmax``).  Tolerance: 1e-10 relative to the largest
-output magnitude.  The tiled algorithms differ from the oracle only in the
-order of float64 sums of at most a few hundred terms and in the rescaling by
-``exp(m_old - m_new)``, i.e. a few hundred ulps (~1e-13) at worst; 1e-10 leaves
-margin yet catches any wrong term (a missing rescale is an O(1) error).
+Every algorithm runs in float64 and is compared with the tests' oracle,
+``tests._oracle.attention_ref``, a dense implementation written from the
+documented semantics independently of ``flashtile.reference.masks``.
+Tolerance: the table's float64 entry (1e-9 relative to the largest output
+magnitude).  The tiled algorithms differ from the oracle only in the order of
+float64 sums of at most a few hundred terms and in the rescaling by
+``exp(m_old - m_new)``, i.e. a few hundred ulps (~1e-13) at worst; the margin
+still catches any wrong term (a missing rescale is an O(1) error).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from flashtile.reference.attention import (
     standard_attention,
 )
 from flashtile.reference.masks import BlockMask
+from tests._oracle import assert_close, attention_ref, tolerance
 
-RTOL = 1e-10
+RTOL = tolerance(torch.float64)
 NEG_INF = float("-inf")
 F64 = torch.float64
 
@@ -49,56 +50,16 @@ def _one_thread():
 
 
 # ---------------------------------------------------------------------------
-# The oracle and helpers
+# Helpers (the oracle is tests/_oracle.py's attention_ref)
 
 
-def oracle(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-           dropout_p=0.0, keep=None, block_mask=None):
-    """Dense attention straight from the definition; q (B, Hq, Nq, d), k, v (B, Hk, Nk, d)."""
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    heads = torch.arange(hq) // (hq // hk)
-    k, v = k[:, heads], v[:, heads]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    s = scale * torch.einsum("bhid,bhjd->bhij", q, k)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    # rel = i + Nk - Nq - j: how far key j lies left of q row i's (bottom-right aligned) diagonal
-    rel = torch.arange(nq)[:, None] + (nk - nq) - torch.arange(nk)[None, :]
-    if alibi is not None:
-        slopes = alibi if alibi.dim() == 2 else alibi[None]
-        s = s - slopes[:, :, None, None] * rel.abs().to(F64)
-    left, right = window
-    if causal:
-        right = 0
-    ok = torch.ones(nq, nk, dtype=torch.bool)
-    if left >= 0:
-        ok &= rel <= left
-    if right >= 0:
-        ok &= -rel <= right
-    ok = ok.expand(b, hq, nq, nk)
-    if block_mask is not None:
-        br, bc = block_mask.block_size
-        blocks = block_mask.mask[..., torch.arange(nq) // br, :][..., torch.arange(nk) // bc]
-        ok = ok & blocks
-    s = s.masked_fill(~ok, NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1)
-    p = torch.where(ok.any(dim=-1, keepdim=True), p, torch.zeros_like(p))  # fully masked rows: 0, not NaN
-    if keep is not None:
-        p = p * keep / (1.0 - dropout_p)
-    return p @ v, lse
-
-
-def check(res, ref_out, ref_lse, rtol=RTOL):
-    """out to rtol of its largest magnitude; LSE -inf exactly where the oracle's is, close elsewhere; no NaN."""
+def check(res, ref_out, ref_lse):
+    """out and LSE within the table's float64 tolerance of the oracle; LSE -inf exactly where the oracle's is; no NaN."""
     out, lse = res.out, res.lse
-    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    torch.testing.assert_close(out, ref_out, rtol=rtol, atol=rtol * max(1.0, ref_out.abs().max().item()))
+    assert_close(out, ref_out, what="out")
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    fin = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=rtol, atol=rtol)
+    assert_close(lse, ref_lse, what="lse")
 
 
 def qkv(seed, b, hq, hk, nq, nk, d, qscale=1.0):
@@ -166,7 +127,7 @@ def test_all_algorithms_match_oracle(prob):
     g = torch.Generator().manual_seed(o["seed"] + 1)
     slopes = None if alibi is None else torch.rand((hq,) if alibi == "h" else (b, hq), generator=g, dtype=F64)
     keep = torch.rand(b, hq, nq, nk, generator=g) >= dropout if dropout else None
-    ref = oracle(q, k, v, scale=o["scale"], causal=o["causal"], window=o["window"], softcap=o["softcap"],
+    ref = attention_ref(q, k, v, scale=o["scale"], causal=o["causal"], window=o["window"], softcap=o["softcap"],
                  alibi=slopes, dropout_p=dropout, keep=keep)
     for name, fn in algorithms(br, bc).items():
         res = fn(q, k, v, softmax_scale=o["scale"], causal=o["causal"], window_size=o["window"],
@@ -179,7 +140,7 @@ def test_all_algorithms_match_oracle(prob):
 def test_causal_alignment_and_fully_masked_rows(nq, nk, window):
     """Bottom-right causal; with Nq > Nk the first Nq - Nk rows see nothing: out 0, LSE -inf."""
     q, k, v = qkv(nq * nk, 1, 2, 1, nq, nk, 8)
-    ref = oracle(q, k, v, causal=True, window=window)
+    ref = attention_ref(q, k, v, causal=True, window=window)
     masked_rows = max(0, nq - nk)
     for fn in algorithms(6, 7).values():
         res = fn(q, k, v, causal=True, window_size=window)
@@ -193,7 +154,7 @@ def test_dropout_mask_broadcasts_and_scales():
     """A (Nq, Nk) keep mask broadcasts over batch and heads; kept weights are scaled by 1/(1-p)."""
     q, k, v = qkv(3, 2, 2, 2, 20, 30, 8)
     keep = torch.rand(20, 30, generator=torch.Generator().manual_seed(4)) > 0.5
-    ref = oracle(q, k, v, dropout_p=0.5, keep=keep)
+    ref = attention_ref(q, k, v, dropout_p=0.5, keep=keep)
     for fn in algorithms(7, 9).values():
         check(fn(q, k, v, dropout_p=0.5, dropout_mask=keep), *ref)
     # all-ones keep: the output is the undropped one times 1/(1-p)
@@ -217,7 +178,7 @@ def test_adversarial_logits(case):
         k[:, :, 17, 0] = 1e5
         q[..., 0] = 1.0  # key 17 scores 2.5e4, the rest O(1)
     for causal in (False, True):
-        ref = oracle(q, k, v, causal=causal)
+        ref = attention_ref(q, k, v, causal=causal)
         for fn in algorithms(5, 6).values():
             check(fn(q, k, v, causal=causal), *ref)
     if case == "equal_rows":
@@ -244,7 +205,7 @@ def test_compute_dtype_none_keeps_float32():
     ref = standard_attention(q, k, v, causal=True)
     res = flash_attn2(q.float(), k.float(), v.float(), causal=True, block_sizes=(8, 8), dtype=None)
     assert res.out.dtype == torch.float32
-    torch.testing.assert_close(res.out.double(), ref.out, rtol=1e-5, atol=1e-5)
+    assert_close(res.out, ref.out, what="out")  # the table's float32 entry
 
 
 # ---------------------------------------------------------------------------
@@ -280,7 +241,7 @@ def test_block_masks_match_oracle(name):
     bm = MASKS[name]()
     q, k, v = qkv(7, 2, 4, 2, NQ, NK, 12)
     for causal in (False, True):
-        ref = oracle(q, k, v, causal=causal, block_mask=bm)
+        ref = attention_ref(q, k, v, causal=causal, block_mask=bm)
         for fn in (standard_attention, block_sparse_flash_attn, flash_attn1, flash_attn2):
             if fn is block_sparse_flash_attn:
                 res = fn(q, k, v, bm, causal=causal)
@@ -366,7 +327,7 @@ def test_fa1_block_sizes_from_sram(m, d, expected):
     assert fa1_block_sizes(m, d) == expected
     q, k, v = qkv(13, 1, 1, 1, 40, 40, d)
     res = flash_attn1(q, k, v, sram_size=m)
-    check(res, *oracle(q, k, v))
+    check(res, *attention_ref(q, k, v))
     assert res.counts.hbm == fa1_main_hbm(40, 40, d, *expected)
 
 
@@ -429,7 +390,7 @@ def test_fa2_fewer_nonmatmul_flops_than_fa1(opts, nq, nk, d, blk):
 )
 def test_derivations_match_oracle(nq, nk, d, causal, scale, blk, seed):
     q, k, v = qkv(seed, 1, 1, 1, nq, nk, d, qscale=3.0)
-    out, lse = oracle(q, k, v, scale=scale, causal=causal)
+    out, lse = attention_ref(q, k, v, scale=scale, causal=causal)
     ref = (out[0, 0], lse[0, 0])
     q, k, v = q[0, 0], k[0, 0], v[0, 0]
     std = standard_attention(q, k, v, softmax_scale=scale, causal=causal)

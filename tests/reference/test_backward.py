@@ -1,10 +1,10 @@
 """Tests of the reference backward (recomputation by tiles, and the dense baseline).
 
-The oracle is an independent dense float64 forward written here (masked
-softmax from masks.allowed_mask / masks.apply_score_mods, GQA by
-repeat_interleave) differentiated by torch autograd; ``out`` and ``lse`` fed
-to the backward come from that same forward.  Gradients must agree to 1e-9
-relative to the largest entry: float64 carries ~1e-16 per operation and a
+The oracle is tests/_oracle.py's dense float64 forward (written from the
+documented semantics, independently of flashtile.reference.masks)
+differentiated by torch autograd; ``out`` and ``lse`` fed to the backward come
+from that same forward.  Gradients must agree to the table's float64 entry,
+1e-9 relative to the largest entry: float64 carries ~1e-16 per operation and a
 gradient entry sums at most a few hundred products, so 1e-9 leaves room for
 the conditioning of adversarial (+-1e4) logits and nothing more.
 """
@@ -19,53 +19,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtile.reference.backward import BackwardResult, flash_attn_backward, standard_attention_backward
-from flashtile.reference.masks import BlockMask, allowed_mask, apply_score_mods
+from flashtile.reference.masks import BlockMask, allowed_mask
+from tests._oracle import assert_close, attention_ref_grads, ref_kwargs
 
-RTOL = 1e-9
 NEG_INF = float("-inf")
 
 
 # ---------------------------------------------------------------------------
-# Independent dense oracle
-
-
-def dense_forward(q, k, v, *, scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_p=0.0, dropout_mask=None, block_mask=None):
-    """(out, lse) of masked attention on (B, H, N, d) float64 tensors, differentiable."""
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    kx, vx = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
-    s = scale * torch.einsum("bhid,bhjd->bhij", q, kx)
-    s = apply_score_mods(s, softcap=softcap, alibi_slopes=alibi_slopes)
-    allowed = allowed_mask(nq, nk, causal=causal, window_size=window_size, block_mask=block_mask)
-    allowed = allowed.expand(b, hq, nq, nk)
-    live = allowed.any(dim=-1, keepdim=True)
-    s = torch.where(allowed, s, torch.full_like(s, NEG_INF))
-    s = torch.where(live, s, torch.zeros_like(s))  # keep empty rows finite for autograd
-    lse_live = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.where(allowed, torch.exp(s - lse_live), torch.zeros_like(s))
-    if dropout_mask is not None:
-        p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
-    out = p @ vx
-    lse = torch.where(live, lse_live, torch.full_like(lse_live, NEG_INF)).squeeze(-1)
-    return out, lse
+# The oracle: autograd of tests/_oracle.py
 
 
 def oracle(q, k, v, dout, **opts):
-    """(out, lse, dq, dk, dv) from autograd through :func:`dense_forward`."""
-    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    out, lse = dense_forward(q, k, v, **opts)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    return out.detach(), lse.detach(), dq, dk, dv
+    """(out, lse, dq, dk, dv) from autograd through tests._oracle.attention_ref; opts in the library's names."""
+    opts = dict(opts)
+    if "scale" in opts:
+        opts["softmax_scale"] = opts.pop("scale")
+    return attention_ref_grads(q, k, v, dout, **ref_kwargs(**opts))
 
 
-def assert_grad_close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
-    assert got.shape == want.shape
+def assert_grad_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within the table's tolerance for got's dtype (float64: 1e-9) of the largest entry; no NaN."""
     assert not torch.isnan(got).any()
-    tol = rtol * max(1.0, want.abs().max().item() if want.numel() else 0.0)
-    err = (got - want).abs().max().item() if got.numel() else 0.0
-    assert err <= tol, f"max abs error {err:.3e} > {tol:.3e}"
+    assert_close(got, want, what="gradient")
 
 
 def make(seed, b, hq, hk, nq, nk, d, scale=1.0):
@@ -257,14 +232,14 @@ def test_lower_ranks(rank: int) -> None:
 
 
 def test_float32_dtype() -> None:
-    """dtype=float32 computes in float32: within 1e-5 of float64 relative to the largest entry."""
+    """dtype=float32 computes in float32: within the table's float32 tolerance of float64."""
     q, k, v, dout = make(9, 1, 2, 1, 70, 90, 32)
     out, lse, dq, dk, dv = oracle(q, k, v, dout, causal=True)
     res = flash_attn_backward(q.float(), k.float(), v.float(), out.float(), dout.float(), lse.float(),
                               causal=True, dtype=None, block_sizes=(32, 32))
     for got, want in zip(res[:3], (dq, dk, dv)):
         assert got.dtype == torch.float32
-        assert_grad_close(got.double(), want, rtol=1e-5)
+        assert_grad_close(got, want)
 
 
 # ---------------------------------------------------------------------------
