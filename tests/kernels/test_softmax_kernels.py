@@ -63,7 +63,7 @@ def test_rows_split_over_launches(kernel, device, monkeypatch):
 
     monkeypatch.setattr(softmax, "GRID_X_MAX", 3)
     x = randn(7, 37, device=device, seed=4)
-    assert err(kernel(x), oracle(x)) <= TOL[torch.float32]
+    close(kernel(x), oracle(x))
 
 
 @pytest.mark.parametrize("kernel, ref", [(softmax_online, block_online_softmax), (softmax_safe, safe_softmax)])
