@@ -1,0 +1,177 @@
+"""Host side of the Hopper forward kernel (:mod:`flashtile.kernels.fa3_fwd`).
+
+``fa3_forward`` owns the grid, the strides, the descriptor scratch allocator
+and the tile choice per head dim.  It covers what the kernel covers: bf16 /
+fp16, head dims 8..256 in steps of 8 (tuned at 64, 128, 256), causal or not
+(bottom-right aligned), GQA/MQA, ragged Nq / Nk, LSE output; anything else
+raises ``NotImplementedError`` so a dispatcher can fall back to the FA2 kernel.
+Not wired into the public API yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flashtile.kernels._common import LOG2E
+
+__all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
+SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
+
+
+@dataclass(frozen=True)
+class Fa3Config:
+    """Tile shape and launch options of one kernel instance."""
+
+    block_m: int
+    block_n: int
+    num_warps: int  # warps per consumer warpgroup set; warp specialisation adds a producer warpgroup
+    num_stages: int
+    warp_spec: bool
+    o_tma: bool = True  # store O through a descriptor (a shared-memory staging tile) or plain stores
+
+
+def fa3_config(d: int, causal: bool, nq: int, nk: int) -> Fa3Config:
+    """The config for head dim ``d`` (a table: no device query, so CPU-testable).
+
+    From the H100 sweep in docs/hopper-forward-notes.md (bf16, B*N = 16k, H*d = 2048, N 1k-16k):
+    d <= 64: 256 x 128 warp-specialised without a mask, the unspecialised two-loop kernel at
+    128 x 64 under the causal mask (the specialised one masks every tile); d <= 128:
+    128 x 128 specialised, 2 stages (3 do not fit 227 KB); d <= 256: 128 x 64 specialised,
+    2 stages with O written by plain stores (its TMA staging tile leaves room for 1 stage only)."""
+    del nq, nk  # one row per head-dim bucket so far
+    if d <= 64:
+        return Fa3Config(128, 64, 8, 3, False) if causal else Fa3Config(256, 128, 4, 2, True)
+    if d <= 128:
+        return Fa3Config(128, 128, 4, 2, True)
+    return Fa3Config(128, 64, 4, 2, True, o_tma=False)
+
+
+def smem_bytes(cfg: Fa3Config, d: int, esize: int = 2) -> int:
+    """Shared memory the config needs, as Triton 3.6 lays it out for sm_90a (compile reports, offline):
+    the Q tile, a ring of ``num_stages`` K and V tiles, the O tile's staging (a TMA source tile with
+    warp specialisation, aliased with Q without; a quarter tile of layout-conversion scratch for plain
+    stores) and under 1 KB of barriers; ``ptxas``-checked within 1 KB above."""
+    bd = max(16, 1 << (d - 1).bit_length())
+    tile_q = cfg.block_m * bd * esize
+    o_stage = (tile_q if cfg.warp_spec else 0) if cfg.o_tma else tile_q // 4
+    return tile_q + o_stage + cfg.num_stages * 2 * cfg.block_n * bd * esize + 1024
+
+
+def _allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the in-kernel tensor descriptors (128 bytes each, 4 per program)."""
+    del alignment, stream  # the caching allocator's blocks are 512-byte aligned
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Install the scratch allocator unless the caller already set one."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_allocator)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (B, H, N, d) tensor")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"fa3_forward covers fp16 / bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
+                                  f"{v.dtype}")
+    dev = q.device
+    if dev.type != "cuda" or _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
+        raise NotImplementedError("fa3_forward needs an sm_90 (Hopper) CUDA device")
+    b, hq, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.device != dev or v.device != dev:
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} must match q {tuple(q.shape)} in batch and head_dim")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({k.shape[1]})")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"fa3_forward covers head dims multiple of 8 up to 256, got {d}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x is None:
+            continue
+        # tensor descriptors: 16-byte aligned base of every head, unit stride on d, 16-byte row strides
+        es = x.element_size()
+        if x.stride(3) != 1 or x.data_ptr() % 16 or any((s * es) % 16 for s in x.stride()[:3]):
+            raise NotImplementedError(f"{name}: fa3_forward needs unit stride on d, 16-byte aligned base and strides")
+
+
+def fa3_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hopper attention forward on (B, H, N, d) views: returns ``(out, lse)``.
+
+    Same contract as :func:`flashtile.kernels.fa2_fwd.fa2_forward` for the
+    options it takes: ``out`` in q's dtype (written into the given view when
+    passed), ``lse`` (B, Hq, Nq) float32 natural-log sum-exp, -inf (and a zero
+    output) on rows that see no key."""
+    _check(q, k, v, out)
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must have the shape, dtype and device of q, got {tuple(out.shape)}, {out.dtype}")
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if b * hq * nq == 0:
+        return out, lse
+    if nk == 0:  # no keys: every row is empty
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if softmax_scale <= 0:
+        # the kernel scales the row max of raw scores, which needs a scale > 0: (-q)·k |scale| is the
+        # same score exactly, and a zero scale makes every score 0, as zero queries do
+        q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
+
+    _ensure_allocator()
+    with torch.cuda.device(q.device):
+        launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
+    return out, lse
+
+
+def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config) -> None:
+    """One kernel launch on checked (B, H, N, d) views (also used by the interpreter test on CPU tensors)."""
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
+
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    num_m_tiles = triton.cdiv(nq, cfg.block_m)
+    grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
+    if grid[0] >= 2**31:
+        raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
+    fa3_fwd_kernel[grid](
+        q, k, v, out, lse, qk_scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hk, nq, nk, num_m_tiles,
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=cfg.block_m,
+        LOG2_BLOCK_M=cfg.block_m.bit_length() - 1, BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal), EVEN_N=nk % cfg.block_n == 0, WARP_SPEC=cfg.warp_spec, O_TMA=cfg.o_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,183 @@
+"""Hopper forward kernel (kernels/fa3_fwd.py, runtime/fa3_fwd.py).
+
+GPU tests (``pytest -m gpu``) need an sm_90 device.  On the CPU: the config
+table, the wrapper's refusals, and the kernel itself through Triton's
+interpreter (which runs ``tl.make_tensor_descriptor`` loads and stores and
+ignores ``warp_specialize``) on fp16 tiles; bf16 is GPU-only here because the
+interpreter's dot multiplies bf16 bit patterns (see ``_common.mma``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashtile.kernels._common import LOG2E
+from flashtile.runtime import fa3_fwd
+from flashtile.runtime.fa3_fwd import SMEM_LIMIT, Fa3Config, fa3_config, fa3_forward, smem_bytes
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+
+
+def oracle(q, k, v, scale, causal):
+    """Dense float64 attention, bottom-right causal; -inf LSE and zero output on rows with no key."""
+    q, k, v = (x.detach().double().cpu() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = scale * q @ k.transpose(-1, -2)
+    nq, nk = s.shape[-2:]
+    if causal:
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(nk)[None, :]
+        s = s.masked_fill(j > i + nk - nq, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0.0)
+    return p @ v, lse
+
+
+def assert_matches(out, lse, ref_out, ref_lse, tol=1e-2):
+    out, lse = out.detach().double().cpu(), lse.detach().double().cpu()
+    assert not torch.isnan(out).any(), "NaN in out (unwritten rows?)"
+    assert not torch.isnan(lse).any(), "NaN in lse (unwritten rows?)"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "lse must be -inf exactly on rows with no allowed key"
+    assert (out[empty] == 0).all(), "rows with no allowed key must output exactly 0"
+    err = (out - ref_out).norm() / ref_out.norm().clamp_min(1e-12)
+    assert err <= tol, f"out relative error {err:.3g} > {tol}"
+    live = ~empty
+    if live.any():
+        lerr = ((lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)).max()
+        assert lerr <= tol, f"lse relative error {lerr:.3g} > {tol}"
+
+
+def qkv(b, hq, hk, nq, nk, d, dtype, device, seq_major=False, seed=0):
+    """Fresh random inputs as (B, H, N, d) views; ``seq_major`` gives flash-attn's (B, N, H, d) storage."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mk(h, n):
+        x = torch.randn(b, n, h, d, generator=g) if seq_major else torch.randn(b, h, n, d, generator=g)
+        x = x.to(device=device, dtype=dtype)
+        return x.transpose(1, 2) if seq_major else x
+
+    return mk(hq, nq), mk(hk, nk), mk(hk, nk)
+
+
+# --------------------------------------------------------------------------- #
+# CPU: config table and refusals (no launch)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("d", fa3_fwd.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_config_fits_and_tiles(d, causal):
+    cfg = fa3_config(d, causal, 4096, 4096)
+    assert smem_bytes(cfg, d) <= SMEM_LIMIT
+    assert cfg.block_m % 64 == 0 and cfg.block_n % 16 == 0 and cfg.block_m & (cfg.block_m - 1) == 0
+    assert cfg.num_warps in (4, 8) and cfg.num_stages >= 1
+
+
+def test_config_table_rows():
+    assert fa3_config(128, False, 16384, 16384) == Fa3Config(128, 128, 4, 2, True)
+    assert fa3_config(256, True, 4096, 4096) == Fa3Config(128, 64, 4, 2, True, o_tma=False)
+    assert fa3_config(64, False, 4096, 4096) == Fa3Config(256, 128, 4, 2, True)
+    assert fa3_config(64, True, 4096, 4096) == Fa3Config(128, 64, 8, 3, False)
+
+
+def test_smem_estimate_matches_compile_reports():
+    # Triton 3.6, sm_90a, bf16 (metadata.shared): the estimate is the report rounded up by < 1 KB
+    for cfg, d, reported in [
+        (Fa3Config(128, 128, 4, 2, True), 128, 197024),
+        (Fa3Config(128, 64, 4, 1, True), 256, 197016),
+        (Fa3Config(256, 128, 4, 2, True), 64, 131488),
+        (Fa3Config(128, 128, 8, 3, False), 128, 230400),
+        (Fa3Config(128, 64, 8, 3, False), 64, 66560),
+        (Fa3Config(128, 64, 4, 2, True, o_tma=False), 256, 213280),
+    ]:
+        assert 0 <= smem_bytes(cfg, d) - reported <= 1024
+
+
+def test_refuses_what_it_does_not_cover():
+    q = torch.zeros(1, 1, 16, 64)
+    with pytest.raises(NotImplementedError):
+        fa3_forward(q, q, q, softmax_scale=0.125)  # fp32
+    h = q.half()
+    with pytest.raises(NotImplementedError):
+        fa3_forward(h, h, h, softmax_scale=0.125)  # not an sm_90 CUDA device
+    with pytest.raises(ValueError):
+        fa3_forward(h[0], h[0], h[0], softmax_scale=0.125)  # not 4-D
+
+
+# --------------------------------------------------------------------------- #
+# CPU: the kernel through Triton's interpreter
+# --------------------------------------------------------------------------- #
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk,warp_spec", [(100, 100, False), (70, 45, True), (40, 90, False), (64, 64, True)])
+def test_interpreter_kernel(causal, nq, nk, warp_spec):
+    b, hq, hk, d = 2, 2, 1, 48  # GQA, head dim padded to 64 by the descriptor
+    q, k, v = qkv(b, hq, hk, nq, nk, d, torch.float16, "cpu", seq_major=True)
+    out = torch.full((b, nq, hq, d), float("nan"), dtype=torch.float16).transpose(1, 2)
+    lse = torch.full((b, hq, nq), float("nan"))
+    for o_tma in (True, False):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        fa3_fwd.launch(q, k, v, out, lse, d ** -0.5 * LOG2E, causal, Fa3Config(64, 32, 4, 1, warp_spec, o_tma))
+        assert_matches(out, lse, *oracle(q, k, v, d ** -0.5, causal))
+
+
+# --------------------------------------------------------------------------- #
+# GPU (sm_90)
+# --------------------------------------------------------------------------- #
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(512, 512), (333, 517), (517, 200), (1, 300), (1000, 1000)])
+def test_matches_float64(d, causal, nq, nk):
+    q, k, v = qkv(2, 4, 2, nq, nk, d, torch.bfloat16, "cuda", seq_major=True, seed=d + nq)
+    out = torch.full((2, nq, 4, d), float("nan"), dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    o, lse = fa3_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out)
+    assert o is out
+    assert_matches(o, lse, *oracle(q, k, v, d ** -0.5, causal))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16_and_bhnd_layout(d, causal):
+    q, k, v = qkv(1, 3, 3, 384, 640, d, torch.float16, "cuda", seed=d)
+    o, lse = fa3_forward(q, k, v, softmax_scale=0.3, causal=causal)
+    assert o.dtype == torch.float16 and lse.shape == (1, 3, 384)
+    assert_matches(o, lse, *oracle(q, k, v, 0.3, causal))
+
+
+@pytest.mark.gpu
+@hopper
+def test_negative_and_zero_scale():
+    q, k, v = qkv(1, 2, 2, 200, 200, 128, torch.bfloat16, "cuda", seed=1)
+    for scale in (-0.2, 0.0):
+        o, lse = fa3_forward(q, k, v, softmax_scale=scale)
+        assert_matches(o, lse, *oracle(q, k, v, scale, False))
+
+
+@pytest.mark.gpu
+@hopper
+def test_empty_keys_and_queries():
+    q, k, v = qkv(1, 2, 2, 10, 0, 64, torch.bfloat16, "cuda")
+    o, lse = fa3_forward(q, k, v, softmax_scale=0.125)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    q, k, v = qkv(1, 2, 2, 0, 10, 64, torch.bfloat16, "cuda")
+    o, lse = fa3_forward(q, k, v, softmax_scale=0.125)
+    assert o.shape == (1, 2, 0, 64) and lse.shape == (1, 2, 0)
+
+
+@pytest.mark.gpu
+@hopper
+def test_many_heads_one_grid_axis():
+    # B * H = 70000 > 65535: the grid folds everything into axis 0
+    q, k, v = qkv(70000, 1, 1, 16, 16, 64, torch.bfloat16, "cuda")
+    o, lse = fa3_forward(q, k, v, softmax_scale=0.125, causal=True)
+    ref_o, ref_lse = oracle(q[-50:], k[-50:], v[-50:], 0.125, True)
+    assert_matches(o[-50:], lse[-50:], ref_o, ref_lse)
