@@ -41,7 +41,7 @@ class Fa3Config:
 def fa3_config(d: int, causal: bool, nq: int, nk: int) -> Fa3Config:
     """The config for head dim ``d`` (a table: no device query, so CPU-testable).
 
-    From the H100 sweep in docs/hopper-forward-notes.md (bf16, B*N = 16k, H*d = 2048, N 1k-16k):
+    From the H100 sweep in bench/NOTES.md ("Hopper forward, first step") (bf16, B*N = 16k, H*d = 2048, N 1k-16k):
     d <= 64: 256 x 128 warp-specialised without a mask, the unspecialised two-loop kernel at
     128 x 64 under the causal mask (the specialised one masks every tile); d <= 128:
     128 x 128 specialised, 2 stages (3 do not fit 227 KB); d <= 256: 128 x 64 specialised,
