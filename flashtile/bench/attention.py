@@ -8,6 +8,8 @@ heads, head_dim) layout that model code produces, and times, in this process:
 * ``sdpa-cudnn``     — the CUDNN_ATTENTION backend
 * ``sdpa-efficient`` — the EFFICIENT_ATTENTION backend (xFormers' memory-efficient kernel)
 * ``flex``           — ``torch.compile(flex_attention)`` with a causal BlockMask when causal
+* ``fa3``            — FlashAttention-3's forward (``fa3_fwd_interface``, an optional peer: the column
+  reads "unsupported" when it is not importable, and for forward + backward, which it lacks)
 
 SDPA and FlexAttention receive ``x.transpose(1, 2)`` views of the same tensors.
 Throughput uses the FlashAttention convention: 4·B·H·N²·d FLOPs forward,
@@ -24,7 +26,7 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, rel_err
 
-PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3")
 
 
 @dataclass
@@ -106,6 +108,28 @@ def _flashtile_fn():
     return run
 
 
+def _fa3_fn():
+    """FA3's forward if its interface imports (never a dependency), else a function that says why not."""
+    try:
+        import fa3_fwd_interface as fa3
+    except ImportError as e:
+        reason = f"fa3_fwd_interface not importable ({e})"
+
+        def missing(q, k, v, causal):
+            raise RuntimeError(reason)
+
+        return missing
+
+    def run(q, k, v, causal):
+        out = fa3.flash_attn_func(q, k, v, causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        if q.requires_grad:
+            raise RuntimeError("the FA3 forward wheel has no backward")
+        return out
+
+    return run
+
+
 def make_providers(names) -> dict[str, Callable]:
     out = {}
     for name in names:
@@ -115,6 +139,8 @@ def make_providers(names) -> dict[str, Callable]:
             out[name] = _sdpa_fn(name)
         elif name == "flex":
             out[name] = _flex_fn()
+        elif name == "fa3":
+            out[name] = _fa3_fn()
         else:
             raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS + ('sdpa-math',)}")
     return out
