@@ -154,11 +154,16 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
               window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path)."""
     from flashtile.kernels.fa2_fwd import fa2_forward
+    from flashtile.runtime.fa3_fwd import fa3_forward, prefer_hopper
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
     rng = _philox(q.device) if dropout_p > 0 else None
     out = _out_like(q, seq_major)
+    plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
+    if plain and prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
+        _, lse = fa3_forward(qb, kb, vb, softmax_scale=softmax_scale, causal=causal, out=_bhnd(out, seq_major))
+        return out, lse, torch.zeros(2, dtype=torch.int64)
     _, lse = fa2_forward(
         qb, kb, vb,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),

@@ -5,7 +5,7 @@ and the tile choice per head dim.  It covers what the kernel covers: bf16 /
 fp16, head dims 8..256 in steps of 8 (tuned at 64, 128, 256), causal or not
 (bottom-right aligned), GQA/MQA, ragged Nq / Nk, LSE output; anything else
 raises ``NotImplementedError`` so a dispatcher can fall back to the FA2 kernel.
-Not wired into the public API yet.
+The public ops call it where :func:`prefer_hopper` says it beats the FA2 kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import triton
 
 from flashtile.kernels._common import LOG2E
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS", "ENABLED",
+           "prefer_hopper", "hopper_wins"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -82,6 +83,45 @@ def _ensure_allocator() -> None:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+# False sends every forward to the FA2 kernel (benchmarks and tests compare the two paths)
+ENABLED = True
+
+
+def _tma_ready(x: torch.Tensor) -> bool:
+    """Tensor descriptors need a 16-byte aligned base, unit stride on d and 16-byte strides."""
+    es = x.element_size()
+    return x.stride(3) == 1 and x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:3])
+
+
+def hopper_wins(d: int, causal: bool, nk: int) -> bool:
+    """The measured part of :func:`prefer_hopper`: head dim ``d`` (covered: multiples of 8 up to 256),
+    causal or not, ``nk`` keys."""
+    return d in SUPPORTED_HEAD_DIMS and d > 64 and not (d <= 128 and causal and nk < 8192)
+
+
+def prefer_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window: tuple[int, int],
+    plain: bool, capability: tuple[int, int] | None = None,
+) -> bool:
+    """Whether the forward on (B, H, N, d) views q, k, v runs the Hopper kernel instead of FA2's.
+
+    ``plain``: no softcap, ALiBi, bias, dropout or block mask (the kernel has none of them);
+    the window must be unbounded, or causal.  Where it is covered, the measured H100 table (bench/NOTES.md,
+    "Hopper forward, first step") decides: d > 128 always (2.0-2.6x FA2's TFLOP/s); 64 < d <= 128 without
+    a mask (1.04-1.12x) or causal from 8k keys (1.05x at 16k; 0.82-0.95x below); d <= 64 stays on FA2
+    (0.77-1.07x)."""
+    if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in SUPPORTED_DTYPES:
+        return False
+    left, right = window
+    if left != -1 or right != (0 if causal else -1):
+        return False
+    if not hopper_wins(q.shape[3], causal, k.shape[2]):
+        return False
+    if capability is None:
+        capability = _capability(q.get_device())
+    return capability == (9, 0) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:

@@ -181,3 +181,59 @@ def test_many_heads_one_grid_axis():
     o, lse = fa3_forward(q, k, v, softmax_scale=0.125, causal=True)
     ref_o, ref_lse = oracle(q[-50:], k[-50:], v[-50:], 0.125, True)
     assert_matches(o[-50:], lse[-50:], ref_o, ref_lse)
+
+
+# --------------------------------------------------------------------------- #
+# dispatch from the public ops (CPU: no launch)
+# --------------------------------------------------------------------------- #
+def test_hopper_wins_follows_the_measured_table():
+    from flashtile.runtime.fa3_fwd import hopper_wins
+
+    assert not hopper_wins(64, False, 16384) and not hopper_wins(32, True, 16384)  # d <= 64: FA2
+    assert hopper_wins(128, False, 1024) and hopper_wins(96, False, 4096)
+    assert not hopper_wins(128, True, 4096) and hopper_wins(128, True, 8192)
+    assert hopper_wins(256, True, 1024) and hopper_wins(192, False, 1024)
+    assert not hopper_wins(100, False, 4096)  # not a multiple of 8: no tensor descriptor
+
+
+def test_prefer_hopper_gates():
+    """Only plain (no softcap/ALiBi/bias/dropout/block mask), unbounded-or-causal, fp16/bf16 CUDA calls;
+    a CPU tensor never dispatches, whatever the capability claimed."""
+    from flashtile.runtime import fa3_fwd
+
+    q = torch.empty(1, 2, 16384, 256, dtype=torch.bfloat16)
+    kw = dict(causal=False, window=(-1, -1), plain=True, capability=(9, 0))
+    assert not fa3_fwd.prefer_hopper(q, q, q, **kw)  # CPU
+    assert not fa3_fwd.prefer_hopper(q, q, q, **(kw | dict(plain=False)))
+    assert not fa3_fwd.prefer_hopper(q, q, q, **(kw | dict(window=(128, 0))))
+
+
+@pytest.mark.gpu
+def test_gpu_public_op_dispatches_to_hopper_and_matches(monkeypatch):
+    """flash_attn_func at d = 256 runs the Hopper forward on an sm_90 GPU (FA2's backward after it):
+    out, LSE and gradients match the float64 oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    from flashtile import flash_attn_func
+    from flashtile.runtime import fa3_fwd
+    from tests._oracle import assert_close, attention_ref_grads, rounding_slack
+
+    calls = []
+    real = fa3_fwd.launch
+    monkeypatch.setattr(fa3_fwd, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, dout = (torch.randn(2, 1000, 4, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    f64 = [x.double().transpose(1, 2) for x in (q, k, v, dout)]
+    for causal in (False, True):
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
+        out.backward(dout)
+        assert calls, "the Hopper forward was not used"
+        calls.clear()
+        ref, ref_lse, dq, dk, dv = attention_ref_grads(*f64, scale=256 ** -0.5, causal=causal)
+        slack = rounding_slack(*f64, torch.bfloat16, scale=256 ** -0.5, causal=causal)
+        assert_close(out.transpose(1, 2), ref, what="out")
+        assert_close(lse, ref_lse, torch.bfloat16, what="lse")
+        size = max(float(g.abs().max()) for g in (dq, dk, dv))
+        for name, g, r, extra in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), (dq, dk, dv), slack):
+            assert_close(g.transpose(1, 2), r, what=name, magnitude=size, slack=extra)
