@@ -3,7 +3,8 @@
 Every grid point builds one set of random bf16 inputs in the (batch, seqlen,
 heads, head_dim) layout that model code produces, and times, in this process:
 
-* ``flashtile``      — :func:`flashtile.flash_attn_func` (the Triton FA2 kernels)
+* ``flashtile``      — :func:`flashtile.flash_attn_func` (the Hopper forward where it is chosen, else FA2)
+* ``flashtile-fa2``  — the same with the Hopper forward switched off (the FA2 kernels only)
 * ``sdpa-flash``     — ``scaled_dot_product_attention`` restricted to the FLASH_ATTENTION backend (FA2 CUDA)
 * ``sdpa-cudnn``     — the CUDNN_ATTENTION backend
 * ``sdpa-efficient`` — the EFFICIENT_ATTENTION backend (xFormers' memory-efficient kernel)
@@ -26,7 +27,7 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, rel_err
 
-PROVIDERS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3")
+PROVIDERS = ("flashtile", "flashtile-fa2", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3")
 
 
 @dataclass
@@ -99,11 +100,16 @@ def _flex_fn():
     return run
 
 
-def _flashtile_fn():
+def _flashtile_fn(hopper: bool = True):
     from flashtile import flash_attn_func
+    from flashtile.runtime import fa3_fwd
 
     def run(q, k, v, causal):
-        return flash_attn_func(q, k, v, causal=causal)
+        saved, fa3_fwd.ENABLED = fa3_fwd.ENABLED, hopper and fa3_fwd.ENABLED
+        try:
+            return flash_attn_func(q, k, v, causal=causal)
+        finally:
+            fa3_fwd.ENABLED = saved
 
     return run
 
@@ -133,8 +139,8 @@ def _fa3_fn():
 def make_providers(names) -> dict[str, Callable]:
     out = {}
     for name in names:
-        if name == "flashtile":
-            out[name] = _flashtile_fn()
+        if name in ("flashtile", "flashtile-fa2"):
+            out[name] = _flashtile_fn(hopper=name == "flashtile")
         elif name.startswith("sdpa-"):
             out[name] = _sdpa_fn(name)
         elif name == "flex":
