@@ -19,19 +19,18 @@ say ``softmax_scale``.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from flashtile.reference.masks import BlockMask
+from flashtile.runtime.common import interpreting
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "AttnDims",
-    "interpreting",
     "check_qkv_tensors",
     "check_dims",
     "check_window",
@@ -57,11 +56,6 @@ class AttnDims(NamedTuple):
     seqlen_q: int
     seqlen_k: int
     head_dim: int
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def check_qkv_tensors(names: Sequence[str], *tensors: object) -> None:
