@@ -3,7 +3,8 @@
 The public functions (:mod:`flashtile.ops.flash_attn`, :mod:`flashtile.ops.sdpa`)
 call these before anything reaches a custom op, so a bad call fails with a
 message that names the argument and the accepted values, instead of deep
-inside a Triton launch.  Conventions: a wrong *type or dtype* raises
+inside a Triton launch; the FA2 kernel wrappers (:mod:`flashtile.runtime.fa2_fwd`,
+:mod:`flashtile.runtime.fa2_bwd`) trust these checks and repeat none of them.  Conventions: a wrong *type or dtype* raises
 ``TypeError``; a wrong *value, shape or device* raises ``ValueError``.
 
 The checks only read Python scalars, shapes, dtypes and devices, so

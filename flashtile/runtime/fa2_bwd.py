@@ -1,7 +1,10 @@
 """Host side of the FlashAttention-2 backward: tiles, grids, the 64-bit offset decision and :func:`fa2_backward`.
 
 :func:`fa2_backward` trusts its caller (:mod:`flashtile.ops` validates at the public boundary,
-:mod:`flashtile.ops.validate`).  Kernels: :mod:`flashtile.kernels.fa2_bwd`; algorithm: ``docs/fa2.md``.
+:mod:`flashtile.ops.validate`).  It keeps the checks that guard memory from values the boundary
+does not see: ``check_rng_state`` (the kernels read two int64 from ``rng_state``), the block
+lists' ``check_seqlens`` (the kernels index one list per tile) and ``fold_grid``'s CUDA grid
+limits.  Kernels: :mod:`flashtile.kernels.fa2_bwd`; algorithm: ``docs/fa2.md``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Host side of the FlashAttention-2 forward: tiles, autotune plumbing, grid and :func:`fa2_forward`.
 
 :func:`fa2_forward` trusts its caller (:mod:`flashtile.ops` validates at the public boundary,
-:mod:`flashtile.ops.validate`); what it still checks protects memory.  Kernel:
-:mod:`flashtile.kernels.fa2_fwd`; algorithm: ``docs/fa2.md``.
+:mod:`flashtile.ops.validate`).  It keeps the checks that guard memory from values the boundary
+does not see: ``check_rng_state`` (the kernel reads two int64 from ``rng_state``), the block
+lists' ``check_seqlens`` (the kernel indexes one list per query tile) and ``fold_grid``'s CUDA grid
+limits.  Kernel: :mod:`flashtile.kernels.fa2_fwd`; algorithm: ``docs/fa2.md``.
 """
 
 from __future__ import annotations
