@@ -202,7 +202,7 @@ def _fa2_fwd_kernel(
     stride_alibi_b, stride_alibi_h,
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
-    n_heads, n_bh, kv_group, seqlen_q, seqlen_k, head_dim,
+    n_heads_q, n_bh, kv_group, seqlen_q, seqlen_k, head_dim,
     window_left, window_right,
     mask_block_m, mask_block_n,
     tune_nq, tune_nk,  # autotune key buckets (Nq // 128, Nk // 128); unused by the body
@@ -228,8 +228,8 @@ def _fa2_fwd_kernel(
     if bh >= n_bh:
         return
     pid_m = tl.num_programs(0) - 1 - tile
-    off_h = bh % n_heads
-    off_b = bh // n_heads
+    off_h = bh % n_heads_q
+    off_b = bh // n_heads_q
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
 

@@ -93,7 +93,7 @@ def test_forward_launch_matches_kernel_parameters(monkeypatch):
     assert (a["stride_cnt_b"], a["stride_idx_b"]) == (0, 0) and a["stride_cnt_h"] == a["KVCount"].stride(1)
     assert a["stride_cnt_r"] == a["KVCount"].stride(2) and a["stride_idx_r"] == a["KVIdx"].stride(2)
     assert a["stride_idx_h"] == a["KVIdx"].stride(1)
-    want = dict(n_heads=HQ, n_bh=B * HQ, kv_group=HQ // HK, seqlen_q=NQ, seqlen_k=NK, head_dim=D,
+    want = dict(n_heads_q=HQ, n_bh=B * HQ, kv_group=HQ // HK, seqlen_q=NQ, seqlen_k=NK, head_dim=D,
                 window_left=9, window_right=4, mask_block_m=16, mask_block_n=16, tune_nq=0, tune_nk=0,
                 BLOCK_D=32, HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_BIAS=True,
                 HAS_DROPOUT=True, IS_BLOCK_SPARSE=True, EVEN_D=False, DOT_PRECISION="tf32", UPCAST_DOT=False)
