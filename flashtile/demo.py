@@ -238,8 +238,8 @@ def _kernel_table(console: Console, seed: int) -> None:
 def _teaching_kernels(console: Console, seed: int) -> None:
     """FA1 (Algorithm 1 in Triton), the two softmax kernels and split-KV decoding, vs float64."""
     from flashtile import flash_attn_with_kvcache
-    from flashtile.kernels.fa1_fwd import fa1_forward
-    from flashtile.kernels.softmax import softmax_online, softmax_safe
+    from flashtile.runtime.fa1_fwd import fa1_forward
+    from flashtile.runtime.softmax import softmax_online, softmax_safe
 
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"

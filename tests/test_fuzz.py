@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import flashtile
 from flashtile import BlockMask
-from flashtile.kernels._common import dropout_keep_mask
+from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops import next_philox_state
 from tests._oracle import assert_close, attention_ref, attention_ref_grads, rounding_slack
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flashtile import flash_attn_func  # noqa: E402
 from flashtile.bench.common import median_ms  # noqa: E402
-from flashtile.kernels.fa2_fwd import fa2_forward  # noqa: E402
+from flashtile.runtime.fa2_fwd import fa2_forward  # noqa: E402
 
 for d, n, causal in ((128, 1024, True), (128, 4096, False), (64, 16384, True)):
     b, h = 16384 // n, 2048 // d

@@ -22,7 +22,7 @@ import torch
 from flashtile import flash_attn_func
 from flashtile.bench.attention import _reference_rows
 from flashtile.bench.common import environment, median_ms, rel_err
-from flashtile.kernels import fa2_bwd
+from flashtile.runtime import fa2_bwd
 
 ROUNDS = 3
 QUICK = "--quick" in sys.argv

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flashtile.bench.attention import _sdpa_fn  # noqa: E402
 from flashtile.bench.common import median_ms  # noqa: E402
-from flashtile.kernels import fa2_fwd  # noqa: E402
+from flashtile.runtime import fa2_fwd  # noqa: E402
 
 d, n, h = 128, 2048, 16
 orig = fa2_fwd.fwd_config

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashtile.bench.attention import _reference_rows, _sdpa_fn  # noqa: E402
 from flashtile.bench.common import environment, median_ms, rel_err  # noqa: E402
-from flashtile.kernels import fa2_bwd, fa2_fwd  # noqa: E402
+from flashtile.runtime import fa2_bwd, fa2_fwd  # noqa: E402
 
 FWD_CANDIDATES = {
     64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3)],

@@ -2,8 +2,8 @@
 
 Four experiments, each a function returning a JSON-able dict:
 
-* :func:`fa1_vs_fa2` -- FA1 Algorithm 1 (:func:`flashtile.kernels.fa1_fwd.fa1_forward`),
-  FA2 (:func:`flashtile.kernels.fa2_fwd.fa2_forward`) and PyTorch SDPA's flash
+* :func:`fa1_vs_fa2` -- FA1 Algorithm 1 (:func:`flashtile.runtime.fa1_fwd.fa1_forward`),
+  FA2 (:func:`flashtile.runtime.fa2_fwd.fa2_forward`) and PyTorch SDPA's flash
   backend on the same bf16 inputs; TFLOP/s with the convention 4 B H N^2 d.
 * :func:`softmax_bandwidth` -- the online softmax (2 reads + 1 write per element)
   against the safe one (3 reads + 1 write) and ``torch.softmax``; GB/s counted
@@ -118,8 +118,8 @@ def fa1_vs_fa2(
     of our two kernels against SDPA-flash.
     """
     _need_gpu("fa1_vs_fa2")
-    from flashtile.kernels.fa1_fwd import fa1_forward, fa1_tiles
-    from flashtile.kernels.fa2_fwd import fa2_forward, fwd_config
+    from flashtile.runtime.fa1_fwd import fa1_forward, fa1_tiles
+    from flashtile.runtime.fa2_fwd import fa2_forward, fwd_config
 
     heads = hidden // d
     scale = d**-0.5
@@ -186,7 +186,7 @@ def softmax_bandwidth(
     bandwidth for both when they are memory-bound.
     """
     _need_gpu("softmax_bandwidth")
-    from flashtile.kernels.softmax import softmax_online, softmax_safe
+    from flashtile.runtime.softmax import softmax_online, softmax_safe
 
     fns = {"online": softmax_online, "safe": softmax_safe, "torch": lambda x: torch.softmax(x, dim=-1)}
     rows = []
@@ -310,8 +310,8 @@ def parse_ncu_csv(text: str, metrics: tuple[str, ...] = NCU_METRICS) -> list[dic
 _NCU_SCRIPT = """\
 import sys
 import torch
-from flashtile.kernels.fa1_fwd import fa1_forward
-from flashtile.kernels.fa2_fwd import fa2_forward
+from flashtile.runtime.fa1_fwd import fa1_forward
+from flashtile.runtime.fa2_fwd import fa2_forward
 from flashtile.reference.masks import BlockMask
 
 for c in torch.load(sys.argv[1]):
@@ -326,7 +326,7 @@ for c in torch.load(sys.argv[1]):
 
 
 def _ncu_configs(seqlens, srams, densities, d, heads, sparse_n, block) -> list[dict]:
-    from flashtile.kernels.fa1_fwd import fa1_tiles
+    from flashtile.runtime.fa1_fwd import fa1_tiles
 
     cfgs = []
     for n in seqlens:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, allowed, mma, score_mods
+from flashtile.kernels._common import LN2, LOG2E, mma
+from flashtile.kernels.block_info import kv_block_range
+from flashtile.kernels.mask import allowed, score_mods
 
 __all__ = [
     "FLAG_ABOVE",
@@ -254,7 +256,7 @@ def _decode_split_kernel(
     Out, LSE, Flags,  # final outputs (Flags: FlashDecoding++ only)
     Err,  # int32 error bits of the device (ERR_SEQLENS, ERR_BLOCK_TABLE), ORed into
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
-    # ints (fixed for a problem signature: kernels/_launch.py binds them once)
+    # ints (fixed for a problem signature: runtime/launch.py binds them once)
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -307,13 +309,10 @@ def _decode_split_kernel(
         sl = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h, mask=row_ok, other=0.0)
         slope = sl.to(tl.float32)[:, None]
 
-    # keys any row may see: [L - Nq - left, L - 1 + right] (token 0's left edge, token Nq-1's right edge)
-    kv_lo = 0
-    kv_hi = seqlen_k
-    if HAS_LEFT:
-        kv_lo = (tl.maximum(seqlen_k - seqlen_q - window_left, 0) // BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        kv_hi = tl.minimum(tl.maximum(seqlen_k + window_right, 0), seqlen_k)
+    # keys any token may see: [L - Nq - left, L - 1 + right] (token 0's left edge, token Nq-1's right edge)
+    kv_lo, _, _, kv_hi = kv_block_range(
+        0, seqlen_q, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    )
     n_tiles = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_tiles, n_splits)
     start = kv_lo + split * per_split * BLOCK_N

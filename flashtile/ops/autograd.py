@@ -60,7 +60,7 @@ def next_philox_state(device: torch.device | str) -> tuple[int, int]:
 
     Does not advance the generator: draws as :func:`_philox` does, then restores the
     generator's state (a host sync; for tests).  Tests feed the pair to
-    :func:`flashtile.kernels._common.dropout_keep_mask` to rebuild the exact keep-mask of the
+    :func:`flashtile.runtime.common.dropout_keep_mask` to rebuild the exact keep-mask of the
     call and check it against a float64 oracle.
     """
     device = torch.device(device)
@@ -153,7 +153,7 @@ def flash_attn_fwd(
 def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
               window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path)."""
-    from flashtile.kernels.fa2_fwd import fa2_forward
+    from flashtile.runtime.fa2_fwd import fa2_forward
     from flashtile.runtime.fa3_fwd import fa3_forward, prefer_hopper
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
@@ -218,7 +218,7 @@ def flash_attn_bwd(
 def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
               softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
-    from flashtile.kernels.fa2_bwd import fa2_backward
+    from flashtile.runtime.fa2_bwd import fa2_backward
 
     if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
         dout = dout.contiguous()

@@ -44,7 +44,7 @@ The other checks read only shapes, strides, dtypes, devices and Python
 values, so their outcome is remembered per *call signature*
 (:func:`_call_key`): a decoding loop pays for them, and for building the
 kernels' launches, once per shape, and every later step goes straight to the
-launches (bound once, :mod:`flashtile.kernels._launch`: one kernel eagerly,
+launches (bound once, :mod:`flashtile.runtime.launch`: one kernel eagerly,
 two with an append).  The memo is a bounded, module-level dictionary,
 mutated under a lock (reads are lock-free), so threads (one per GPU) may
 decode concurrently.  The launch runs under a device guard for q's device.
@@ -67,8 +67,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashtile.kernels._common import unit_last_stride
 from flashtile.ops import validate
+from flashtile.runtime.common import unit_last_stride
 from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
     default_unified_range, run_decode, take_errors,

@@ -3,7 +3,8 @@
 The public functions (:mod:`flashtile.ops.flash_attn`, :mod:`flashtile.ops.sdpa`)
 call these before anything reaches a custom op, so a bad call fails with a
 message that names the argument and the accepted values, instead of deep
-inside a Triton launch.  Conventions: a wrong *type or dtype* raises
+inside a Triton launch; the FA2 kernel wrappers (:mod:`flashtile.runtime.fa2_fwd`,
+:mod:`flashtile.runtime.fa2_bwd`) trust these checks and repeat none of them.  Conventions: a wrong *type or dtype* raises
 ``TypeError``; a wrong *value, shape or device* raises ``ValueError``.
 
 The checks only read Python scalars, shapes, dtypes and devices, so
@@ -19,19 +20,18 @@ say ``softmax_scale``.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from flashtile.reference.masks import BlockMask
+from flashtile.runtime.common import interpreting
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "AttnDims",
-    "interpreting",
     "check_qkv_tensors",
     "check_dims",
     "check_window",
@@ -57,11 +57,6 @@ class AttnDims(NamedTuple):
     seqlen_q: int
     seqlen_k: int
     head_dim: int
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def check_qkv_tensors(names: Sequence[str], *tensors: object) -> None:

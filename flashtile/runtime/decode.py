@@ -16,13 +16,14 @@ from typing import NamedTuple, Sequence
 import torch
 import triton
 
-from flashtile.kernels._common import LOG2E, interpreting, unit_last_stride
-from flashtile.kernels._launch import KernelLauncher
+from flashtile.kernels._common import LOG2E
 from flashtile.kernels.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW,
     _append_kernel, _decode_merge_kernel, _decode_split_kernel,
 )
 from flashtile.reference.decoding import default_safe_range
+from flashtile.runtime.common import interpreting, unit_last_stride
+from flashtile.runtime.launch import KernelLauncher
 
 __all__ = [
     "flash_decode",
@@ -306,7 +307,7 @@ class DecodeLaunch:
     capacity and page count the kernel clamps against, and the device.
     :func:`decode_launch` memoises one instance per signature.  Calling it
     allocates the fp32 workspace and launches through
-    :class:`~flashtile.kernels._launch.KernelLauncher` (Triton's per-call
+    :class:`~flashtile.runtime.launch.KernelLauncher` (Triton's per-call
     argument binding cost 28 us for 48 arguments against 11 us for a direct
     launch of the compiled kernel on the H100 host):
 

@@ -52,10 +52,10 @@ def test_bench_imports_no_private_names():
 
 def test_private_import_detector_finds_them(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("from flashtile.kernels._launch import KernelLauncher\nfrom flashtile.runtime import decode as d\n"
+    src.write_text("from flashtile.kernels._common import LOG2E\nfrom flashtile.runtime import decode as d\n"
                    "from flashtile.bench.decode import _graphed\nx = d._capturing\n")
     assert _private_flashtile_imports(src) == [
-        "flashtile.kernels._launch", "flashtile.bench.decode._graphed", "d._capturing",
+        "flashtile.kernels._common", "flashtile.bench.decode._graphed", "d._capturing",
     ]
 
 

@@ -13,7 +13,7 @@ import torch
 from flashtile.bench import io_lab
 from flashtile.bench.io_lab import NCU_METRICS, fa1_model_bytes, fa2_model_bytes, parse_ncu_csv, roofline_points
 from flashtile.iomodel import fa2_hbm
-from flashtile.kernels.fa1_fwd import fa1_tiles
+from flashtile.runtime.fa1_fwd import fa1_tiles
 from flashtile.reference.attention import flash_attn1
 from flashtile.reference.masks import BlockMask
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashtile.iomodel import fa1_block_sizes
-from flashtile.kernels.fa1_fwd import fa1_forward, fa1_grid, fa1_tiles
+from flashtile.runtime.fa1_fwd import fa1_forward, fa1_grid, fa1_tiles
 from flashtile.reference.attention import flash_attn1
 from tests._oracle import assert_close, attention_ref
 

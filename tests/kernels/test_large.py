@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.kernels._common import dropout_keep_mask
+from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops.autograd import attention
 
 BF16 = torch.bfloat16

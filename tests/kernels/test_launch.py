@@ -8,7 +8,7 @@ real kernel both ways and compares.
 import pytest
 import torch
 
-from flashtile.kernels._launch import KernelLauncher
+from flashtile.runtime.launch import KernelLauncher
 
 
 class _Compiled:
@@ -130,7 +130,7 @@ def test_gpu_direct_launch_matches_triton_launch():
 
 
 def test_launch_passes_programmatic_dependent_launch_option():
-    from flashtile.kernels._launch import launch
+    from flashtile.runtime.launch import launch
 
     for bind in (True, False):
         fn = _Jit()
@@ -141,7 +141,7 @@ def test_launch_passes_programmatic_dependent_launch_option():
 
 
 def test_no_dependent_launch_off_the_gpu():
-    from flashtile.kernels._common import pdl_supported
+    from flashtile.runtime.common import pdl_supported
 
     assert pdl_supported("cpu") is False
 
@@ -149,7 +149,7 @@ def test_no_dependent_launch_off_the_gpu():
 def test_compiled_launches_are_kept_per_current_device(monkeypatch):
     """A compiled kernel is loaded into the current device's context: a launcher that has bound on
     device 0 binds again (through Triton) when device 1 is current, and keeps one entry per device."""
-    import flashtile.kernels._launch as launch_module
+    import flashtile.runtime.launch as launch_module
 
     current = [0]
     monkeypatch.setattr(launch_module, "_current_device", lambda: current[0])
@@ -171,7 +171,7 @@ def test_compiled_launches_are_kept_per_current_device(monkeypatch):
 
 
 def test_bound_launchers_are_keyed_by_the_tensors_device():
-    from flashtile.kernels._launch import _bound, launch
+    from flashtile.runtime.launch import _bound, launch
 
     fn = _Jit()
     _bound.cache_clear()
@@ -184,7 +184,7 @@ def test_concurrent_first_calls_keep_every_entry(monkeypatch):
     """Threads binding different (device, alignment) keys at once: no entry is lost, every later call is direct."""
     import threading
 
-    import flashtile.kernels._launch as launch_module
+    import flashtile.runtime.launch as launch_module
 
     local = threading.local()
     monkeypatch.setattr(launch_module, "_current_device", lambda: getattr(local, "device", 0))

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashtile.kernels.softmax import softmax_block, softmax_online, softmax_safe
+from flashtile.runtime.softmax import softmax_block, softmax_online, softmax_safe
 from flashtile.reference.softmax import block_online_softmax, safe_softmax
 from tests._oracle import assert_close
 
@@ -49,7 +49,7 @@ def test_matches_torch(kernel, dtype, n, block, device):
 
 def test_row_chunks_respect_grid_limit():
     """One program per row on grid axis x (CUDA: at most 2^31 - 1): more rows take several launches."""
-    from flashtile.kernels.softmax import row_chunks
+    from flashtile.runtime.softmax import row_chunks
 
     assert row_chunks(5) == [(0, 5)]
     assert row_chunks(2**31 + 5) == [(0, 2**31 - 1), (2**31 - 1, 6)]
@@ -59,7 +59,7 @@ def test_row_chunks_respect_grid_limit():
 def test_rows_split_over_launches(kernel, device, monkeypatch):
     """With the per-launch row limit shrunk to 3, a 7-row tensor runs as launches of 3, 3 and 1
     rows: every row is still written once, from its own input row."""
-    from flashtile.kernels import softmax
+    from flashtile.runtime import softmax
 
     monkeypatch.setattr(softmax, "GRID_X_MAX", 3)
     x = randn(7, 37, device=device, seed=4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from ops_oracle import assert_close64, attention64, grads64
 
-from flashtile.kernels._common import dropout_keep_mask
+from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, next_philox_state
 from flashtile.reference.masks import BlockMask
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from ops_oracle import assert_close64
 
-import flashtile.kernels.fa2_fwd as fa2_fwd_module
-from flashtile.kernels._common import dropout_keep_mask
+import flashtile.runtime.fa2_fwd as fa2_fwd_module
+from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops import next_philox_state, scaled_dot_product_attention
 
 

@@ -1,6 +1,6 @@
 """flash_attn_func called from several threads at once: every call gets its own correct result.
 
-Launch caches (kernels/_launch.py) are filled concurrently here: threads
+Launch caches (runtime/launch.py) are filled concurrently here: threads
 share problem signatures (one launcher, raced first calls) or not (new
 entries published while others read).  On CPU the kernels run in Triton's
 interpreter, whose state is module-global, so the launches themselves are
@@ -15,7 +15,7 @@ import threading
 import torch
 from ops_oracle import assert_close64, attention64, grads64
 
-from flashtile.kernels._launch import _bound
+from flashtile.runtime.launch import _bound
 from flashtile.ops import flash_attn_func
 
 # (Nq, Nk, Hq, Hk, causal): two threads per signature

@@ -215,3 +215,24 @@ def test_return_attn_probs_gives_flash_attn_triple(recorder):
     assert len(packed) == 3 and packed[2] is None
     kvp = flash_attn_kvpacked_func(t(*Q), t(1, 48, 2, 2, 16), return_attn_probs=True)
     assert len(kvp) == 3 and kvp[2] is None
+
+
+def test_check_constants_and_execution_mode_defined_once():
+    """SUPPORTED_DTYPES and MAX_HEAD_DIM live in ops/validate.py, interpreting() in runtime/common.py:
+    the kernel modules import them instead of keeping copies that can disagree."""
+    import re
+    from pathlib import Path
+
+    import flashtile
+
+    root = Path(flashtile.__file__).parent
+    pattern = re.compile(r"^(SUPPORTED_DTYPES|MAX_HEAD_DIM|_MAX_HEAD_DIM)\s*=|^def (interpreting|_interpreting)\(", re.M)
+    found = sorted(
+        (m.group(1) or m.group(2), str(path.relative_to(root)))
+        for path in root.rglob("*.py") if "reference" not in path.parts
+        for m in pattern.finditer(path.read_text())
+    )
+    assert found == [
+        ("MAX_HEAD_DIM", "ops/validate.py"), ("SUPPORTED_DTYPES", "ops/validate.py"),
+        ("interpreting", "runtime/common.py"),
+    ], found

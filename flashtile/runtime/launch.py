@@ -4,9 +4,9 @@
 all arguments, specialises each one (dtype and 16-byte alignment of a tensor,
 type and divisibility of an int), hashes the result to find the compiled
 kernel, and only then launches it.  For a decoding step whose kernels take
-~10 µs on the GPU, that is the cost that matters: on the H100 host it measured
+~10 µs on the GPU, that is the cost that matters: on an H100 host it measured
 28 µs for a kernel with 48 arguments, against 11 µs to launch the same
-compiled kernel directly (``bench/results/decode_probe_H100_2026-11-23.json``).
+compiled kernel directly.
 
 :class:`KernelLauncher` does the binding once.  It is built for one kernel,
 one grid, one set of *static* arguments (every int, bool and ``tl.constexpr``
@@ -179,7 +179,7 @@ def launch(
     wrapper called with one problem signature again and again binds once.  ``bind=False``
     (arguments that change every call, such as a Philox seed) goes through Triton.
     ``pdl``: programmatic dependent launch (``launch_pdl``; the kernel must ``gdc_wait()``
-    before reading the previous kernel's output, see ``_common.pdl_supported``)."""
+    before reading the previous kernel's output, see ``flashtile.runtime.common.pdl_supported``)."""
     if bind:
         tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
         dtypes = tuple(t.dtype for t in tensors)

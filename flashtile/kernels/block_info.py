@@ -1,0 +1,75 @@
+"""Which key blocks a query tile visits, and which query blocks a key tile visits (causal / sliding window).
+
+Bottom-right-aligned window: key j is visible to query i iff
+``i + Nk - Nq - left <= j <= i + Nk - Nq + right``, a bound of -1 being unbounded
+(``HAS_LEFT`` / ``HAS_RIGHT`` False).  Each helper returns ``(lo, full_lo, full_hi, hi)``:
+the tiles starting at ``lo, lo + BLOCK, ...`` below ``hi`` hold every visible pair of
+the caller's rows (tiles outside are never loaded), and those starting in
+``[full_lo, full_hi)`` are visible for every pair and inside the sequence, so they
+skip the element mask; ``lo <= full_lo <= full_hi <= hi`` (as flash-attn's
+``BlockInfo.get_n_block_min_max`` / ``get_m_block_min_max``).  The forward, both
+backward kernels and split-KV decoding take their ranges from here.  Divisions
+only see non-negative operands (Triton's integer division truncates toward 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kv_block_range(
+    start_m, end_m, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Key tiles of BLOCK_N keys for query rows [start_m, end_m) (``end_m`` may pass Nq: the
+    band stays exact for the padding rows, the range ends at the last real row's right edge).
+
+    ``lo`` is a multiple of BLOCK_N; ``hi <= Nk``; the full band ends at the last whole tile."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = (tl.maximum(start_m + shift - window_left, 0) // BLOCK_N) * BLOCK_N
+        # clear of the left edge: the tile's first key is visible to the last row
+        full_lo = tl.cdiv(tl.maximum(end_m - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(tl.minimum(end_m, seqlen_q) + shift + window_right, 0), seqlen_k)
+        # clear of the right edge: the tile's last key is visible to the first row
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + shift + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def q_block_range(
+    start_n, end_n, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """Query tiles of BLOCK_M rows that see keys [start_n, end_n): the mirror of
+    :func:`kv_block_range` (key i sees row j iff ``j - shift - right <= i <= j - shift + left``).
+
+    ``lo`` is a multiple of BLOCK_M; ``hi <= Nq``; the band is empty for a key tile that
+    passes Nk (its tail keys need the element mask) and may hold the last, partial query
+    block (its padding rows are never stored)."""
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if HAS_RIGHT:
+        lo = (tl.maximum(start_n - shift - window_right, 0) // BLOCK_M) * BLOCK_M
+        # the block's first row sees the tile's last key
+        full_lo = tl.cdiv(tl.maximum(end_n - 1 - shift - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(tl.maximum(end_n - shift + window_left, 0), seqlen_q)
+        # the block's last row sees the tile's first key
+        full_hi = (tl.maximum(start_n - shift + window_left + 1, 0) // BLOCK_M) * BLOCK_M
+    full_hi = tl.where(end_n > seqlen_k, 0, full_hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi

@@ -1,0 +1,60 @@
+"""Element masks and score modifiers of one (BLOCK_M, BLOCK_N) tile, as :mod:`flashtile.reference.masks`
+defines them: the bottom-right-aligned causal / sliding window, the sequence tail, softcap and ALiBi."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels._common import tanh_
+
+
+@triton.jit
+def score_mods(
+    s,  # (BLOCK_M, BLOCK_N) fp32 scores already multiplied by softmax_scale
+    offs_m,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    softcap,
+    slope,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    """Softcap then ALiBi, as in reference/masks.py.  Returns (s, t) where t is
+    tanh(s_raw / softcap) when HAS_SOFTCAP (the backward needs 1 - t^2), else s."""
+    t = s
+    if HAS_SOFTCAP:
+        t = tanh_(s / softcap)
+        s = softcap * t
+    if HAS_ALIBI:
+        dist = (offs_m[:, None] + (seqlen_k - seqlen_q)) - offs_n[None, :]
+        dist = tl.where(dist < 0, -dist, dist)
+        s = s - slope * dist.to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def allowed(
+    offs_m,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    CHECK_BOUNDS: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Boolean (BLOCK_M, BLOCK_N) tile: key j is inside the sequence and the window
+    of query i (``right = 0`` is causal).  Row bounds are the caller's business
+    (out-of-range query rows are never stored)."""
+    ok = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
+    if CHECK_BOUNDS:
+        ok = ok & (offs_n[None, :] < seqlen_k)
+    diag = offs_m[:, None] + (seqlen_k - seqlen_q)
+    if HAS_LEFT:
+        ok = ok & (offs_n[None, :] >= diag - window_left)
+    if HAS_RIGHT:
+        ok = ok & (offs_n[None, :] <= diag + window_right)
+    return ok

@@ -1,0 +1,127 @@
+"""Host helpers shared by the kernel wrappers: execution mode, grids, strides, the dropout Philox state."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashtile.kernels._common import _dropout_mask_kernel
+
+
+def interpreting(device: torch.device | str | None = None) -> bool:
+    """True when the kernels run through Triton's interpreter: TRITON_INTERPRET=1, or tensors on ``device`` = CPU."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    return device is not None and torch.device(device).type == "cpu"
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (Hopper and later).
+
+    A kernel launched with ``launch_pdl=True`` is started while the kernel before
+    it in the stream is still running; it must call ``gdc_wait()`` before it
+    reads anything that kernel writes (``griddepcontrol`` is an sm_90 instruction)."""
+    device = torch.device(device)
+    if interpreting(device) or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def check_device_mode(device: torch.device) -> None:
+    """CPU tensors run only through the interpreter, and the interpreter only on CPU tensors."""
+    env_on = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if device.type == "cpu" and not env_on:
+        raise ValueError("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing flashtile.kernels")
+    if device.type != "cpu" and env_on:
+        raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; got tensors on {device}")
+
+
+# CUDA's grid limits: axis x up to 2^31 - 1 programs, axes y and z up to 65535
+GRID_X_MAX = 2**31 - 1
+GRID_YZ_MAX = 65535
+
+
+def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int, int]:
+    """Grid (tiles, Y, Z) for ``n_tiles`` tiles of each of ``n_bh`` (batch, head) pairs within
+    CUDA's limits: program (x, y, z) owns tile x of pair z * Y + y
+    (:func:`flashtile.kernels._common.unfold_pid`).  The tile index stays fastest and the pairs
+    follow in order, as in a (tiles, pairs) grid; axis z carries the pairs past 65535 (the last
+    z-row's programs past the last pair exit).  The tile index is program_id(0) itself, no division: a divided-out index is a value the kernel
+    must keep live, where program_id is re-read for free (ptxas, sm_90a: larger spills)."""
+    if n_tiles > GRID_X_MAX:
+        raise ValueError(f"{n_tiles} tiles per (batch, head) exceed CUDA's {GRID_X_MAX} programs on grid axis x")
+    if n_bh > GRID_X_MAX - GRID_YZ_MAX:  # the kernels index pairs, spare programs included, in int32
+        raise ValueError(f"batch * heads = {n_bh} exceeds the {GRID_X_MAX - GRID_YZ_MAX} (batch, head) pairs the kernels index")
+    y = min(n_bh, GRID_YZ_MAX)
+    return n_tiles, y, -(-n_bh // y)  # y * z < n_bh + y <= 2^31 - 1, so z < 65535
+
+
+
+# Tiles are addressed from a 64-bit base plus 32-bit in-tile offsets (tile row x row stride,
+# tiles of at most 256 rows): a row stride below this keeps those offsets under 2^31
+TILE_ROW_STRIDE_MAX = 2**31 // 256
+
+
+def wide_rows(*tensors: torch.Tensor) -> bool:
+    """Whether some tensor's row stride (dim -2) would overflow 32-bit in-tile offsets: a bitwise
+    OR bounds the maximum because the limit is a power of two."""
+    acc = 0
+    for x in tensors:
+        acc |= x.stride(-2)
+    return acc >= TILE_ROW_STRIDE_MAX
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels vectorise along the last dim: copy only when its stride is not 1."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def check_rng_state(rng_state, philox_seed: int, philox_offset: int, device: torch.device) -> torch.Tensor:
+    """The int64 [seed, offset] tensor on ``device`` that the kernels read for dropout:
+    ``rng_state`` itself when given, else one built from the two ints (a host-to-device copy:
+    callers on a hot path or in a CUDA graph pass a device tensor)."""
+    if rng_state is None:
+        for name, x in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 2**63:
+                raise ValueError(f"{name} must be an int in [0, 2^63), got {x!r}")
+        return torch.tensor([philox_seed, philox_offset], dtype=torch.int64, device=device)
+    if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64:
+        got = rng_state.dtype if isinstance(rng_state, torch.Tensor) else type(rng_state).__name__
+        raise TypeError(f"rng_state must be an int64 torch.Tensor [seed, offset], got {got}")
+    if tuple(rng_state.shape) != (2,):
+        raise ValueError(f"rng_state must have shape (2,) = [seed, offset], got {tuple(rng_state.shape)}")
+    if rng_state.device != device:
+        raise ValueError(f"rng_state must be on {device} (the device of q), got {rng_state.device}")
+    if philox_seed or philox_offset:
+        raise ValueError("pass either rng_state or philox_seed / philox_offset, not both")
+    return rng_state if rng_state.stride(0) == 1 else rng_state.contiguous()
+
+
+def dropout_keep_mask(
+    philox_seed: int,
+    philox_offset: int,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    dropout_p: float,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Materialise the keep-mask the kernels use, shape (batch, heads, Nq, Nk) bool.
+
+    For tests and debugging: feed it to the reference (``dropout_mask=``) to check
+    a kernel's dropout element by element."""
+    out = torch.empty(batch * heads, seqlen_q, seqlen_k, dtype=torch.int8, device=device)
+    if out.numel():
+        grid = fold_grid(-(-seqlen_q // 16), batch * heads)
+        _dropout_mask_kernel[grid](
+            out, philox_seed, philox_offset, batch * heads, seqlen_q, seqlen_k, float(dropout_p), BLOCK_M=16, BLOCK_N=32,
+        )
+    return out.view(batch, heads, seqlen_q, seqlen_k).bool()

@@ -1,0 +1,191 @@
+"""The FA2 forward and backward, FA1 and softmax kernels are launched with positional argument tuples.
+
+Each test records the tuples a wrapper builds (nothing is launched) and pairs them with the
+kernel's parameter names from ``inspect.signature(kernel.fn)``: the count must match and each
+named slot must hold the value that name stands for.  Inputs are strided so that every stride
+differs from its neighbours, and every optional feature is on, so a swapped pair shows.
+CPU only: the recording replaces the launch.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from flashtile.kernels.fa1_fwd import _fa1_fwd_kernel
+from flashtile.kernels.fa2_bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess
+from flashtile.kernels.fa2_fwd import _fa2_fwd_kernel
+from flashtile.kernels.softmax import _softmax_online_kernel
+from flashtile.reference.masks import BlockMask
+from flashtile.runtime import fa1_fwd as fa1_runtime
+from flashtile.runtime import fa2_bwd as bwd_runtime
+from flashtile.runtime import fa2_fwd as fwd_runtime
+from flashtile.runtime import softmax as softmax_runtime
+
+
+def _params(kernel) -> list[str]:
+    while not inspect.isfunction(kernel):  # heuristics / JIT / interpreter wrappers
+        kernel = kernel.fn
+    return list(inspect.signature(kernel).parameters)
+
+
+def _strided(b, h, n, d, perm, seed):
+    """A (b, h, n, d) view of storage laid out in the order ``perm`` of (b, h, n, d), with padding on d."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = (b, h, n, d + 3)
+    store = torch.randn([sizes[i] for i in perm], generator=g)
+    inv = [perm.index(i) for i in range(4)]
+    return store.permute(inv)[..., :d]
+
+
+def _named(kernel, dynamic, static) -> dict:
+    names = _params(kernel)
+    values = list(dynamic) + list(static)
+    assert len(values) == len(names), (len(values), names)
+    return dict(zip(names, values))
+
+
+def _expect_strides(named, prefix, t):
+    for suffix, s in zip(prefix[1], t.stride()):
+        assert named[prefix[0] + suffix] == s, (prefix[0] + suffix, named[prefix[0] + suffix], s)
+
+
+def _record(monkeypatch, module):
+    calls = []
+    monkeypatch.setattr(module, "launch", lambda kernel, grid, dynamic, static, **kw: calls.append((kernel, dynamic, static)))
+    return calls
+
+
+B, HQ, HK, NQ, NK, D = 2, 4, 2, 40, 56, 24
+
+
+def _inputs():
+    q = _strided(B, HQ, NQ, D, (0, 2, 1, 3), 1)  # (B, N, H, d) storage
+    k = _strided(B, HK, NK, D, (2, 0, 1, 3), 2)
+    v = _strided(B, HK, NK, D, (1, 0, 2, 3), 3)
+    alibi = torch.rand(B, HQ)
+    bias = torch.randn(HQ, 1, NK)  # broadcast over batch and query rows: stride 0 there
+    mask = torch.ones(HQ, 3, 4, dtype=torch.bool)  # (Hq, Tr, Tc): broadcast over batch
+    return q, k, v, alibi, bias, BlockMask(mask, (16, 16))
+
+
+def test_forward_launch_matches_kernel_parameters(monkeypatch):
+    calls = _record(monkeypatch, fwd_runtime)
+    q, k, v, alibi, bias, bm = _inputs()
+    out = torch.empty(B, HQ, NQ, D)
+    rng = torch.tensor([5, 7], dtype=torch.int64)
+    fwd_runtime.fa2_forward(q, k, v, softmax_scale=0.3, window_size=(9, 4), softcap=2.0, alibi_slopes=alibi,
+                            bias=bias, dropout_p=0.2, rng_state=rng, block_mask=bm, out=out)
+    (kernel, dynamic, static), = calls
+    assert kernel is _fa2_fwd_kernel.fn
+    a = _named(kernel, dynamic, static)
+    assert a["Q"] is q and a["K"] is k and a["V"] is v and a["Out"] is out and a["Alibi"] is alibi and a["Rng"] is rng
+    assert a["LSE"].shape == (B, HQ, NQ) and a["Bias"].shape == (B, HQ, NQ, NK)
+    assert (a["sm_scale"], a["softcap"], a["dropout_p"]) == (0.3, 2.0, 0.2)
+    for name, t in (("stride_q", q), ("stride_k", k), ("stride_v", v), ("stride_o", out)):
+        last = "m" if name in ("stride_q", "stride_o") else "n"
+        _expect_strides(a, (name, ("b", "h", last)), t)
+    _expect_strides(a, ("stride_bias_", "bhmn"), a["Bias"])
+    assert (a["stride_bias_b"], a["stride_bias_m"]) == (0, 0)
+    assert (a["stride_alibi_b"], a["stride_alibi_h"]) == alibi.stride()
+    assert (a["stride_cnt_b"], a["stride_idx_b"]) == (0, 0) and a["stride_cnt_h"] == a["KVCount"].stride(1)
+    assert a["stride_cnt_r"] == a["KVCount"].stride(2) and a["stride_idx_r"] == a["KVIdx"].stride(2)
+    assert a["stride_idx_h"] == a["KVIdx"].stride(1)
+    want = dict(n_heads_q=HQ, n_bh=B * HQ, kv_group=HQ // HK, seqlen_q=NQ, seqlen_k=NK, head_dim=D,
+                window_left=9, window_right=4, mask_block_m=16, mask_block_n=16, tune_nq=0, tune_nk=0,
+                BLOCK_D=32, HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_BIAS=True,
+                HAS_DROPOUT=True, IS_BLOCK_SPARSE=True, EVEN_D=False, DOT_PRECISION="tf32", UPCAST_DOT=False)
+    assert {n: a[n] for n in want} == want
+    assert a["EVEN_M"] == (NQ % a["BLOCK_M"] == 0) and a["EVEN_N"] == (NK % a["BLOCK_N"] == 0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launches_match_kernel_parameters(monkeypatch, deterministic):
+    calls = _record(monkeypatch, bwd_runtime)
+    q, k, v, alibi, bias, bm = _inputs()
+    dout = _strided(B, HQ, NQ, D, (1, 2, 0, 3), 4)
+    out = _strided(B, HQ, NQ, D, (2, 1, 0, 3), 5)
+    lse = torch.zeros(B, HQ, NQ)
+    rng = torch.tensor([5, 7], dtype=torch.int64)
+    dq, dk, dv = torch.empty(B, HQ, NQ, D), torch.empty(B, HK, NK, D), torch.empty(B, HK, NK, D)
+    bwd_runtime.fa2_backward(dout, q, k, v, out, lse, softmax_scale=0.3, window_size=(9, 4), softcap=2.0,
+                             alibi_slopes=alibi, bias=bias, dropout_p=0.2, rng_state=rng, block_mask=bm,
+                             deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    kernels = [c[0] for c in calls]
+    assert kernels == [_bwd_preprocess, _bwd_dkdv_kernel] + ([_bwd_dq_kernel] if deterministic else [])
+    pre = _named(*calls[0])
+    assert pre["Out"] is out and pre["DOut"] is dout
+    _expect_strides(pre, ("stride_o", "bhm"), out)
+    _expect_strides(pre, ("stride_do", "bhm"), dout)
+    assert (pre["n_heads_q"], pre["n_bh"], pre["seqlen_q"], pre["HEAD_DIM"], pre["BLOCK_D"]) == (HQ, B * HQ, NQ, D, 32)
+    common = dict(n_heads_q=HQ, n_heads_k=HK, seqlen_q=NQ, seqlen_k=NK, mask_block_m=16, mask_block_n=16,
+                  window_left=9, window_right=4, HEAD_DIM=D, BLOCK_D=32, HAS_LEFT=True, HAS_RIGHT=True,
+                  HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_BIAS=True, HAS_DROPOUT=True, IS_BLOCK_SPARSE=True,
+                  DOT_PRECISION="tf32", UPCAST_DOT=False, USE_PDL=False, WIDE=False)
+    for kernel, dynamic, static in calls[1:]:
+        a = _named(kernel, dynamic, static)
+        assert a["Q"] is q and a["K"] is k and a["V"] is v and a["DO"] is dout and a["Alibi"] is alibi
+        assert a["Rng"] is rng and a["LSE"].shape == lse.shape and a["Delta"].shape == lse.shape
+        assert (a["softmax_scale"], a["softcap"], a["dropout_p"]) == (0.3, 2.0, 0.2)
+        assert a["dropout_scale"] == pytest.approx(1 / 0.8)
+        for name, t, last in (("stride_q", q, "m"), ("stride_k", k, "n"), ("stride_v", v, "n"), ("stride_do", dout, "m")):
+            _expect_strides(a, (name, ("b", "h", last)), t)
+        _expect_strides(a, ("stride_bias_", "bhmn"), a["Bias"])
+        assert (a["stride_alibi_b"], a["stride_alibi_h"]) == alibi.stride()
+        assert {n: a[n] for n in common} == common
+        lists = (a["BlockCount"], a["BlockIdx"])
+        assert (a["stride_cnt_b"], a["stride_cnt_h"], a["stride_cnt_r"]) == (0, lists[0].stride(1), lists[0].stride(2))
+        assert (a["stride_idx_b"], a["stride_idx_h"], a["stride_idx_r"]) == (0, lists[1].stride(1), lists[1].stride(2))
+        if kernel is _bwd_dkdv_kernel:
+            assert a["DK"] is dk and a["DV"] is dv and a["n_bh"] == B * HK
+            _expect_strides(a, ("stride_dk", "bhn"), dk)
+            _expect_strides(a, ("stride_dv", "bhn"), dv)
+            assert a["ATOMIC_DQ"] == (not deterministic)
+            if not deterministic:
+                _expect_strides(a, ("stride_dq", "bhm"), a["DQacc"])
+            assert a["EVEN_M"] == (NQ % a["BLOCK_M"] == 0) and a["EVEN_N"] == (NK % a["BLOCK_N"] == 0)
+        else:
+            assert a["DQ"] is dq and a["n_bh"] == B * HQ
+            _expect_strides(a, ("stride_dq", "bhm"), dq)
+            assert a["EVEN_M"] == (NQ % a["BLOCK_M"] == 0) and a["EVEN_N"] == (NK % a["BLOCK_N"] == 0)
+
+
+class _Recorder:
+    """Stands in for a jit kernel: ``kernel[grid](*args, **kw)`` records the call."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((args, kw))
+
+
+def test_fa1_and_softmax_launches_match_kernel_parameters(monkeypatch):
+    fa1 = _Recorder(_fa1_fwd_kernel)
+    monkeypatch.setattr(fa1_runtime, "_fa1_fwd_kernel", fa1)
+    q = _strided(1, 2, 40, 16, (0, 2, 1, 3), 1)
+    k = _strided(1, 2, 56, 16, (2, 0, 1, 3), 2)
+    v = _strided(1, 2, 56, 16, (1, 0, 2, 3), 3)
+    out = fa1_runtime.fa1_forward(q, k, v, sram_elems=4096, causal=True, softmax_scale=0.3)
+    (args, kw), = fa1.calls
+    names = _params(_fa1_fwd_kernel)
+    a = dict(zip(names, args))
+    constexprs = {n for n in kw if n in names}
+    assert set(kw) - constexprs <= {"num_warps", "num_stages"} and not set(a) & constexprs
+    assert len(args) + len(constexprs) == len(names) - 1  # EVEN_N comes from the kernel's heuristics
+    assert a["Q"] is q and a["K"] is k and a["V"] is v and a["Out"] is out
+    for name, t, last in (("stride_q", q, "m"), ("stride_k", k, "n"), ("stride_v", v, "n"), ("stride_out", out, "m")):
+        _expect_strides(a, (name, ("b", "h", last)), t)
+    assert [a[n] for n in ("n_heads", "seqlen_q", "seqlen_k", "head_dim", "sm_scale")] == [2, 40, 56, 16, 0.3]
+
+    sm = _Recorder(_softmax_online_kernel)
+    monkeypatch.setattr(softmax_runtime, "_softmax_online_kernel", sm)
+    x = torch.randn(6, 50)[::2]
+    y = softmax_runtime.softmax_online(x)
+    (args, kw), = sm.calls
+    a = dict(zip(_params(_softmax_online_kernel), args))
+    assert a["X"].data_ptr() == x.data_ptr() and a["Y"].data_ptr() == y.data_ptr()
+    assert len(args) + len(kw) - 1 == len(_params(_softmax_online_kernel)) and "BLOCK" in kw  # and num_warps
+    assert (a["stride_x"], a["stride_y"], a["n"]) == (100, 50, 50)
