@@ -22,7 +22,7 @@ from flashtile.kernels._common import LOG2E
 __all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS", "ENABLED",
            "prefer_hopper", "hopper_wins"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 
@@ -97,8 +97,15 @@ def _tma_ready(x: torch.Tensor) -> bool:
 
 def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     """The measured part of :func:`prefer_hopper`: head dim ``d`` (covered: multiples of 8 up to 256),
-    causal or not, ``nk`` keys."""
-    return d in SUPPORTED_HEAD_DIMS and d > 64 and not (d <= 128 and causal and nk < 8192)
+    causal or not, ``nk`` keys.
+
+    Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
+    dispatch"): d = 256 runs 1.9-2.6x FA2's TFLOP/s at every N; at d = 128 it wins from 4k keys without a
+    mask (1.09x) and from 16k causal (1.02x), but its launch costs more host time, so at 1k keys it falls to
+    0.56x (non-causal) and 0.96x (causal); at d = 64 the kernel alone is 0.77-1.07x FA2's."""
+    if d not in SUPPORTED_HEAD_DIMS or d <= 64:
+        return False
+    return d > 128 or nk >= (8192 if causal else 4096)
 
 
 def prefer_hopper(
@@ -108,11 +115,8 @@ def prefer_hopper(
     """Whether the forward on (B, H, N, d) views q, k, v runs the Hopper kernel instead of FA2's.
 
     ``plain``: no softcap, ALiBi, bias, dropout or block mask (the kernel has none of them);
-    the window must be unbounded, or causal.  Where it is covered, the measured H100 table (bench/NOTES.md,
-    "Hopper forward, first step") decides: d > 128 always (2.0-2.6x FA2's TFLOP/s); 64 < d <= 128 without
-    a mask (1.04-1.12x) or causal from 8k keys (1.05x at 16k; 0.82-0.95x below); d <= 64 stays on FA2
-    (0.77-1.07x)."""
-    if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in SUPPORTED_DTYPES:
+    the window must be unbounded, or causal; then :func:`hopper_wins` decides."""
+    if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window
     if left != -1 or right != (0 if causal else -1):
@@ -128,7 +132,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (B, H, N, d) tensor")
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in HOPPER_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise NotImplementedError(f"fa3_forward covers fp16 / bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
                                   f"{v.dtype}")
     dev = q.device
