@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._common import LN2, LOG2E
+from flashtile.kernels.block_info import kv_block_range
 
 __all__ = ["fa3_fwd_kernel"]
 
@@ -135,16 +136,12 @@ def fa3_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
 
     # key j is allowed for row i iff j <= last_key[i]: j < Nk, and j <= i + Nk - Nq when causal (bottom-right)
-    diag_shift = seqlen_k - seqlen_q
     last_key = tl.full((BLOCK_M,), seqlen_k - 1, tl.int32)
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    hi = seqlen_k
     if CAUSAL:
-        last_key = tl.minimum(last_key, offs_m + diag_shift)
-        last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-        hi = tl.minimum(tl.maximum(last_m + diag_shift + 1, 0), seqlen_k)
-        # a tile is clear of the diagonal when its last key is allowed for the tile's first row
-        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag_shift + 1, 0) // BLOCK_N) * BLOCK_N)
+        last_key = tl.minimum(last_key, offs_m + (seqlen_k - seqlen_q))
+    # causal is the window (-1, 0); tiles below full_hi are clear of the diagonal and of the end of K
+    _, _, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, -1, 0,
+                                       BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
     if WARP_SPEC:  # one loop (see the module docstring); the all-tiles mask still beats two loops at d >= 128
         acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, hi, last_key, qk_scale,
                                   BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True)
