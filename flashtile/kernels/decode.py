@@ -310,8 +310,9 @@ def _decode_split_kernel(
         slope = sl.to(tl.float32)[:, None]
 
     # keys any token may see: [L - Nq - left, L - 1 + right] (token 0's left edge, token Nq-1's right edge)
-    kv_lo, _, _, kv_hi = kv_block_range(
-        0, seqlen_q, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
+    kv_lo, _kv_full_lo, _kv_full_hi, kv_hi = kv_block_range(
+        0, seqlen_q, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
     )
     n_tiles = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_tiles, n_splits)
@@ -345,7 +346,7 @@ def _decode_split_kernel(
         if tl.max(flag, 0) != 0:
             # FlashDecoding++'s fallback, done here: this split's rows are recomputed exactly on the
             # safe path (its keys are read again; no host round trip, so a CUDA graph can hold it)
-            acc, l_i, m_i, _, _ = _sweep(
+            acc, l_i, m_i, _flag_again, _bad_page_again = _sweep(
                 q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
                 seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
                 stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,

@@ -140,8 +140,8 @@ def fa3_fwd_kernel(
     if CAUSAL:
         last_key = tl.minimum(last_key, offs_m + (seqlen_k - seqlen_q))
     # causal is the window (-1, 0); tiles below full_hi are clear of the diagonal and of the end of K
-    _, _, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, -1, 0,
-                                       BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
+    _lo, _full_lo, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, -1, 0,
+                                                BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
     if WARP_SPEC:  # one loop (see the module docstring); the all-tiles mask still beats two loops at d >= 128
         acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, hi, last_key, qk_scale,
                                   BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True)
