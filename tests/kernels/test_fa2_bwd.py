@@ -1,20 +1,16 @@
 """Tests of the Triton FlashAttention-2 backward kernels against float64 autograd.
 
-The oracle is a dense float64 forward written from reference/masks.py
-(``allowed_mask``, ``apply_score_mods``); torch autograd through it gives the
-reference dq, dk, dv.  Its out (cast to the kernel dtype) and LSE (float32)
-are what the kernel receives, so these tests do not depend on the forward
-kernel.  Without a GPU the kernels run in Triton's interpreter (tests/conftest.py):
-shapes stay small (N <= 80, d <= 64 except one d = 80 and one d = 256 case).
+The oracle is tests/_oracle.py: float64 ``attention_ref`` (independent of flashtile)
+and its autograd gradients (``attention_ref_grads``).  Its out (cast to the kernel
+dtype) and LSE (float32) are what the kernel receives, so these tests do not depend
+on the forward kernel.  Without a GPU the kernels run in Triton's interpreter
+(tests/conftest.py): shapes stay small (N <= 80, d <= 64 except one d = 80 and one
+d = 256 case).
 
-Tolerance: normwise relative error ||got - ref||_F / ||ref||_F (denominator
-floored at an RMS of 1e-2, for gradients that vanish by cancellation).
-  fp32, interpreter  1e-4  (exact fp32 products; ~1e-7 per op, grown by the
-                            P(dP - D) cancellation and sums over N and d)
-  fp32, GPU          2e-3  (tl.dot in TF32: 10-bit mantissa operands)
-  fp16 / bf16        2e-2  (P and dS rounded to the input dtype before the
-                            matmuls; bf16 eps 2^-8, and D = rowsum(dO o O) uses
-                            the rounded O)
+Tolerance: the table of tests/_oracle.py for the gradients' dtype, elementwise, relative
+to the largest entry of dq, dk, dv (a gradient that cancels to ~0, e.g. dq of a row seeing
+one key, keeps rounding of that size), plus ``rounding_slack`` for the rounding of the
+stored O that D = rowsum(dO o O) reads.
 Exact zeros are required where the math gives exact zeros (rows with no
 allowed key, keys no query sees): the kernels must produce P = 0 there, not a
 small number and never NaN.
@@ -23,6 +19,7 @@ small number and never NaN.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -31,51 +28,22 @@ from hypothesis import strategies as st
 
 from flashtile.runtime.common import dropout_keep_mask
 from flashtile.runtime.fa2_bwd import BwdConfig, _fit_block_mask, bwd_config, fa2_backward
-from flashtile.reference.masks import BlockMask, allowed_mask, apply_score_mods
+from flashtile.reference.masks import BlockMask
+from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref, tolerance
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 # --------------------------------------------------------------------------- #
-# float64 oracle
+# comparison with the float64 oracle
 # --------------------------------------------------------------------------- #
-def dense_forward(q, k, v, *, scale, causal, window, softcap, alibi, bias, block_mask, keep, dropout_p):
-    """out, lse and the visibility mask (B|1, Hq, Nq, Nk) of the attention definition in
-    reference/masks.py; out is differentiable in q, k, v."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    nq, nk = q.shape[2], k.shape[2]
-    s = scale * q @ k.transpose(-1, -2)
-    s = apply_score_mods(s, softcap=softcap, alibi_slopes=alibi, nq=nq, nk=nk)
-    if bias is not None:
-        s = s + bias.double()
-    ok = allowed_mask(nq, nk, causal=causal, window_size=window, block_mask=block_mask)
-    s = s.masked_fill(~ok, -math.inf)
-    # the softmax is shift invariant, so a detached row max gives exact gradients
-    m = s.detach().amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    e = torch.exp(s - m)
-    den = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(den > 0, den, 1.0)
-    if keep is not None:
-        p = p * keep.double() * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
-    lse = (den.log() + m).squeeze(-1)
-    return p @ v, lse.detach(), torch.isfinite(s.detach())
+class Ref(NamedTuple):
+    """The oracle's gradients and the bounds :func:`rounding_slack` gives for storing O in the kernel dtype."""
 
-
-def oracle(dout, q, k, v, **kw):
-    """(out, lse, visible, (dq, dk, dv)) in float64 on the CPU."""
-    q, k, v = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
-    kw = {name: (x.cpu() if isinstance(x, torch.Tensor) else x) for name, x in kw.items()}
-    out, lse, visible = dense_forward(q, k, v, **kw)
-    grads = torch.autograd.grad(out, (q, k, v), dout.detach().cpu().double())
-    return out.detach(), lse, visible, grads
-
-
-def tolerance(dtype: torch.dtype, device: str) -> float:
-    if dtype == F32:
-        return 1e-4 if device == "cpu" else 2e-3
-    return 2e-2
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    slack: tuple[float, float, float]
 
 
 def make(shape, dtype, device, seed, scale=1.0):
@@ -102,30 +70,27 @@ def run(q, k, v, dout, *, deterministic=False, causal=False, window=(-1, -1), so
     keep = None
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, offset, b, hq, nq, nk, dropout_p, q.device)
-    out, lse, visible, ref = oracle(
-        dout, q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, alibi=alibi, bias=bias,
-        block_mask=block_mask, keep=keep, dropout_p=dropout_p,
-    )
+    ref_kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, alibi=alibi, bias=bias,
+                  block_mask=block_mask, keep=keep, dropout_p=dropout_p)
+    out, lse, dq, dk, dv = attention_ref_grads(q, k, v, dout, **ref_kw)
+    f64 = [x.detach().double() for x in (q, k, v, dout)]
+    ref = Ref(dq, dk, dv, rounding_slack(*f64, q.dtype, **ref_kw))
+    visible = torch.isfinite(scores_ref(*f64[:2], scale=scale, causal=causal, window=window, softcap=softcap,
+                                        alibi=alibi, bias=bias, block_mask=block_mask)).cpu()
     got = fa2_backward(
         dout, q, k, v, out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=F32),
         softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
         bias=bias, dropout_p=dropout_p, philox_seed=seed, philox_offset=offset, block_mask=block_mask,
         deterministic=deterministic, **views,
     )
-    return got, ref, lse, visible
+    return got, ref, lse.cpu(), visible
 
 
-def assert_grads(got, ref, tol):
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-        g = g.detach().cpu().double()
-        assert g.shape == r.shape, f"{name} shape {tuple(g.shape)} != {tuple(r.shape)}"
-        assert torch.isfinite(g).all(), f"non-finite values in {name}"
-        # floor the denominator at an RMS of 1e-2 (entries are O(0.1-1) for these unit-variance
-        # inputs): a gradient that is zero by cancellation, e.g. dq of a row seeing one key,
-        # is then held to an absolute error instead of a relative error of round-off
-        den = max(r.norm().item(), 1e-2 * math.sqrt(r.numel()))
-        err = (g - r).norm().item() / den
-        assert err <= tol, f"{name} relative error {err:.3g} > {tol}"
+def assert_grads(got, ref: Ref):
+    """dq, dk, dv within the table's tolerance for their dtype, relative to the largest gradient entry."""
+    size = max((float(r.abs().max()) for r in ref[:3] if r.numel()), default=0.0)
+    for name, g, r, extra in zip(("dq", "dk", "dv"), got, ref[:3], ref.slack):
+        assert_close(g, r, what=name, magnitude=size, slack=extra)
 
 
 def assert_exact_zeros(got, visible):
@@ -148,13 +113,13 @@ def test_dense_matches_oracle(device, dtype, deterministic):
     q, k, v, do = inputs(2, 2, 2, 40, 56, 32, dtype, device)
     got, ref, _, _ = run(q, k, v, do, deterministic=deterministic)
     assert all(g.dtype == dtype for g in got)
-    assert_grads(got, ref, tolerance(dtype, device))
+    assert_grads(got, ref)
 
 
 def test_softmax_scale_is_used(device):
     q, k, v, do = inputs(1, 2, 2, 24, 40, 16, F32, device, seed=3)
     got, ref, _, _ = run(q, k, v, do, scale=0.9, deterministic=True)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 # --------------------------------------------------------------------------- #
@@ -165,7 +130,7 @@ def test_softmax_scale_is_used(device):
 def test_causal(device, nq, nk, deterministic):
     q, k, v, do = inputs(1, 2, 2, nq, nk, 32, F32, device, seed=nq)
     got, ref, lse, visible = run(q, k, v, do, causal=True, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     assert_exact_zeros(got, visible)
     if nq > nk:  # bottom-right alignment leaves the first Nq - Nk rows with no key
         assert torch.isneginf(lse[..., : nq - nk]).all()
@@ -185,7 +150,7 @@ def test_causal(device, nq, nk, deterministic):
 def test_sliding_window(device, window, causal, nq, nk, deterministic):
     q, k, v, do = inputs(1, 2, 1, nq, nk, 16, F32, device, seed=nq + nk)
     got, ref, _, visible = run(q, k, v, do, window=window, causal=causal, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
 
@@ -206,7 +171,7 @@ def test_window_geometry_property(nq, nk, left, right, causal, deterministic):
     window = (left, 0 if causal else right)
     q, k, v, do = inputs(1, 1, 1, nq, nk, 16, F32, device, seed=nq * 97 + nk)
     got, ref, _, visible = run(q, k, v, do, window=window, causal=causal, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
 
@@ -218,10 +183,9 @@ def test_softcap(device, deterministic):
     # scores up to ~3 * cap: tanh saturates, so a missing (1 - t^2) factor is visible
     q, k, v, do = inputs(1, 2, 2, 40, 48, 32, F32, device, seed=5)
     got, ref, _, _ = run(q, k, v, do, softcap=2.0, scale=0.5, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     # the cap matters at this scale: uncapped gradients are far outside the tolerance
-    *_, (dq_plain, _, _) = oracle(do, q, k, v, scale=0.5, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-                                bias=None, block_mask=None, keep=None, dropout_p=0.0)
+    _, _, dq_plain, _, _ = attention_ref_grads(q, k, v, do, scale=0.5)
     assert (dq_plain - ref[0]).norm() > 100 * tolerance(F32, device) * ref[0].norm()
 
 
@@ -233,7 +197,7 @@ def test_alibi(device, slopes_shape):
     slopes = (torch.rand(shape, generator=torch.Generator().manual_seed(1)) * 0.5).to(device)
     got, ref, _, _ = run(q, k, v, do, alibi=slopes, causal=slopes_shape == "heads",
                       deterministic=slopes_shape == "heads")
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -247,7 +211,7 @@ def test_bias_broadcast_with_inf(device, deterministic):
     bias[1, 3, :] = -math.inf  # query row 3 of head 1 sees nothing
     bias = bias.to(device)
     got, ref, lse, visible = run(q, k, v, do, bias=bias, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     assert_exact_zeros(got, visible)
     assert torch.isneginf(lse[:, 1, 3]).all()
     assert (got[0].cpu()[:, 1, 3] == 0).all()
@@ -259,7 +223,7 @@ def test_bias_row_broadcast_and_all_mods(device):
     bias = make((40,), F32, device, 17, scale=0.5)
     slopes = torch.tensor([0.25, 0.0625], device=device)
     got, ref, _, _ = run(q, k, v, do, bias=bias, alibi=slopes, softcap=3.0, causal=True, deterministic=True)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 # --------------------------------------------------------------------------- #
@@ -271,7 +235,7 @@ def test_bias_row_broadcast_and_all_mods(device):
 def test_dropout(device, deterministic, causal, dtype):
     q, k, v, do = inputs(2, 2, 1, 40, 56, 32, dtype, device, seed=21)
     got, ref, _, _ = run(q, k, v, do, dropout_p=0.3, seed=1234, offset=64, causal=causal, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(dtype, device))
+    assert_grads(got, ref)
 
 
 def test_dropout_state_from_a_device_tensor(device):
@@ -280,7 +244,7 @@ def test_dropout_state_from_a_device_tensor(device):
     seed, offset = 2**40 + 5, 2**33 + 7
     q, k, v, do = inputs(1, 2, 1, 40, 48, 16, F32, device, seed=27)
     got, ref, lse, _ = run(q, k, v, do, dropout_p=0.3, seed=seed, offset=offset, deterministic=True)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     rng = torch.tensor([seed, offset], dtype=torch.int64, device=device)
     out = make(q.shape, F32, device, 28)
     kw = dict(softmax_scale=0.25, dropout_p=0.3, deterministic=True)
@@ -294,11 +258,10 @@ def test_dropout_mask_mismatch_is_detected(device):
     """The oracle is sensitive to the keep pattern: a different seed must fail."""
     q, k, v, do = inputs(1, 1, 1, 32, 32, 16, F32, device, seed=23)
     keep = dropout_keep_mask(99, 0, 1, 1, 32, 32, 0.3, device)
-    out, lse, _, ref = oracle(do, q, k, v, scale=0.25, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-                            bias=None, block_mask=None, keep=keep, dropout_p=0.3)
+    out, lse, *ref = attention_ref_grads(q, k, v, do, scale=0.25, keep=keep, dropout_p=0.3)
     got = fa2_backward(do, q, k, v, out.float().to(device), lse.float().to(device), softmax_scale=0.25,
                        dropout_p=0.3, philox_seed=98)
-    err = ((got[2].cpu().double() - ref[2]).norm() / ref[2].norm()).item()
+    err = ((got[2].double() - ref[2]).norm() / ref[2].norm()).item()
     assert err > 0.1
 
 
@@ -311,7 +274,7 @@ def test_gqa_mqa(device, hq, hk, deterministic):
     q, k, v, do = inputs(1, hq, hk, 33, 47, 16, F32, device, seed=hq)
     got, ref, _, _ = run(q, k, v, do, causal=True, deterministic=deterministic)
     assert got[1].shape == k.shape and got[2].shape == v.shape
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 # --------------------------------------------------------------------------- #
@@ -323,7 +286,7 @@ def test_block_mask_random_with_causal(device, deterministic):
     bm = BlockMask.random(nq, nk, 0.5, block_size=(32, 16), generator=torch.Generator().manual_seed(4))
     q, k, v, do = inputs(1, 2, 2, nq, nk, 16, F32, device, seed=31)
     got, ref, _, visible = run(q, k, v, do, block_mask=bm, causal=True, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
 
@@ -336,9 +299,9 @@ def test_block_mask_per_head_gqa(device):
     bm = BlockMask(mask, (16, 16))
     q, k, v, do = inputs(1, hq, 2, nq, nk, 16, F32, device, seed=33)
     got, ref, _, _ = run(q, k, v, do, block_mask=bm, window=(20, 8), deterministic=True)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     got_atomic, _, _, _ = run(q, k, v, do, block_mask=bm, window=(20, 8), deterministic=False)
-    assert_grads(got_atomic, ref, tolerance(F32, device))
+    assert_grads(got_atomic, ref)
 
 
 # --------------------------------------------------------------------------- #
@@ -351,7 +314,7 @@ def test_block_mask_per_head_gqa(device):
 def test_tails_and_head_dims(device, nq, nk, d, deterministic):
     q, k, v, do = inputs(1, 2, 1, nq, nk, d, F32, device, seed=d)
     got, ref, _, _ = run(q, k, v, do, deterministic=deterministic, causal=nq == 17)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -374,7 +337,7 @@ def test_flash_layout_views_in_and_out(device, deterministic):
     got, ref, _, _ = run(q, k, v_strided, do, causal=True, deterministic=deterministic, **views)
     for name, g in zip(("dq", "dk", "dv"), got):
         assert g is views[name], f"{name} must be returned as the given view"
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 @pytest.mark.parametrize("nq,nk", [(0, 16), (16, 0)])
@@ -400,7 +363,7 @@ def test_deterministic_is_bitwise_reproducible(device):
     second, _, _, _ = run(q, k, v, do, causal=True, deterministic=True)
     for a, c in zip(first, second):
         assert torch.equal(a, c)
-    assert_grads(first, ref, tolerance(BF16, device))
+    assert_grads(first, ref)
 
 
 def test_nondeterministic_follows_config_choice_of_dq_kernel(device, monkeypatch):
@@ -415,7 +378,7 @@ def test_nondeterministic_follows_config_choice_of_dq_kernel(device, monkeypatch
     routed, _, _, _ = run(q, k, v, do, causal=True, deterministic=False)
     for a, c in zip(det, routed):
         assert torch.equal(a, c)
-    assert_grads(routed, ref, tolerance(BF16, device))
+    assert_grads(routed, ref)
 
 
 # --------------------------------------------------------------------------- #
@@ -471,21 +434,8 @@ def test_bad_rng_state_raises(kw, exc):
 
 
 # --------------------------------------------------------------------------- #
-# GPU: long sequences against float32 autograd on the device
+# GPU: long sequences against the float64 oracle on the device
 # --------------------------------------------------------------------------- #
-def _fp32_grads_gpu(dout, q, k, v, scale, causal):
-    """Dense float32 attention gradients on the GPU (the score matrix fits: B = 1, H = 2)."""
-    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    s = scale * q @ k.repeat_interleave(group, 1).transpose(-1, -2)
-    if causal:
-        s = s.masked_fill(~allowed_mask(q.shape[2], k.shape[2], causal=True, device=q.device), -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.exp(s - lse[..., None]) @ v.repeat_interleave(group, 1)
-    grads = torch.autograd.grad(out, (q, k, v), dout.float())
-    return out.detach(), lse.detach(), grads
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2048, 8192, 16384])
 @pytest.mark.parametrize("d", [64, 128])
@@ -494,15 +444,10 @@ def _fp32_grads_gpu(dout, q, k, v, scale, causal):
 def test_gpu_long_sequences_bf16(n, d, causal, deterministic):
     hq, hk = 2, 1
     q, k, v, do = inputs(1, hq, hk, n, n, d, BF16, "cuda", seed=n + d)
-    scale = d ** -0.5
-    out, lse, ref = _fp32_grads_gpu(do, q, k, v, scale, causal)
-    got = fa2_backward(do, q, k, v, out.to(BF16), lse, softmax_scale=scale, causal=causal,
-                       deterministic=deterministic)
+    # float64 on the GPU: at n = 16384 the (1, 2, n, n) scores are 4.3 GB, autograd keeps a few of them
+    got, ref, _, _ = run(q, k, v, do, causal=causal, deterministic=deterministic)
     torch.cuda.synchronize()
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-        assert torch.isfinite(g).all()
-        err = ((g.float() - r).norm() / r.norm()).item()
-        assert err <= 2e-2, f"{name} relative error {err:.3g}"
+    assert_grads(got, ref)
 
 
 @pytest.mark.gpu
@@ -621,7 +566,7 @@ def test_wide_offsets_give_the_same_gradients(device, monkeypatch, deterministic
     bias = make((1, 2, 40, 56), F32, device, 34)
     got, ref, _, _ = run(q, k, v, do, causal=True, bias=bias, dropout_p=0.2, seed=5, offset=9,
                          deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -639,9 +584,8 @@ def test_folded_grid_runs_every_pair_once(device, monkeypatch, deterministic):
     monkeypatch.setattr(_common, "GRID_YZ_MAX", 4)  # 6 q-head and 3 kv-head pairs: z-rows of 4
     assert torch.equal(dropout_keep_mask(11, 3, 3, 2, 40, 56, 0.25, device), full_keep)
     got, ref, _, _ = run(q, k, v, do, causal=True, dropout_p=0.25, seed=11, offset=3, deterministic=deterministic)
-    assert_grads(got, ref, tolerance(F32, device))
+    assert_grads(got, ref)
     out, lse = fa2_forward(q, k, v, softmax_scale=0.25, causal=True)
-    ref_out, ref_lse, _, _ = oracle(do, q, k, v, scale=0.25, causal=True, window=(-1, -1), softcap=0.0, alibi=None,
-                                    bias=None, block_mask=None, keep=None, dropout_p=0.0)
-    assert torch.allclose(out.double().cpu(), ref_out, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+    ref_out, ref_lse, *_ = attention_ref_grads(q, k, v, do, scale=0.25, causal=True)
+    assert_close(out, ref_out, what="out")
+    assert_close(lse, ref_lse, what="lse")

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from ops_oracle import assert_close64
+from tests._oracle import assert_close
 from test_kvcache import logical, oracle, rand
 
 import flashtile
@@ -111,7 +111,7 @@ def test_bad_values_touch_nothing_outside(device, writer, arg, what, value, page
     v_full = logical(v_cache, good_table) if paged else v_cache
     assert torch.equal(k_full[0, 20 : 20 + N_NEW], k_new[0]) and torch.equal(v_full[0, 20 : 20 + N_NEW], v_new[0])
     ref, _ = oracle(q[:1], k_full[:1], v_full[:1], [20 + N_NEW], causal=True)
-    assert_close64(out[:1], ref, torch.float32, device, "out of the valid element")
+    assert_close(out[:1], ref, torch.float32, device, "out of the valid element")
     if arg == "cache_seqlens":  # a bad length appends nothing: element 1's cache is unchanged
         assert torch.equal(k_full[1], (logical(before_k[1:-1], good_table) if paged else before_k[:, :CAP])[1])
     with pytest.raises(ValueError, match=arg):
@@ -139,7 +139,7 @@ def test_graph_replay_style_write_after_valid_calls(device):
     check_errors()
     kf = logical(pool, table)
     ref, _ = oracle(q, kf, kf, [40, 17], causal=True)
-    assert_close64(out, ref, torch.float32, device, "out")
+    assert_close(out, ref, torch.float32, device, "out")
 
 
 # --------------------------------------------------------------------------- #
@@ -158,7 +158,7 @@ def test_int64_seqlens_do_not_wrap(device):
     assert torch.equal(k_cache[0], before[0]), "the huge length must not append at position 5"
     assert torch.equal(k_cache[1, 7], k_new[1, 0])
     ref, _ = oracle(q[1:], k_cache[1:], v_cache[1:], [8], causal=False)
-    assert_close64(out[1:], ref, torch.float32, device, "out of the valid element")
+    assert_close(out[1:], ref, torch.float32, device, "out of the valid element")
     with pytest.raises(ValueError, match="cache_seqlens"):
         check_errors()
     with pytest.raises(ValueError, match="cache too small"):  # an int is checked on the host
@@ -184,11 +184,11 @@ def test_strided_seqlens(device, dtype, paged):
     v_full = logical(v_cache, table) if paged else v_cache
     assert torch.equal(k_full[1, 20], k_new[1, 0]) and torch.equal(k_full[0, 3], k_new[0, 0])
     ref, _ = oracle(q, k_full, v_full, [4, 21], causal=False)
-    assert_close64(out, ref, torch.float32, device, "out (append)")
+    assert_close(out, ref, torch.float32, device, "out (append)")
     # without an append the kernel reads the strided lengths itself
     after = torch.tensor([4, 0, 21, 0], dtype=dtype, device=device)[::2]
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=after, block_table=table)
-    assert_close64(out, ref, torch.float32, device, "out (no append)")
+    assert_close(out, ref, torch.float32, device, "out (no append)")
     check_errors()
 
 
@@ -227,7 +227,7 @@ def test_inference_mode(device, mode):
     kf, vf = logical(k_pool, table), logical(v_pool, table)
     assert torch.equal(kf[1, 33], k_new[1, 0])
     ref, _ = oracle(q, kf, vf, [6, 34], causal=False)
-    assert_close64(out, ref, torch.float32, device, "out")
+    assert_close(out, ref, torch.float32, device, "out")
     assert torch.equal(out, out2)
     check_errors()
 
@@ -283,7 +283,7 @@ def test_threads_decode_concurrently(device, monkeypatch):
     for i, (outs, q, k_cache, v_cache, lens) in results.items():
         ref, _ = oracle(q, k_cache, v_cache, lens.tolist(), causal=True)
         for out in outs:
-            assert_close64(out, ref, torch.float32, device, f"thread {i}")
+            assert_close(out, ref, torch.float32, device, f"thread {i}")
 
 
 def test_call_memo_mutation_is_locked(monkeypatch):
@@ -357,8 +357,8 @@ def test_positional_call_and_window_conventions(device):
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, None, None, None, None, lens, None, None, None,
                                        None, True, (6, 0), 0.0, True, None, 0, True)
     ref_out, ref_lse = oracle(q, k_cache, v_cache, [25, 40], causal=True, window=(6, 0))
-    assert_close64(out, ref_out, torch.float32, device, "out")
-    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+    assert_close(out, ref_out, torch.float32, device, "out")
+    assert_close(lse, ref_lse, torch.float32, device, "lse")
     # causal with a right bound > 0: flash-attn sets it to 0; a window given as an int tensor
     for window in ((6, 3), torch.tensor([6, 3]), [6, 0]):
         got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, window_size=window)
@@ -366,7 +366,7 @@ def test_positional_call_and_window_conventions(device):
     # default causal=False: token 0 sees the whole cache
     got = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, window_size=torch.tensor([-1, -1]))
     ref_out, _ = oracle(q, k_cache, v_cache, [25, 40], causal=False)
-    assert_close64(got, ref_out, torch.float32, device, "out (causal=False)")
+    assert_close(got, ref_out, torch.float32, device, "out (causal=False)")
     # return_lse stays an alias of return_softmax_lse
     _, lse2 = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, window_size=(6, 0),
                                       return_lse=True)

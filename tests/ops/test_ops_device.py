@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from ops_oracle import assert_close64, attention64, grads64
+from tests._oracle import assert_close, attention_ref, grads_ref
 
 import flashtile.ops.autograd as autograd_module
 from flashtile.ops import flash_attn_func, scaled_dot_product_attention
@@ -75,13 +75,13 @@ def _flash_on(device, seed):
     dout = torch.randn(out.shape, generator=gen).to(device)
     out.backward(dout)
     q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
-    ref, ref_lse = attention64(q64, k64, v64, scale=1.0 / math.sqrt(64), causal=True)
-    grads = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
-    assert_close64(out.transpose(1, 2), ref, torch.float32, "cuda", f"out on {device}")
-    assert_close64(lse, ref_lse, torch.float32, "cuda", f"lse on {device}")
+    ref, ref_lse = attention_ref(q64, k64, v64, scale=1.0 / math.sqrt(64), causal=True)
+    grads = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    assert_close(out.transpose(1, 2), ref, torch.float32, "cuda", f"out on {device}")
+    assert_close(lse, ref_lse, torch.float32, "cuda", f"lse on {device}")
     for name, x, want in zip(("dq", "dk", "dv"), (q, k, v), grads):
         assert x.grad.device == x.device
-        assert_close64(x.grad.transpose(1, 2), want, torch.float32, "cuda", f"{name} on {device}")
+        assert_close(x.grad.transpose(1, 2), want, torch.float32, "cuda", f"{name} on {device}")
 
 
 @pytest.mark.multigpu
@@ -103,6 +103,6 @@ def test_ops_run_on_the_tensors_device_not_the_current_one():
     refs = [x.double().requires_grad_() for x in (q, k, v)]
     ref = torch.nn.functional.scaled_dot_product_attention(*refs, is_causal=True)
     ref.sum().backward()
-    assert_close64(out, ref, torch.float32, "cuda", "sdpa out on cuda:1")
+    assert_close(out, ref, torch.float32, "cuda", "sdpa out on cuda:1")
     for name, got, want in zip(("dq", "dk", "dv"), leaves, refs):
-        assert_close64(got.grad, want.grad, torch.float32, "cuda", f"sdpa {name} on cuda:1")
+        assert_close(got.grad, want.grad, torch.float32, "cuda", f"sdpa {name} on cuda:1")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from ops_oracle import assert_close64, attention64, grads64
+from tests._oracle import assert_close, attention_ref, grads_ref
 
 from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, next_philox_state
@@ -30,15 +30,15 @@ def _check(q, k, v, dtype, device, *, oracle_kw, gen, **kw):
     out.backward(dout)
     q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
     scale = kw.get("softmax_scale") or 1.0 / math.sqrt(q.shape[-1])
-    ref, ref_lse = attention64(q64, k64, v64, scale=scale, **oracle_kw)
-    dq, dk, dv = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    ref, ref_lse = attention_ref(q64, k64, v64, scale=scale, **oracle_kw)
+    dq, dk, dv = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    assert_close64(out.transpose(1, 2), ref, dtype, device, "out")
-    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+    assert_close(out.transpose(1, 2), ref, dtype, device, "out")
+    assert_close(lse, ref_lse, torch.float32, device, "lse")
     for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
         assert got.shape == want.transpose(1, 2).shape
-        assert_close64(got.transpose(1, 2), want, dtype, device, name)
+        assert_close(got.transpose(1, 2), want, dtype, device, name)
 
 
 # (flash_attn_func kwargs, oracle kwargs, Hq, Hk, Nq, Nk): each case exercises one option on a
@@ -126,13 +126,13 @@ def test_qkvpacked_gradient_reaches_packed_tensor(device):
     dout = torch.randn(out.shape, generator=gen).to(device)
     out.backward(dout)
     q64, k64, v64 = (_leaf64(x) for x in qkv.unbind(2))
-    ref, ref_lse = attention64(q64, k64, v64, scale=16**-0.5, causal=True)
-    grads = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    ref, ref_lse = attention_ref(q64, k64, v64, scale=16**-0.5, causal=True)
+    grads = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
     want = torch.stack([g.transpose(1, 2) for g in grads], dim=2)
     assert qkv.grad.shape == qkv.shape
-    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
-    assert_close64(lse, ref_lse, torch.float32, device, "lse")
-    assert_close64(qkv.grad, want, torch.float32, device, "dqkv")
+    assert_close(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close(lse, ref_lse, torch.float32, device, "lse")
+    assert_close(qkv.grad, want, torch.float32, device, "dqkv")
 
 
 def test_kvpacked_gqa_gradient_reaches_packed_tensor(device):
@@ -143,11 +143,11 @@ def test_kvpacked_gqa_gradient_reaches_packed_tensor(device):
     dout = torch.randn(out.shape, generator=gen).to(device)
     out.backward(dout)
     q64, k64, v64 = _leaf64(q), *(_leaf64(x) for x in kv.unbind(2))
-    ref, _ = attention64(q64, k64, v64, scale=0.3, window=(6, 6))
-    dq, dk, dv = grads64(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
-    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
-    assert_close64(q.grad.transpose(1, 2), dq, torch.float32, device, "dq")
-    assert_close64(kv.grad, torch.stack([dk.transpose(1, 2), dv.transpose(1, 2)], dim=2), torch.float32, device, "dkv")
+    ref, _ = attention_ref(q64, k64, v64, scale=0.3, window=(6, 6))
+    dq, dk, dv = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    assert_close(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close(q.grad.transpose(1, 2), dq, torch.float32, device, "dq")
+    assert_close(kv.grad, torch.stack([dk.transpose(1, 2), dv.transpose(1, 2)], dim=2), torch.float32, device, "dkv")
 
 
 def test_dropout_forward_and_backward_replay_the_keep_mask(device):
@@ -207,6 +207,6 @@ def test_return_attn_probs_returns_out_lse_and_no_matrix(device):
     k, v = _bnhd(1, 40, 2, 16, torch.float32, device, gen), _bnhd(1, 40, 2, 16, torch.float32, device, gen)
     out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert probs is None
-    ref, ref_lse = attention64(_leaf64(q), _leaf64(k), _leaf64(v), scale=0.25, causal=True)
-    assert_close64(out.transpose(1, 2), ref, torch.float32, device, "out")
-    assert_close64(lse, ref_lse, torch.float32, device, "lse")
+    ref, ref_lse = attention_ref(_leaf64(q), _leaf64(k), _leaf64(v), scale=0.25, causal=True)
+    assert_close(out.transpose(1, 2), ref, torch.float32, device, "out")
+    assert_close(lse, ref_lse, torch.float32, device, "lse")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_oracle import assert_close64
+from tests._oracle import assert_close
 
 import flashtile.runtime.fa2_fwd as fa2_fwd_module
 from flashtile.runtime.common import dropout_keep_mask
@@ -36,9 +36,9 @@ def _compare_with_torch(q, k, v, device, **kw):
     ref = F.scaled_dot_product_attention(*refs, **kw64)
     ref.backward(dout.cpu().double())
     assert out.shape == ref.shape
-    assert_close64(out, ref, torch.float32, device, "out")
+    assert_close(out, ref, torch.float32, device, "out")
     for name, got, want in zip(("dq", "dk", "dv"), leaves, refs):
-        assert_close64(got.grad, want.grad, torch.float32, device, name)
+        assert_close(got.grad, want.grad, torch.float32, device, name)
 
 
 @pytest.mark.parametrize("nq,nk", [(24, 40), (40, 24), (33, 33)])
@@ -113,7 +113,7 @@ def test_dropout_reproducible_and_matches_keep_mask(device):
     keep = dropout_keep_mask(seed, offset, 1, 2, 32, 32, 0.25, device)
     assert not keep.all()
     want = (keep.sum(-1).double() / (32 * 0.75)).unsqueeze(-1).expand(a.shape)
-    assert_close64(a, want, torch.float32, device, "dropped out")
+    assert_close(a, want, torch.float32, device, "dropped out")
 
 
 def test_output_layout_is_torch_flash_backends_and_gradients_follow(device):
@@ -136,9 +136,9 @@ def test_output_layout_is_torch_flash_backends_and_gradients_follow(device):
     refs = [x.detach().cpu().double().requires_grad_() for x in (q_, k_, v_)]
     ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in refs), is_causal=True)
     ref.transpose(1, 2).reshape(b, n, h * d).backward(dmerged.cpu().double())
-    assert_close64(out, ref, torch.float32, device, "out")
+    assert_close(out, ref, torch.float32, device, "out")
     for name, got, want in zip(("dq", "dk", "dv"), leaves, refs):
-        assert_close64(got.grad, want.grad, torch.float32, device, name)
+        assert_close(got.grad, want.grad, torch.float32, device, name)
 
 
 def test_three_dim_output_layout(device):
@@ -146,4 +146,4 @@ def test_three_dim_output_layout(device):
     out = scaled_dot_product_attention(q, k, v)
     assert out.shape == (2, 20, 8) and out.transpose(0, 1).is_contiguous()
     ref = F.scaled_dot_product_attention(q.cpu().double(), k.cpu().double(), v.cpu().double())
-    assert_close64(out, ref, torch.float32, device, "out")
+    assert_close(out, ref, torch.float32, device, "out")

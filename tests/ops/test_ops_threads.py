@@ -13,7 +13,7 @@ import math
 import threading
 
 import torch
-from ops_oracle import assert_close64, attention64, grads64
+from tests._oracle import assert_close, attention_ref, grads_ref
 
 from flashtile.runtime.launch import _bound
 from flashtile.ops import flash_attn_func
@@ -58,9 +58,9 @@ def test_concurrent_calls_each_match_the_oracle(device):
     for i, (out, lse, dq, dk, dv) in results.items():
         q, k, v, dout = (x.detach().cpu().double().transpose(1, 2) for x in _inputs(i, device))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        ref, ref_lse = attention64(q, k, v, scale=1.0 / math.sqrt(16), causal=SIGNATURES[i][4])
-        grads = grads64(ref, (q, k, v), dout)
-        assert_close64(out.transpose(1, 2), ref, torch.float32, device, f"out of thread {i}")
-        assert_close64(lse, ref_lse, torch.float32, device, f"lse of thread {i}")
+        ref, ref_lse = attention_ref(q, k, v, scale=1.0 / math.sqrt(16), causal=SIGNATURES[i][4])
+        grads = grads_ref(ref, (q, k, v), dout)
+        assert_close(out.transpose(1, 2), ref, torch.float32, device, f"out of thread {i}")
+        assert_close(lse, ref_lse, torch.float32, device, f"lse of thread {i}")
         for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
-            assert_close64(got.transpose(1, 2), want, torch.float32, device, f"{name} of thread {i}")
+            assert_close(got.transpose(1, 2), want, torch.float32, device, f"{name} of thread {i}")
