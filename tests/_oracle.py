@@ -57,9 +57,10 @@ TOLERANCE: dict[tuple[torch.dtype, str], float] = {
     # fp16 inputs (unit roundoff 4.9e-4), P rounded to fp16 before P @ V, output rounded
     (torch.float16, "interpreter"): 1e-2,
     (torch.float16, "gpu"): 1e-2,
-    # bf16 inputs (unit roundoff 3.9e-3), P rounded to bf16 before P @ V, output rounded
-    (torch.bfloat16, "interpreter"): 3e-2,
-    (torch.bfloat16, "gpu"): 3e-2,
+    # bf16 inputs (unit roundoff 3.9e-3), P rounded to bf16 before P @ V, output rounded: ~2.5 u relative
+    # to max|ref| (the bound is tol * (|ref| + max|ref|), so 2 tol on the largest entries)
+    (torch.bfloat16, "interpreter"): 1e-2,
+    (torch.bfloat16, "gpu"): 1e-2,
 }
 
 
