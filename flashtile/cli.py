@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune]`."""
 
 from __future__ import annotations
 
@@ -145,6 +145,54 @@ def _cmd_bench_io(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_tune(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench.tune import run_tune
+
+    console = Console()
+    try:
+        points = tune_points(args)
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    if not torch.cuda.is_available():
+        console.print("[red]`flashtile bench tune` needs a CUDA GPU[/red]")
+        return 2
+    with console.status("FA2 tile sweep") as status:
+        payload = run_tune(points, args.out, progress=lambda what: status.update(str(what)))
+    table = Table(title=f"FA2 tile sweep, bf16 TFLOP/s on {payload['env']['device']} (bwd = forward + backward)")
+    for c in ("mode", "d", "N", "causal", "heuristic", "best config", "best", "best / heuristic", "sdpa-flash",
+              "sdpa-cudnn", "wrong or failed"):
+        table.add_column(c, justify="right")
+
+    def fmt(x):
+        return f"{x:.0f}" if x else "—"
+
+    for r in payload["points"]:
+        by_name = {c["config"]: c for c in r["configs"]}
+        heur = by_name["heuristic"]["tflops"]
+        best = by_name[r["best"]]["tflops"] if r["best"] else None
+        bad = sum(1 for c in r["configs"] if not c["tflops"])
+        table.add_row(r["mode"], str(r["head_dim"]), str(r["seqlen"]), "y" if r["causal"] else "n", fmt(heur),
+                      r["best"] or "—", fmt(best), f"{best / heur:.3f}" if best and heur else "—",
+                      fmt(r["peers"].get("sdpa-flash")), fmt(r["peers"].get("sdpa-cudnn")), str(bad))
+    console.print(table)
+    console.print(f"wrote {payload['path']}")
+    return 0
+
+
+def tune_points(args: argparse.Namespace) -> list:
+    """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
+    from flashtile.bench.tune import MODES, tune_sweep
+
+    modes = [m for m in MODES if getattr(args, m)] or list(MODES)
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return tune_sweep(modes, args.head_dims, args.seqlens, causal)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashtile", description="The FlashAttention family in Python.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     iol = bsub.add_parser("io", help="IO lab: FA1 vs FA2, online vs safe softmax, ncu DRAM bytes vs Theorem 2, roofline")
     iol.add_argument("--out", default="bench/results")
     iol.set_defaults(func=_cmd_bench_io)
+    tune = bsub.add_parser("tune", help="FA2 forward / backward tile-config sweep, each config checked, then timed "
+                                        "against SDPA flash and cuDNN")
+    from flashtile.bench.tune import FWD_CANDIDATES
+
+    tune.add_argument("--fwd", action="store_true", help="sweep the forward kernel's tiles")
+    tune.add_argument("--bwd", action="store_true", help="sweep the backward kernels' tiles (timed as fwd+bwd)")
+    tune.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(FWD_CANDIDATES))
+    tune.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
+    tune.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    tune.add_argument("--out", default="bench/results")
+    tune.set_defaults(func=_cmd_bench_tune)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
                        ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
     return p

@@ -57,7 +57,10 @@ def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 
                 yield d, n, max(1, total_tokens // n), 2048 // d, causal
 
 
-def _sdpa_fn(backend_name: str) -> Callable:
+def sdpa_fn(backend_name: str) -> Callable:
+    """``fn(q, k, v, causal)`` on (B, N, H, d) tensors through one SDPA backend: ``"sdpa-flash"``,
+    ``"sdpa-cudnn"``, ``"sdpa-efficient"`` or ``"sdpa-math"`` (the backend is forced, so an
+    unsupported point raises instead of falling back)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {
@@ -142,7 +145,7 @@ def make_providers(names) -> dict[str, Callable]:
         if name in ("flashtile", "flashtile-fa2"):
             out[name] = _flashtile_fn(hopper=name == "flashtile")
         elif name.startswith("sdpa-"):
-            out[name] = _sdpa_fn(name)
+            out[name] = sdpa_fn(name)
         elif name == "flex":
             out[name] = _flex_fn()
         elif name == "fa3":
@@ -152,8 +155,11 @@ def make_providers(names) -> dict[str, Callable]:
     return out
 
 
-def _reference_rows(q, k, v, causal, heads=2, rows=256):
-    """fp32 math attention on a few heads and query rows (cheap, no N×N for all heads)."""
+def reference_rows(q, k, v, causal, heads=2, rows=256):
+    """fp32 math attention of batch 0 on the first ``heads`` heads and ``rows`` evenly spaced query rows
+    (cheap: no N×N for every head).  q, k, v: (B, N, H, d).  Returns ``(ref, idx)``: ``ref`` is
+    (1, heads, len(idx), d) float32 and ``idx`` the query rows, so an output ``o`` (B, N, H, d) is
+    compared as ``o[:1, idx, :heads].transpose(1, 2)``."""
     n = q.shape[1]
     qs = q[:1, :, :heads].float().transpose(1, 2)  # (1, h, n, d)
     ks = k[:1, :, :heads].float().transpose(1, 2)
@@ -170,7 +176,7 @@ def run_point(providers: dict, d: int, n: int, b: int, h: int, causal: bool, mod
     dev = "cuda"
     q, k, v = (torch.randn(b, n, h, d, device=dev, dtype=dtype) for _ in range(3))
     dout = torch.randn_like(q)
-    ref, idx = _reference_rows(q, k, v, causal)
+    ref, idx = reference_rows(q, k, v, causal)
     results = []
     for mode in modes:
         pt = Point(d, n, b, h, causal, mode)
@@ -203,7 +209,7 @@ def peak_extra_memory(providers: dict, d=128, n=4096, b=4, h=16, causal=False) -
     """Peak memory a forward allocates beyond its inputs (MiB), incl. SDPA-math for scale."""
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = {}
-    for name, fn in {**providers, "sdpa-math": _sdpa_fn("sdpa-math")}.items():
+    for name, fn in {**providers, "sdpa-math": sdpa_fn("sdpa-math")}.items():
         try:
             with torch.no_grad():
                 fn(q, k, v, causal)

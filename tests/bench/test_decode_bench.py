@@ -1,5 +1,5 @@
-"""The decode bench uses only public and runtime APIs, and its forced-config launch (the tile sweep's
-building block) computes decoding correctly; the GPU test runs the sweep on one small point."""
+"""The benchmark modules and the CLI use only public and runtime APIs, and the decode bench's forced-config
+launch (the tile sweep's building block) computes decoding correctly; the GPU test runs the sweep on one small point."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import flashtile
 import flashtile.bench
+import flashtile.cli
 from flashtile.bench.decode import forced_decode
 from flashtile.runtime.decode import flash_decode
 
@@ -44,10 +46,18 @@ def _private_flashtile_imports(path: Path) -> list[str]:
 
 
 def test_bench_imports_no_private_names():
-    files = sorted(Path(flashtile.bench.__file__).parent.glob("*.py"))
-    assert any(f.name == "decode.py" for f in files)
+    """Every module of flashtile/bench and the CLI that drives them."""
+    files = sorted(Path(flashtile.bench.__file__).parent.glob("*.py")) + [Path(flashtile.cli.__file__)]
+    names = {f.name for f in files}
+    assert {"attention.py", "decode.py", "io_lab.py", "common.py", "tune.py", "cli.py"} <= names
     found = {f.name: _private_flashtile_imports(f) for f in files}
     assert not any(found.values()), found
+
+
+def test_no_probe_scripts_beside_the_driver():
+    """The benchmarks are routines of `flashtile bench`: no stand-alone scripts under bench/."""
+    bench_dir = Path(flashtile.__file__).resolve().parents[1] / "bench"
+    assert not list(bench_dir.rglob("*.py"))
 
 
 def test_private_import_detector_finds_them(tmp_path):
