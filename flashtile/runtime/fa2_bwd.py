@@ -70,7 +70,7 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, nq: int, nk: int, devic
     if torch.device(device).type != "cuda":
         return BwdConfig(block_m=16, block_n=32, dq_block_m=32, dq_block_n=16, num_warps=4, num_stages=1)
     wide = dtype == torch.float32
-    # Measured on an H100, bf16, fwd+bwd (tile sweep of bench/scripts/tune_fa2.py; an H200 agrees):
+    # Measured on an H100, bf16, fwd+bwd (tile sweep of `flashtile bench tune`; an H200 agrees):
     # 64-row q steps over a 128-row kv tile with 8 warps and 3 stages win at d = 64 and d = 128; 4 warps at d = 128 spill (two fp32 (128, 128) accumulators = 256
     # registers/thread) and run at half the speed.  The separate dQ kernel beats fp32 atomics at
     # d = 128 for every N (by 2-14%) and at d = 64 up to N = 4k; atomics win at d = 64 from N = 8k.

@@ -61,7 +61,7 @@ def fwd_config(
     if interpreting(device):
         return 16, 32, 4, 1
     wide = dtype == torch.float32  # 4-byte tiles: halve BLOCK_N to keep the shared-memory footprint
-    # Measured on an H200, bf16 (tile sweep of bench/scripts/tune_fa2.py): 128x64 with
+    # Measured on an H200, bf16 (tile sweep of `flashtile bench tune`): 128x64 with
     # 8 warps wins at d = 64 for every N; at d = 128, 128x64 / 8 warps without a mask, 128x128 / 8 warps
     # under a causal or window mask from N = 4k (fewer diagonal tiles), and 64x64 / 4 warps causal at N <= 1k.
     if d <= 64:
