@@ -21,6 +21,7 @@ import torch
 import flashtile
 from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops.autograd import attention
+from tests._cuda import capture
 from tests._oracle import assert_close, attention_ref_grads, rounding_slack
 
 BF16 = torch.bfloat16
@@ -245,15 +246,7 @@ def test_dropout_fwd_bwd_captured_in_cuda_graph():
                                 dropout_p=p)
         return (out, rng, *torch.autograd.grad(out, (q, k, v), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: compiles the kernels outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture(step, warmup=2)
 
     replays = []
     for _ in range(2):
@@ -287,14 +280,7 @@ def test_dropout_public_api_captures_and_never_syncs():
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture(step)
     graph.replay()
     first = [x.clone() for x in static]
     graph.replay()

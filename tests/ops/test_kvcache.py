@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from tests._cuda import capture
 from tests._oracle import assert_close, attention_ref
 
 from flashtile.ops.kvcache import check_errors, flash_attn_with_kvcache
@@ -308,15 +309,7 @@ def test_gpu_cuda_graph_capture_and_replay():
     def step_pp():  # FlashDecoding++ over the same cache, new token included; its fallback stays on the device
         return flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens + 1, block_table=table, unified_max=0.0)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(), step_pp()  # warm-up: compiles, validates
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-        static_pp = step_pp()
+    graph, (static_out, static_pp) = capture(lambda: (step(), step_pp()))
     for t in range(3):  # new inputs written into the captured buffers, as a serving loop does
         new_q = rand(batch, 1, hq, d, device="cuda", seed=20 + t)
         if t == 1:

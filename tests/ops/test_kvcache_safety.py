@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from tests._cuda import capture
 from tests._oracle import assert_close
 from test_kvcache import logical, oracle, rand
 
@@ -399,14 +400,7 @@ def test_gpu_bad_values_inside_cuda_graph():
         return flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=lens, block_table=table,
                                        num_splits=2)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     torch.cuda.synchronize()
     check_errors()
     good_table = table.clone()
