@@ -189,3 +189,31 @@ def test_fa1_and_softmax_launches_match_kernel_parameters(monkeypatch):
     assert a["X"].data_ptr() == x.data_ptr() and a["Y"].data_ptr() == y.data_ptr()
     assert len(args) + len(kw) - 1 == len(_params(_softmax_online_kernel)) and "BLOCK" in kw  # and num_warps
     assert (a["stride_x"], a["stride_y"], a["n"]) == (100, 50, 50)
+
+
+def test_hopper_forward_launch_arguments(monkeypatch):
+    """runtime.fa3_fwd.launch's tuples against fa3_fwd_kernel's parameters (GQA, ragged Nk, strided views)."""
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
+    from flashtile.runtime import fa3_fwd as fa3_runtime
+    from flashtile.runtime import launch as launch_module
+
+    calls = []
+    monkeypatch.setattr(launch_module, "launch",
+                        lambda kernel, grid, dynamic, static, **kw: calls.append((kernel, dynamic, static)))
+    q = _strided(2, 6, 70, 40, (0, 2, 1, 3), seed=1)
+    k, v = (_strided(2, 3, 45, 40, (2, 0, 1, 3), seed=s) for s in (2, 3))
+    out = _strided(2, 6, 70, 40, (1, 2, 0, 3), seed=4)
+    lse = torch.empty(2, 6, 70)
+    cfg = fa3_runtime.Fa3Config(64, 32, 4, 1, True, False)
+    fa3_runtime.launch(q, k, v, out, lse, 0.7, True, cfg)
+    (kernel, dynamic, static), = calls
+    named = _named(kernel, dynamic, static)
+    assert named["Q"] is q and named["K"] is k and named["V"] is v and named["Out"] is out and named["LSE"] is lse
+    assert named["qk_scale"] == 0.7
+    for prefix, t in (("stride_q", q), ("stride_k", k), ("stride_v", v), ("stride_o", out)):
+        _expect_strides(named, (prefix, ("b", "h", "m" if prefix in ("stride_q", "stride_o") else "n")), t)
+    assert (named["n_heads"], named["kv_group"], named["seqlen_q"], named["seqlen_k"]) == (6, 2, 70, 45)
+    assert named["num_m_tiles"] == 2 and named["HEAD_DIM"] == 40 and named["BLOCK_D"] == 64
+    assert (named["BLOCK_M"], named["LOG2_BLOCK_M"], named["BLOCK_N"]) == (64, 6, 32)
+    assert named["CAUSAL"] is True and named["EVEN_N"] is False
+    assert named["WARP_SPEC"] is True and named["O_TMA"] is False
