@@ -100,12 +100,11 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     causal or not, ``nk`` keys.
 
     Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
-    dispatch"): d = 256 runs 1.9-2.6x FA2's TFLOP/s at every N; at d = 128 it wins from 4k keys without a
-    mask (1.09x) and from 16k causal (1.02x), but its launch costs more host time, so at 1k keys it falls to
-    0.56x (non-causal) and 0.96x (causal); at d = 64 the kernel alone is 0.77-1.07x FA2's."""
+    dispatch"), against the FA2 kernel: d = 256 1.4-2.6x at every N; d = 128 without a mask 1.03-1.10x from
+    1k keys, causal 0.83x at 1k, 0.98x at 2k, 1.01-1.02x from 4k; at d = 64 the kernel alone is 0.77-1.07x."""
     if d not in SUPPORTED_HEAD_DIMS or d <= 64:
         return False
-    return d > 128 or nk >= (8192 if causal else 4096)
+    return d > 128 or not causal or nk >= 4096
 
 
 def prefer_hopper(
@@ -208,8 +207,8 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config) -> 
     grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
-    # bound once per problem signature (runtime.launch): Triton's per-call binding cost 0.56x FA2's
-    # throughput at d = 128, 1k keys on an H100
+    # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
+    # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
     dynamic = (q, k, v, out, lse, float(qk_scale))
     static = (
         q.stride(0), q.stride(1), q.stride(2),

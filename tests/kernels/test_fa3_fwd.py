@@ -176,8 +176,8 @@ def test_hopper_wins_follows_the_measured_table():
     from flashtile.runtime.fa3_fwd import hopper_wins
 
     assert not hopper_wins(64, False, 16384) and not hopper_wins(32, True, 16384)  # d <= 64: FA2
-    assert not hopper_wins(128, False, 1024) and hopper_wins(128, False, 4096) and hopper_wins(96, False, 4096)
-    assert not hopper_wins(128, True, 4096) and hopper_wins(128, True, 8192)
+    assert hopper_wins(128, False, 1024) and hopper_wins(96, False, 4096)
+    assert not hopper_wins(128, True, 2048) and hopper_wins(128, True, 4096)
     assert hopper_wins(256, True, 1024) and hopper_wins(192, False, 1024)
     assert not hopper_wins(100, False, 4096)  # not a multiple of 8: no tensor descriptor
 
