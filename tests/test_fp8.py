@@ -270,3 +270,18 @@ def test_cli_fp8_error_writes_json(tmp_path, capsys):
     assert [r["method"] for r in payload["rows"]] == list(METHODS)
     assert payload["config"]["seqlen"] == 32 and "RMSE" in capsys.readouterr().out
     assert cli.main(["bench", "fp8-error", "--head-dim", "24", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.gpu
+def test_quantisers_and_rotation_on_cuda_match_cpu():
+    """The helpers run on CUDA tensors (scales and e4m3 values identical to the CPU's) with CUDA outputs."""
+    x = _x((2, 8, 1000, 128))
+    for quant in (quantize_per_tensor, quantize_per_head, lambda t: quantize_per_block(t, 128)):
+        c8, cs = quant(x)
+        g8, gs = quant(x.cuda())
+        assert g8.is_cuda and gs.is_cuda
+        assert torch.equal(gs.cpu(), cs) and torch.equal(g8.cpu().float(), c8.float())
+    qr, kr, signs = hadamard_rotate(x.cuda(), x.cuda(), seed=0)
+    cq, _, csigns = hadamard_rotate(x, x, seed=0)
+    assert qr.is_cuda and torch.equal(signs, csigns)
+    torch.testing.assert_close(qr.cpu(), cq, rtol=0, atol=1e-5)
