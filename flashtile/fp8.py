@@ -11,7 +11,8 @@ and the scale taken from the amax of the group it covers: ``descale = amax / 448
 (448 is e4m3's largest finite value), so the group's largest entry maps to ±448.
 A group of zeros gets ``descale = 1`` (and zeros), never NaN.  Non-finite inputs
 raise ``ValueError`` naming the argument: an inf would make every other entry of
-its group 0.
+its group 0.  (That check reads one bool back from the device: the helpers are
+for preparing inputs, not for a per-step hot path.)
 
 Granularities (x in ``layout`` "bhnd" = (B, H, N, d), SDPA's, or "bnhd" =
 (B, N, H, d), flash-attn's):
@@ -258,8 +259,8 @@ def hadamard_rotate(
     q and k of any rank with the same last dim d (head_dim), a power of two;
     ``signs`` (d,) float of random ±1, drawn from ``torch.Generator().manual_seed(seed)``
     (or ``generator``; neither: torch's default generator).  M is orthogonal, so
-    ``(qM)(kM)ᵀ = qkᵀ`` up to rounding of the products (exact up to ~1e-16 in
-    float64); rotate q and k, not v.  The product is taken in float64 and returned
+    ``(qM)(kM)ᵀ = qkᵀ`` up to float64 rounding of the products (~1e-15
+    relative); rotate q and k, not v.  The product is taken in float64 and returned
     in each input's dtype.  A kernel would apply the fast Walsh-Hadamard
     transform, O(d log d) per row; a d x d matmul is the same map.
     """
