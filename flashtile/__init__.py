@@ -29,7 +29,11 @@ _LAZY = {
     "flash_attn_kvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_qkvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_with_kvcache": "flashtile.ops.kvcache",
+    "hadamard_rotate": "flashtile.fp8",
     "next_philox_state": "flashtile.ops.autograd",
+    "quantize_per_block": "flashtile.fp8",
+    "quantize_per_head": "flashtile.fp8",
+    "quantize_per_tensor": "flashtile.fp8",
     "scaled_dot_product_attention": "flashtile.ops.sdpa",
 }
 

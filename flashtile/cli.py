@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error]`."""
 
 from __future__ import annotations
 
@@ -184,6 +184,34 @@ def _cmd_bench_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_fp8_error(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench.fp8_error import run_fp8_error
+
+    console = Console()
+    try:
+        with console.status("FP8 error experiment (float64 twin on the CPU)") as status:
+            payload = run_fp8_error(
+                args.out, batch=args.batch, heads=args.heads, seqlen=args.seqlen, head_dim=args.head_dim,
+                causal=args.causal, seed=args.seed, progress=lambda what: status.update(str(what)),
+            )
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    c = payload["config"]
+    table = Table(title=f"attention RMSE vs float64, q/k/v ~ N(0,1) + 0.1% N(0,10²) outliers "
+                        f"(B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']})")
+    for col in ("method", "RMSE", "per-tensor FP8 RMSE / RMSE"):
+        table.add_column(col, justify="right")
+    for r in payload["rows"]:
+        table.add_row(r["method"], f"{r['rmse']:.2e}", f"{r['ratio']:.2f}×" if r["ratio"] else "—")
+    console.print(f"wrote {payload['path']}")
+    console.print(table)
+    return 0
+
+
 def tune_points(args: argparse.Namespace) -> list:
     """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
     from flashtile.bench.tune import MODES, tune_sweep
@@ -234,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     tune.add_argument("--out", default="bench/results")
     tune.set_defaults(func=_cmd_bench_tune)
+    fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
+                                             "block and Hadamard-rotated FP8 attention on outlier inputs")
+    fp8.add_argument("--batch", type=int, default=1)
+    fp8.add_argument("--heads", type=int, default=4)
+    fp8.add_argument("--seqlen", type=int, default=1024)
+    fp8.add_argument("--head-dim", type=int, default=128, help="a power of two (Hadamard rotation)")
+    fp8.add_argument("--causal", action="store_true")
+    fp8.add_argument("--seed", type=int, default=0)
+    fp8.add_argument("--out", default="bench/results")
+    fp8.set_defaults(func=_cmd_bench_fp8_error)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
                        ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
     return p
