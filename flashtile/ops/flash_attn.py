@@ -59,7 +59,7 @@ def _run(
     """Validate every argument (naming it as the caller knows it), then run the op."""
     validate.check_qkv_tensors(names, q, k, v)
     dims = validate.check_dims(q, k, v, seq_major=True, names=names)
-    window = validate.check_window(causal, window_size)
+    window = validate.unbind_window(*validate.check_window(causal, window_size), dims.seqlen_q, dims.seqlen_k)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
     dropout_p = validate.check_dropout(dropout_p)

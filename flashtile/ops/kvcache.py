@@ -248,24 +248,6 @@ class _Call(NamedTuple):
 _UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
 
 
-def _window(causal: object, window_size: object) -> object:
-    """flash-attn's window conventions before :func:`validate.check_window`: a 2-element integer
-    tensor or a list is a pair; with ``causal`` a right bound > 0 becomes 0 (flash-attn sets it)."""
-    if isinstance(window_size, torch.Tensor):
-        if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool \
-                or tuple(window_size.shape) != (2,):
-            raise ValueError(f"window_size must be a pair of ints (left, right), got a tensor {window_size!r}")
-        window_size = tuple(int(w) for w in window_size.tolist())
-    elif isinstance(window_size, list):
-        window_size = tuple(window_size)
-    if (
-        causal is True and type(window_size) is tuple and len(window_size) == 2
-        and type(window_size[1]) is int and window_size[1] > 0
-    ):
-        window_size = (window_size[0], 0)
-    return window_size
-
-
 def prepare_call(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
@@ -278,7 +260,7 @@ def prepare_call(
     if paged:
         _check_block_table(block_table, q, dims.batch)
     n_new = _check_new_kv(k, v, k_cache, dims)
-    left, right = validate.check_window(_check_flag(causal, "causal"), _window(causal, window_size))
+    left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
     _check_flag(rotary_interleaved, "rotary_interleaved")
@@ -293,6 +275,9 @@ def prepare_call(
             raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
+    if capacity >= 2**31:
+        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+    left, right = validate.unbind_window(left, right, q.shape[1], capacity)  # L_b <= capacity
     _seqlens_check(cache_seqlens, q, dims.batch)
     if not isinstance(cache_seqlens, torch.Tensor):  # an int or None: checked on the host, for free
         _check_lengths([capacity if cache_seqlens is None else cache_seqlens], n_new, capacity, None, 0, 0)
@@ -431,8 +416,6 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
         _unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                      cache_leftpad=cache_leftpad)
-    if type(window_size) is not tuple:
-        window_size = _window(causal, window_size)
     args = (
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,

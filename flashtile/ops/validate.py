@@ -35,6 +35,7 @@ __all__ = [
     "check_qkv_tensors",
     "check_dims",
     "check_window",
+    "unbind_window",
     "check_softmax_scale",
     "check_softcap",
     "check_dropout",
@@ -154,6 +155,15 @@ def check_window(
         )
     left, right = int(entries[0]), int(entries[1])
     return left, (0 if causal else right)
+
+
+def unbind_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """A bound that cannot exclude any key becomes -1 (unbounded): left >= Nk, right >= Nq.
+
+    Key j is visible to query i iff i + Nk - Nq - left <= j <= i + Nk - Nq + right with 0 <= i < Nq,
+    0 <= j < Nk, so such a bound never binds; the kernels' tile ranges then never see values near
+    2^31 (a bound of 2^31 - 1 would overflow their int32 range arithmetic)."""
+    return (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_q else right)
 
 
 def _real(x: object, name: str) -> float:

@@ -236,3 +236,24 @@ def test_check_constants_and_execution_mode_defined_once():
         ("MAX_HEAD_DIM", "ops/validate.py"), ("SUPPORTED_DTYPES", "ops/validate.py"),
         ("interpreting", "runtime/common.py"),
     ], found
+
+
+def test_window_bounds_past_the_sequence_are_unbounded(device):
+    """A window bound that cannot exclude any key (left >= Nk, right >= Nq), up to 2^63 - 1, gives the unwindowed
+    result: the kernels' int32 range arithmetic never sees it (2^31 - 1 used to wrap and drop every key)."""
+    from flashtile import flash_attn_func, flash_attn_with_kvcache
+    from flashtile.ops import validate
+
+    assert validate.unbind_window(40, 8, 8, 40) == (-1, -1)
+    assert validate.unbind_window(39, 7, 8, 40) == (39, 7)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 40, 1, 16, generator=g).to(device)
+    k, v = (torch.randn(1, 8, 1, 16, generator=g).to(device) for _ in range(2))
+    ref = flash_attn_func(q, k, v)
+    for window in ((2**31 - 1, -1), (-1, 2**31 - 1), (2**63 - 1, 2**63 - 1)):
+        torch.testing.assert_close(flash_attn_func(q, k, v, window_size=window), ref)
+    kc, vc = (torch.randn(1, 32, 1, 16, generator=g).to(device) for _ in range(2))
+    qd = torch.randn(1, 4, 1, 16, generator=g).to(device)
+    base = flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=20)
+    for window in ((2**31 - 1, -1), (-1, 2**31 - 1)):
+        torch.testing.assert_close(flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=20, window_size=window), base)
