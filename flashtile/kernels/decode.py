@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, mma
+from flashtile.kernels._common import LN2, LOG2E, mma, unfold_pid
 from flashtile.kernels.block_info import kv_block_range
 from flashtile.kernels.mask import allowed, score_mods
 
@@ -191,7 +191,7 @@ def _merge_rows(
         r_ok = offs_r < r_hi
         offs_t = offs_r % seqlen_q
         offs_h = off_hk * kv_group + offs_r // seqlen_q
-        row = (off_b * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq)
+        row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
         prow = row.to(tl.int64) * n_splits
         m = tl.full((MERGE_M,), float("-inf"), dtype=tl.float32)
         tot = tl.zeros((MERGE_M,), dtype=tl.float32)
@@ -219,7 +219,7 @@ def _merge_rows(
         live = tot > 0.0
         tot_safe = tl.where(live, tot, 1.0)
         lse = tl.where(live, tl.where(m == float("-inf"), 0.0, m) + tl.log(tot_safe), float("-inf"))
-        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t * stride_om + offs_h * stride_oh)[:, None] + offs_d[None, :]
+        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t.to(tl.int64) * stride_om + offs_h.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, (acc / tot_safe[:, None]).to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < head_dim)[None, :])
         tl.store(LSE + row, lse, mask=r_ok)
         if UNIFIED:
@@ -230,15 +230,18 @@ def _merge_rows(
 def _decode_merge_kernel(
     Work, FPart, Out, LSE, Flags,
     stride_ob, stride_om, stride_oh,
-    n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
+    n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, lse_offset, n_bh,
     BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr,
     UNIFIED: tl.constexpr,
 ):
-    """Kernel 2 (CUDA-graph capture only): program (b·Hk + h, m) merges packed rows
-    ``[m BLOCK_M, (m + 1) BLOCK_M)`` of kv head h of batch element b, with the fused merge's
-    code and split chunk (a graph replay gives the same bits as an eager call: GPU test)."""
-    pid_bh = tl.program_id(0)
-    r_lo = tl.program_id(1) * BLOCK_M
+    """Kernel 2 (CUDA-graph capture only): in a ``fold_grid(row tiles, B·Hk)`` grid, program
+    (m, b·Hk + h) merges packed rows ``[m BLOCK_M, (m + 1) BLOCK_M)`` of kv head h of batch element
+    b, with the fused merge's code and split chunk (a graph replay gives the same bits as an eager
+    call: GPU test)."""
+    pid_m, pid_bh = unfold_pid()
+    if pid_bh >= n_bh:
+        return
+    r_lo = pid_m * BLOCK_M
     _merge_rows(
         Work, FPart, Out, LSE, Flags, pid_bh // n_heads_k, pid_bh % n_heads_k, r_lo,
         tl.minimum(r_lo + BLOCK_M, kv_group * seqlen_q),
@@ -302,7 +305,7 @@ def _decode_split_kernel(
     d_ok = offs_d < head_dim
     if EVEN_D:
         d_ok = offs_d < BLOCK_D  # all true, and known constant along d
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb) + (offs_t * stride_qm + offs_h * stride_qh)[:, None] + offs_d[None, :]
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb) + (offs_t.to(tl.int64) * stride_qm + offs_h.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     slope = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if HAS_ALIBI:
@@ -359,10 +362,10 @@ def _decode_split_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o_part = acc / l_safe[:, None]
     l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
-    row = (off_b * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq)
+    row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
     if WRITE_OUT:
         # a single split is already the answer (the merge of one partial is the identity)
-        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t * stride_om + offs_h * stride_oh)[:, None] + offs_d[None, :]
+        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t.to(tl.int64) * stride_om + offs_h.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, o_part.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + row, l_part, mask=row_ok)
         if UNIFIED:
@@ -396,18 +399,20 @@ def _append_kernel(
     K, V, KNew, VNew, BlockTable, SeqlensK, Err,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
-    stride_bt_b, stride_sl, n_new, capacity, num_pages, head_dim,
+    stride_bt_b, stride_sl, n_new, capacity, num_pages, head_dim, n_heads_k, n_batch,
     BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Program (b, i, h) stores row (b, i, h) of the new keys/values at position ``SeqlensK[b] + i``
-    of element b's cache (paged: through ``BlockTable``).
+    """In a ``fold_grid(Nnew·Hk, B)`` grid, program (i·Hk + h, b) stores row (b, i, h) of the new
+    keys/values at position ``SeqlensK[b] + i`` of element b's cache (paged: through ``BlockTable``).
 
     Nothing trusts the indices: an element whose ``SeqlensK[b]`` lies outside
     ``[0, capacity - n_new]`` writes nothing and ORs ERR_SEQLENS into ``Err``; a row whose
     page lies outside ``[0, num_pages)`` is not written and ORs ERR_BLOCK_TABLE."""
-    off_b = tl.program_id(0)
-    i = tl.program_id(1)
-    h = tl.program_id(2)
+    t, off_b = unfold_pid()
+    if off_b >= n_batch:
+        return
+    i = t // n_heads_k
+    h = t % n_heads_k
     raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
     len_ok = (raw >= 0) & (raw <= capacity - n_new)
     pos = tl.where(len_ok, raw + i, 0)

@@ -30,12 +30,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E
+from flashtile.kernels._common import LN2
 from flashtile.kernels.block_info import kv_block_range
 
 __all__ = ["fa3_fwd_kernel"]
 
-_LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 
 

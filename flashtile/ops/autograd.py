@@ -161,7 +161,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
     rng = _philox(q.device) if dropout_p > 0 else None
     out = _out_like(q, seq_major)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
-    if plain and prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
+    if prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
         _, lse = fa3_forward(qb, kb, vb, softmax_scale=softmax_scale, causal=causal, out=_bhnd(out, seq_major))
         return out, lse, torch.zeros(2, dtype=torch.int64)
     _, lse = fa2_forward(

@@ -22,7 +22,7 @@ from flashtile.kernels.decode import (
     _append_kernel, _decode_merge_kernel, _decode_split_kernel,
 )
 from flashtile.reference.decoding import default_safe_range
-from flashtile.runtime.common import interpreting, unit_last_stride
+from flashtile.runtime.common import fold_grid, interpreting, unit_last_stride
 from flashtile.runtime.launch import KernelLauncher
 
 __all__ = [
@@ -246,6 +246,11 @@ def error_flags(device: torch.device) -> torch.Tensor:
         with _LOCK:
             buf = _ERRORS.get(key)
             if buf is None:
+                if _capturing(device):  # its zero-fill would be recorded into the graph, not run now
+                    raise RuntimeError(
+                        "flash_attn_with_kvcache: call it once on this device outside CUDA-graph capture "
+                        "(a warm-up) before capturing it"
+                    )
                 # a normal tensor even under inference_mode, so check_errors can clear it anywhere
                 with torch.inference_mode(False):
                     buf = _ERRORS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -257,6 +262,8 @@ def take_errors() -> list[tuple[torch.device, int]]:
     sync per device that has run a decode kernel)."""
     found = []
     for buf in list(_ERRORS.values()):
+        if buf.is_cuda:  # kernels on any stream of the device may still be ORing bits in
+            torch.cuda.synchronize(buf.device)
         bits = int(buf.item())
         if bits:
             with torch.inference_mode(False):
@@ -377,13 +384,13 @@ class DecodeLaunch:
             # program on 1/2/4 warps, the fastest in a graph (B=1: 0.7-1.6 us less than one row tile a program)
             warps = max(1, min(4, 2 * plan.merge_s * plan.block_d // 4096))
             merge_args = KernelArgs(_decode_merge_kernel, MERGE_DYNAMIC, (
-                *out_strides, *shape, ("lse_offset", self.lse_offset),
+                *out_strides, *shape, ("lse_offset", self.lse_offset), ("n_bh", b * hk),
                 ("BLOCK_M", 1), ("MERGE_M", 2), ("MERGE_S", plan.merge_s), ("BLOCK_D", plan.block_d),
                 ("UNIFIED", unified),
             ))
             self.arguments.update(split=split, merge=merge_args)
             self.split = split.bind(grid, options, check=range(6))
-            self.merge = merge_args.bind((b * hk, hq // hk * nq), dict(num_warps=warps), check=())
+            self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=())
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
@@ -454,7 +461,7 @@ def decode_launch(
 
 
 class AppendLaunch:
-    """The append kernel for one signature, bound once: grid (B, Nnew, Hk), one head row of d
+    """The append kernel for one signature, bound once: grid fold_grid(Nnew * Hk, B), one head row of d
     elements a program, for k and v together.  ``arguments``: its :class:`KernelArgs`."""
 
     def __init__(
@@ -470,10 +477,12 @@ class AppendLaunch:
             *zip(("stride_vnb", "stride_vnn", "stride_vnh"), vn_strides[:3]),
             ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
             ("n_new", n_new), ("capacity", capacity), ("num_pages", num_pages), ("head_dim", d),
+            ("n_heads_k", hk), ("n_batch", b),
             ("BLOCK_D", max(16, triton.next_power_of_2(d))), ("PAGED", page_size is not None),
             ("PAGE_SIZE", page_size or 1),
         ))
-        self.launcher = self.arguments.bind((b, n_new, hk), dict(num_warps=1), check=range(6))
+        # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there)
+        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=range(6))
 
     def __call__(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -90,9 +90,13 @@ ENABLED = True
 
 
 def _tma_ready(x: torch.Tensor) -> bool:
-    """Tensor descriptors need a 16-byte aligned base, unit stride on d and 16-byte strides."""
+    """Tensor descriptors need a 16-byte aligned base, unit stride on d, 16-byte strides and a nonzero row
+    stride (an expanded sequence axis has stride 0, which a descriptor's row stride cannot be)."""
     es = x.element_size()
-    return x.stride(3) == 1 and x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:3])
+    return (
+        x.stride(3) == 1 and (x.stride(2) > 0 or x.shape[2] <= 1) and x.data_ptr() % 16 == 0
+        and all((s * es) % 16 == 0 for s in x.stride()[:3])
+    )
 
 
 def hopper_wins(d: int, causal: bool, nk: int) -> bool:
@@ -147,10 +151,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         if x is None:
             continue
-        # tensor descriptors: 16-byte aligned base of every head, unit stride on d, 16-byte row strides
-        es = x.element_size()
-        if x.stride(3) != 1 or x.data_ptr() % 16 or any((s * es) % 16 for s in x.stride()[:3]):
-            raise NotImplementedError(f"{name}: fa3_forward needs unit stride on d, 16-byte aligned base and strides")
+        if not _tma_ready(x):
+            raise NotImplementedError(
+                f"{name}: fa3_forward needs unit stride on d, a nonzero row stride, 16-byte aligned base and strides"
+            )
 
 
 def fa3_forward(
@@ -170,7 +174,7 @@ def fa3_forward(
     output) on rows that see no key."""
     _check(q, k, v, out)
     b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+    nk = k.shape[2]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:

@@ -566,3 +566,15 @@ def test_gpu_fused_merge_is_race_free(batch, cache, splits, nq, hk):
             q, k, v, lens, causal=True, num_splits=splits, unified_max=0.0, return_recomputed=True
         )
         assert torch.equal(out, first) and torch.equal(lse, first_lse) and torch.equal(flags, first_flags)
+
+
+def test_append_and_merge_grids_within_cuda_limits(monkeypatch):
+    """Appending 70k new tokens (a long prefill through the cache) or merging 8 q heads x 9k query tokens
+    per kv head keeps axes y and z at or below 65535 (CUDA's limit; axis x takes 2^31 - 1)."""
+    monkeypatch.setattr(decode_module, "_ERRORS", {})  # the meta device's error word stays out of check_errors
+    k_cache = torch.empty(1, 80000, 1, 16, device="meta")
+    k = torch.empty(1, 70000, 1, 16, device="meta")
+    lens = torch.zeros(1, dtype=torch.int32, device="meta")
+    grid = decode_module.append_launch(k_cache, k_cache, k, k, lens, None).launcher._grid
+    assert grid[0] == 70000 and max(grid[1:]) <= 65535
+    assert decode_module.fold_grid(8 * 9000, 70000)[1:] == (65535, 2)
