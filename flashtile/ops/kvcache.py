@@ -312,8 +312,8 @@ def _call_key(
     Shapes, strides, dtypes and devices of the tensors; the Python arguments
     by value *and type* (``1`` and ``True`` hash alike, but only one of them
     is a valid ``causal``); for ``cache_seqlens`` its kind, stride and dtype
-    and, when an int, its value.  Two calls with equal keys pass or fail the
-    checks alike, so a decoding loop runs them once per signature (run every
+    (an int's range is checked on every call, outside the memo).  Two calls with equal keys pass or fail
+    the checks alike, so a decoding loop runs them once per signature (run every
     call, they cost about as much host time as a short-cache step's kernels take)."""
     if type(window_size) is not tuple:
         return None
@@ -324,7 +324,7 @@ def _call_key(
             type(v_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
             _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
             _tensor_key(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
-            else (type(cache_seqlens), cache_seqlens),
+            else (type(cache_seqlens),),  # an int's value is checked per call (a decoding loop advances it)
             type(softmax_scale), softmax_scale, type(causal), causal, window_size, tuple(map(type, window_size)),
             type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
@@ -426,6 +426,8 @@ def flash_attn_with_kvcache(
         call = prepare_call(*args)
         if key is not None:
             _remember(key, call)
+    elif type(cache_seqlens) is int:
+        _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
             return _run(call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)

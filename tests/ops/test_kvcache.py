@@ -345,3 +345,20 @@ def test_gpu_misaligned_q_after_aligned_calls():
         out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
         ref, _ = oracle(q, k, v, lens, causal=False)
         assert_close(out, ref, what=f"offset {offset}")
+
+
+def test_int_cache_seqlens_checked_every_call_without_growing_the_memo(device):
+    """A decoding loop that advances an int cache_seqlens reuses one memo entry, and a value out of range
+    after valid calls of the same signature still raises before anything is written."""
+    from flashtile.ops import kvcache
+
+    q = rand(1, 1, 2, 16, device=device, seed=1)
+    kc, vc = (rand(1, 24, 2, 16, device=device, seed=s) for s in (2, 3))
+    before = len(kvcache._CALLS)
+    outs = [flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n, causal=True) for n in range(1, 9)]
+    assert len(kvcache._CALLS) <= before + 1
+    ref, _ = oracle(q, kc, vc, [8], causal=True)
+    assert_close(outs[-1], ref, torch.float32, device, "out (int cache_seqlens = 8)")
+    for bad in (25, -1):
+        with pytest.raises(ValueError, match="cache_seqlens|cache too small"):
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, causal=True)
