@@ -68,7 +68,7 @@ from typing import NamedTuple
 import torch
 
 from flashtile.ops import validate
-from flashtile.runtime.common import unit_last_stride
+from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
     default_unified_range, run_decode, take_errors,
@@ -428,14 +428,12 @@ def flash_attn_with_kvcache(
             _remember(key, call)
     elif type(cache_seqlens) is int:
         _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            return _run(call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
-    return _run(call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
+    return _run(q, call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
 
 
+@on_tensor_device
 def _run(
-    call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
+    q, call: _Call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
 ):
     """The launches of one checked call: the append (if any), then the attention."""
     if isinstance(cache_seqlens, torch.Tensor):

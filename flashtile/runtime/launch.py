@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flashtile.runtime.common import cuda_device_index
+
 try:
     from triton.runtime.interpreter import InterpretedFunction as _Interpreted
 except ImportError:  # a Triton without the interpreter: nothing is interpreted
@@ -59,13 +61,9 @@ __all__ = ["KernelLauncher", "launch"]
 # held around every launch through Triton's interpreter (its state is module-global)
 _INTERPRETER_LOCK = threading.Lock()
 
-# torch.cuda.current_device() without its lazy-init check (only called once CUDA is initialised)
-_get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
 def _current_device() -> int:
     """The current CUDA device, whose context a compiled kernel is loaded into; -1 before CUDA is initialised."""
-    return _get_device() if torch.cuda.is_initialized() else -1
+    return cuda_device_index() if torch.cuda.is_initialized() else -1
 
 
 def _alignment_key(dynamic: Sequence[Any], check: Sequence[int]) -> int | tuple[bool, ...]:

@@ -42,7 +42,9 @@ def test_guard_enters_the_tensors_device_only_when_it_is_not_current(monkeypatch
         finally:
             current[0] = before
 
-    monkeypatch.setattr(autograd_module, "_current_device", lambda: current[0])
+    from flashtile.runtime import common as common_module
+
+    monkeypatch.setattr(common_module, "cuda_device_index", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "device", fake_device)
     guarded = autograd_module._on_tensor_device(lambda *args: seen.append(current[0]) or len(args))
 
