@@ -45,11 +45,12 @@ def pdl_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     if interpreting(device) or device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
+def capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (queried once per device)."""
     return torch.cuda.get_device_capability(index)
 
 

@@ -10,7 +10,6 @@ The public ops call it where :func:`prefer_hopper` says it beats the FA2 kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
+from flashtile.runtime.common import capability as device_capability
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS", "ENABLED",
            "prefer_hopper", "hopper_wins"]
@@ -80,11 +80,6 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_allocator)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 # False sends every forward to the FA2 kernel (benchmarks and tests compare the two paths)
 ENABLED = True
 
@@ -127,7 +122,7 @@ def prefer_hopper(
     if not hopper_wins(q.shape[3], causal, k.shape[2]):
         return False
     if capability is None:
-        capability = _capability(q.get_device())
+        capability = device_capability(q.get_device())
     return capability == (9, 0) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
 
 
@@ -139,7 +134,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
         raise NotImplementedError(f"fa3_forward covers fp16 / bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
                                   f"{v.dtype}")
     dev = q.device
-    if dev.type != "cuda" or _capability(dev.index if dev.index is not None else torch.cuda.current_device()) != (9, 0):
+    if dev.type != "cuda" or device_capability(q.get_device()) != (9, 0):
         raise NotImplementedError("fa3_forward needs an sm_90 (Hopper) CUDA device")
     b, hq, _, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.device != dev or v.device != dev:
