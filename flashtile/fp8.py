@@ -100,7 +100,8 @@ def _to_bhnd(x: torch.Tensor, layout: str) -> torch.Tensor:
 def _descale(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 448`` in float32, 1 where amax = 0 (an all-zero group quantises to zeros)."""
     amax = amax.to(torch.float32)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU's quotient)
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def _cast(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
