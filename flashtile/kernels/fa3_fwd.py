@@ -23,6 +23,11 @@ Two ways through the kv range of a tile, chosen by ``WARP_SPEC``:
 * unspecialised: two loops, the tiles every row sees in full (no mask work),
   then the tiles crossed by the causal diagonal or the end of K (elementwise
   mask, safe max).
+
+FP8 (``FP8=True``, FA3 §3.3): e4m3 q, k and V stored transposed ((d, Nk) rows:
+fp8 wgmma reads its B operand k-major only), float32 descales per (batch, kv
+head) folded into the score scale and the output; P~ = 2^8 exp(S - m) is
+rounded to e4m3 for the second GEMM, as :mod:`flashtile.reference.fp8` simulates.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ import triton.language as tl
 from flashtile.kernels._common import LN2
 from flashtile.kernels.block_info import kv_block_range
 
-__all__ = ["fa3_fwd_kernel"]
+__all__ = ["fa3_fwd_kernel", "ERR_DESCALE"]
 
 _LN2 = tl.constexpr(LN2)
+_P_OCTAVES = tl.constexpr(8.0)  # FP8: P~ = 2^8 exp(S - m), see reference/fp8.py's P_SCALE
+ERR_DESCALE = 4  # bit of the device error word (runtime.decode.error_flags): a q*k descale product not in (0, inf)
+_ERR_DESCALE = tl.constexpr(ERR_DESCALE)
 
 
 @triton.jit
@@ -46,14 +54,43 @@ def _head_desc(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.co
 
 
 @triton.jit
+def _to_e4m3(p, EXACT: tl.constexpr):
+    """``p`` (finite, in [0, 448]) rounded to e4m3, ties to even.  ``EXACT``: by integer arithmetic on the
+    fp32 bits, for Triton's interpreter, whose cast drops the carry into the exponent (127 -> 64, not 128)."""
+    if EXACT:
+        bits = p.to(tl.int32, bitcast=True)
+        lead = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # exponent of the leading bit; subnormals below 2^-6
+        quantum = ((lead - 3 + 127) << 23).to(tl.float32, bitcast=True)  # spacing of e4m3 values there
+        p = ((p / quantum + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: fp32 rounds to an integer, ties to even
+    return p.to(tl.float8e4nv)
+
+
+@triton.jit
+def _descales(QDescale, KDescale, VDescale, off_b, off_hk, stride_qsb, stride_qsh, stride_ksb, stride_ksh,
+              stride_vsb, stride_vsh):
+    """FP8: (q descale * k descale, v descale) of (batch, kv head) ``(off_b, off_hk)``."""
+    q_ds = tl.load(QDescale + off_b * stride_qsb + off_hk * stride_qsh)
+    k_ds = tl.load(KDescale + off_b * stride_ksb + off_hk * stride_ksh)
+    v_ds = tl.load(VDescale + off_b * stride_vsb + off_hk * stride_vsh)
+    return q_ds * k_ds, v_ds
+
+
+@triton.jit
+def _descales_ok(qk_ds, qk_scale, v_ds):
+    """The row-max shortcut needs a positive finite score scale ``qk_scale * qk_ds`` (``qk_scale`` > 0);
+    v's descale only needs to be finite."""
+    return (qk_ds > 0.0) & (qk_ds < float("inf") / qk_scale) & (tl.abs(v_ds) < float("inf"))
+
+
+@triton.jit
 def _kv_step(
     acc, l_i, m_i, q, k_desc, v_desc, start_n, last_key, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, EXACT_E4M3: tl.constexpr,
 ):
     """One online-softmax update with kv tile [start_n, start_n + BLOCK_N).
 
     Unmasked scores stay unscaled: ``rowmax(qk) * qk_scale`` is the scaled max
-    because the wrapper makes ``qk_scale > 0``."""
+    because the wrapper makes ``qk_scale > 0`` (the kernel checks it with FP8 descales)."""
     k = k_desc.load([start_n, 0])
     qk = tl.dot(q, k.T)
     if MASKED:
@@ -65,40 +102,52 @@ def _kv_step(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    if FP8:
+        # P~ = 2^8 exp(S - m) spans e4m3's [0, 256] instead of [0, 1] (FA3's Max_offset; l carries the 2^8 too)
+        p = tl.math.exp2(qk * qk_scale - (m_use - _P_OCTAVES)[:, None])
+    else:
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    v = v_desc.load([start_n, 0])
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    if FP8:
+        vt = v_desc.load([0, start_n])  # V stored transposed: fp8 wgmma takes its B operand k-major only
+        acc = tl.dot(_to_e4m3(p, EXACT=EXACT_E4M3), vt.T, acc)
+    else:
+        v = v_desc.load([start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _kv_sweep(
     acc, l_i, m_i, q, k_desc, v_desc, lo, hi, last_key, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr, FP8: tl.constexpr,
+    EXACT_E4M3: tl.constexpr,
 ):
     """Visit kv tiles lo, lo + BLOCK_N, ... < hi (lo a multiple of BLOCK_N)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _kv_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, last_key, qk_scale,
-                                 BLOCK_N=BLOCK_N, MASKED=MASKED)
+                                 BLOCK_N=BLOCK_N, MASKED=MASKED, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles"])
 def fa3_fwd_kernel(
     Q, K, V, Out, LSE,
+    QDescale, KDescale, VDescale, Err,  # FP8 only: float32 descales indexed [b, kv head], the int32 error word
     qk_scale,  # softmax_scale * log2(e), > 0
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, LOG2_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, WARP_SPEC: tl.constexpr, O_TMA: tl.constexpr,
+    FP8: tl.constexpr, EXACT_E4M3: tl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, BLOCK_M) programs, query tiles of one head adjacent
     (they share that head's K and V in L2); causal runs each head's tiles last-first,
@@ -107,6 +156,7 @@ def fa3_fwd_kernel(
     tl.static_assert(BLOCK_M % 64 == 0)  # 64 rows per consumer warpgroup (wgmma M)
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M == 1 << LOG2_BLOCK_M)
+    qk_scale_in = qk_scale
     pid = tl.program_id(0)
     bh = pid // num_m_tiles
     tile = pid % num_m_tiles
@@ -121,8 +171,16 @@ def fa3_fwd_kernel(
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
     k_desc = _head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-    v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
-                        HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
+    if FP8:  # V as (d, Nk) rows: stride_vn is then the stride of one d row
+        v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[HEAD_DIM, seqlen_k],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_D, BLOCK_N])
+        qk_ds, _ = _descales(QDescale, KDescale, VDescale, off_b, off_hk, stride_qsb, stride_qsh,
+                                 stride_ksb, stride_ksh, stride_vsb, stride_vsh)
+        # a safe scale here (NaN or <= 0 -> 1, inf -> finite); the check that flags them follows the loop
+        qk_scale = tl.where(qk_scale * qk_ds > 0.0, tl.minimum(qk_scale * qk_ds, 1e30), 1.0)
+    else:
+        v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
+                            HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
     o_base = Out + off_b * stride_ob + off_h * stride_oh
     if O_TMA:
         o_desc = _head_desc(o_base, seqlen_q, stride_om, HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
@@ -143,17 +201,31 @@ def fa3_fwd_kernel(
                                                 BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
     if WARP_SPEC:  # one loop (see the module docstring); the all-tiles mask still beats two loops at d >= 128
         acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True)
+                                  BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
     else:
         acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, full_hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=False, WARP_SPEC=False)
+                                  BLOCK_N=BLOCK_N, MASKED=False, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
         acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False)
+                                  BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
+    if FP8:
+        # loaded again and tested by other ops: a comparison used on both sides of the warp-specialised loop
+        # breaks Triton 3.6's pass
+        qk_ds, v_ds = _descales(QDescale, KDescale, VDescale, off_b, off_hk, stride_qsb, stride_qsh,
+                                stride_ksb, stride_ksh, stride_vsb, stride_vsh)
+        scale_ok = _descales_ok(qk_ds, qk_scale_in, v_ds)
+        out = acc * (v_ds / l_safe)[:, None]
+        out = tl.where(scale_ok, out, 0.0)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe) - _P_OCTAVES) * _LN2)
+        lse = tl.where(scale_ok, lse, float("-inf"))
+        # a plain read-modify-write (every writer ORs the same bit): Triton 3.6's warp specialisation
+        # fails on an atomic after the loop, and is turned off by a branch there
+        tl.store(Err, tl.load(Err) | _ERR_DESCALE, mask=not scale_ok)
+    else:
+        out = acc * (1.0 / l_safe)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
     if O_TMA:
         o_desc.store([start_m, 0], out.to(Out.dtype.element_ty))
     else:  # plain stores: no O staging tile in shared memory (with specialisation it is not aliased with Q's)

@@ -55,8 +55,16 @@ def _run(
     return_attn_probs: bool,
     return_lse: bool,
     block_mask: BlockMask | None,
+    descales: tuple = (None, None, None),
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Validate every argument (naming it as the caller knows it), then run the op."""
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        return _run_fp8(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs, return_lse, block_mask, descales)
+    for name, ds in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if ds is not None:
+            raise ValueError(f"{name} is for float8_e4m3fn {names[0]}, {names[1]}, {names[2]} (FP8 attention); "
+                             f"{names[0]} is {getattr(q, 'dtype', type(q).__name__)}")
     validate.check_qkv_tensors(names, q, k, v)
     dims = validate.check_dims(q, k, v, seq_major=True, names=names)
     window = validate.unbind_window(*validate.check_window(causal, window_size), dims.seqlen_q, dims.seqlen_k)
@@ -79,6 +87,26 @@ def _run(
     return (out, lse) if return_lse else out
 
 
+def _run_fp8(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, return_lse, block_mask, descales):
+    """FA3's FP8 forward (:mod:`flashtile.ops.fp8_attn`): e4m3 q, k, v, float32 descales, bf16 out."""
+    from flashtile.ops.fp8_attn import check_fp8_inputs, fp8_forward
+
+    dims, descales = check_fp8_inputs(names, q, k, v, descales, dropout_p, return_attn_probs)
+    window = validate.unbind_window(*validate.check_window(causal, window_size), dims.seqlen_q, dims.seqlen_k)
+    scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
+    softcap = validate.check_softcap(softcap)
+    if alibi_slopes is not None:
+        validate.check_alibi(alibi_slopes, q, dims)
+    if block_mask is not None:
+        raise ValueError("block_mask is not available with FP8 inputs")
+    _check_flag(deterministic, "deterministic")
+    _check_flag(return_lse, "return_lse")
+    out, lse = fp8_forward(q, k, v, descales, softmax_scale=scale, causal=causal, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,8 +121,11 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     return_lse: bool = False,
     block_mask: BlockMask | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Exact attention, FlashAttention-2 kernels.
+    """Exact attention, FlashAttention-2 kernels (FlashAttention-3's on Hopper GPUs).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)
     with nheads a multiple of nheads_k (MQA/GQA: q head h reads kv head
@@ -119,9 +150,15 @@ def flash_attn_func(
     (out, softmax_lse, S_dmask) with S_dmask None (the attention matrix is
     never materialised).  A query row that sees no key has out row 0 and
     lse -inf (flash-attn reports +inf there).
+
+    FP8 (FA3's API, forward only): float8_e4m3fn q, k, v with float32
+    q_descale, k_descale, v_descale of shape (batch, nheads_k) (None: 1;
+    anything broadcasting to that shape), meaning q ~ q_fp8 * q_descale[b, h_k],
+    give a bfloat16 out; see :mod:`flashtile.ops.fp8_attn` for which kernel runs.
     """
     return _run(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
+                alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask,
+                (q_descale, k_descale, v_descale))
 
 
 def _unpack(x: object, name: str, count: int, layout: str) -> tuple[torch.Tensor, ...]:

@@ -67,6 +67,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashtile.kernels.fa3_fwd import ERR_DESCALE
 from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
@@ -202,7 +203,7 @@ def _check_lengths(
 
 def check_errors() -> None:
     """Raise ``ValueError`` if a decode or append kernel has seen an out-of-range ``cache_seqlens``
-    or ``block_table`` entry since the last call, and clear the record.
+    or ``block_table`` entry, or the FP8 forward a bad descale, since the last call, and clear the record.
 
     Reads each device's error word (one device sync per device that has run the decode
     kernels; not allowed while a CUDA graph is captured).  The calls that saw a bad value
@@ -218,6 +219,11 @@ def check_errors() -> None:
                 f"cache_seqlens out of range on {device}: some cache_seqlens[b] < 0 or cache_seqlens[b] + "
                 "seqlen_new > capacity (k_cache.shape[1], or max_pages * page_size with a block_table); "
                 "the length was clamped and nothing was appended for that element"
+            )
+        if bits & ERR_DESCALE:
+            msgs.append(
+                f"FP8 descales out of range on {device}: some q_descale * k_descale not in (0, inf) or a "
+                "non-finite v_descale (flash_attn_func with float8_e4m3fn inputs); those heads output 0"
             )
         if bits & ERR_BLOCK_TABLE:
             msgs.append(

@@ -19,11 +19,13 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_forward", "launch", "smem_bytes", "SUPPORTED_HEAD_DIMS", "ENABLED",
-           "prefer_hopper", "hopper_wins"]
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes",
+           "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
+FP8_HEAD_DIMS = tuple(range(32, 257, 16))  # 16-byte rows of 1-byte elements; fp8 wgmma steps k by 32
+FP8 = torch.float8_e4m3fn
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 
 
@@ -55,14 +57,25 @@ def fa3_config(d: int, causal: bool, nq: int, nk: int) -> Fa3Config:
     return Fa3Config(128, 64, 4, 2, True, o_tma=False)
 
 
-def smem_bytes(cfg: Fa3Config, d: int, esize: int = 2) -> int:
+def fa3_fp8_config(d: int, causal: bool) -> Fa3Config:
+    """The config of the FP8 kernel, from the H100 sweep in bench/NOTES.md ("FP8 forward"): e4m3 tiles
+    take half the shared memory of bf16 ones, so d <= 128 runs 128 x 256 tiles without a mask (807 vs
+    687 TFLOP/s for 128 x 128 at N = 16k; 128 x 128 under the causal mask) and d = 256 128 x 128 with O
+    through TMA (224 KB); 3 stages give NaN under Triton 3.6's warp specialisation, as in bf16."""
+    if d <= 128:
+        return Fa3Config(128, 128, 4, 2, True) if causal else Fa3Config(128, 256, 4, 2, True)
+    return Fa3Config(128, 128, 4, 2, True)
+
+
+def smem_bytes(cfg: Fa3Config, d: int, esize: int = 2, out_esize: int | None = None) -> int:
     """Shared memory the config needs, as Triton 3.6 lays it out for sm_90a (compile reports, offline):
     the Q tile, a ring of ``num_stages`` K and V tiles, the O tile's staging (a TMA source tile with
     warp specialisation, aliased with Q without; a quarter tile of layout-conversion scratch for plain
     stores) and under 1 KB of barriers; ``ptxas``-checked within 1 KB above."""
     bd = max(16, 1 << (d - 1).bit_length())
     tile_q = cfg.block_m * bd * esize
-    o_stage = (tile_q if cfg.warp_spec else 0) if cfg.o_tma else tile_q // 4
+    tile_o = cfg.block_m * bd * (esize if out_esize is None else out_esize)
+    o_stage = (tile_o if cfg.warp_spec else max(0, tile_o - tile_q)) if cfg.o_tma else tile_o // 4
     return tile_q + o_stage + cfg.num_stages * 2 * cfg.block_n * bd * esize + 1024
 
 
@@ -124,6 +137,60 @@ def prefer_hopper(
     if capability is None:
         capability = device_capability(q.get_device())
     return capability == (9, 0) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
+
+
+def prefer_hopper_fp8(
+    q: torch.Tensor, k: torch.Tensor, *, causal: bool, window: tuple[int, int], plain: bool, softmax_scale: float,
+    capability: tuple[int, int] | None = None,
+) -> bool:
+    """Whether e4m3 (B, H, N, d) views q, k run the FP8 Hopper kernel (V is copied transposed, any layout):
+    sm_90, no softcap / ALiBi (``plain``), an unbounded or causal window, a positive scale, head dims
+    multiple of 16 and tensor-descriptor-ready q, k.  Otherwise the caller dequantises."""
+    if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype != FP8 or q.shape[3] not in FP8_HEAD_DIMS:
+        return False
+    left, right = window
+    if left != -1 or right != (0 if causal else -1) or not 0 < softmax_scale < math.inf:
+        return False
+    if capability is None:
+        capability = device_capability(q.get_device())
+    return capability == (9, 0) and _tma_ready(q) and _tma_ready(k)
+
+
+def fa3_forward_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 Hopper forward on e4m3 (B, H, N, d) views with float32 ``descales`` (q, k, v) broadcast to
+    (B, Hk): ``(out, lse)``, out bf16.  Callers check :func:`prefer_hopper_fp8` first; the descales'
+    values are checked in the kernel (a q * k product not in (0, inf) or a non-finite v descale sets
+    the device error word's ``ERR_DESCALE`` bit, read by ``flashtile.check_errors()``, and outputs 0)."""
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel  # noqa: F401  (the error bit's home)
+    from flashtile.runtime.decode import error_flags
+
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty((b, hq, nq, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if b * hq * nq == 0:
+        return out, lse
+    if nk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    # V as (B, Hk, d, Nk) rows (fp8 wgmma's B operand is k-major); rows padded to 16 bytes for the descriptor
+    vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
+    vt[..., :nk].copy_(v.transpose(2, 3))
+    _ensure_allocator()
+    launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
+           descales=descales, err=error_flags(q.device))
+    return out, lse
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -195,29 +262,40 @@ def fa3_forward(
     return out, lse
 
 
-def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config) -> None:
-    """One kernel launch on checked (B, H, N, d) views (also used by the interpreter test on CPU tensors)."""
+def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, descales=None, err=None) -> None:
+    """One kernel launch on checked (B, H, N, d) views (also used by the interpreter test on CPU tensors).
+
+    FP8: ``v`` is V transposed, (B, Hk, d, Nk) with unit stride on Nk; ``descales`` the (q, k, v)
+    float32 descales broadcast to (B, Hk); ``err`` the device's int32 error word."""
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
+    fp8 = descales is not None
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     num_m_tiles = triton.cdiv(nq, cfg.block_m)
     grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
+    if fp8:
+        qs, ks, vs = descales
+        scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
+    else:  # unread placeholders
+        qs = ks = vs = err = lse
+        scale_strides = (0,) * 6
     # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
     # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
-    dynamic = (q, k, v, out, lse, float(qk_scale))
+    dynamic = (q, k, v, out, lse, qs, ks, vs, err, float(qk_scale))
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        *scale_strides,
         hq, hq // hk, nq, nk, num_m_tiles,
         # constexprs, in the kernel's order: HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N,
-        # WARP_SPEC, O_TMA
+        # WARP_SPEC, O_TMA, FP8, EXACT_E4M3
         d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_m.bit_length() - 1, cfg.block_n,
-        bool(causal), nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma,
+        bool(causal), nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma, fp8, fp8 and not q.is_cuda,
     )
     run_kernel(fa3_fwd_kernel, grid, dynamic, static, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
