@@ -49,7 +49,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         payload = ab.run(providers=args.providers, grid=grid, modes=args.modes, progress=progress)
     rows = ab.ratios(payload)
     peers = [p for p in args.providers if p != "flashtile"]
-    table = Table(title=f"attention bf16 TFLOP/s on {payload['env']['device']} (ratio = flashtile / peer)")
+    table = Table(title=f"attention TFLOP/s (bf16 inputs; -fp8: quantised to e4m3) on {payload['env']['device']} (ratio = flashtile / peer)")
     for col in ("d", "N", "B×H", "causal", "mode", "flashtile", *peers):
         table.add_column(col, justify="right")
     for r in rows:
@@ -64,7 +64,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     mem = payload["peak_extra_memory_mib"]
     console.print("peak extra forward memory (MiB, d=128 N=4k B=4 H=16): " + ", ".join(
         f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in mem.items()))
-    path = write_json(payload, args.out, "attention")
+    path = write_json(payload, args.out, args.name)
     console.print(f"wrote {path}")
     if not args.no_plot:
         try:
@@ -233,14 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmarks against PyTorch's attention backends")
     bsub = bench.add_subparsers(dest="what")
     att = bsub.add_parser("attention", help="FA2 forward and forward+backward vs SDPA backends and FlexAttention")
-    from flashtile.bench.attention import PROVIDERS
+    from flashtile.bench.attention import DEFAULT_PROVIDERS, PROVIDERS
 
-    att.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    att.add_argument("--providers", nargs="+", default=list(DEFAULT_PROVIDERS), choices=list(PROVIDERS),
+                     help="flashtile-fp8 / fa3-fp8 (FP8 forwards) are not in the default set")
     att.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     att.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     att.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     att.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     att.add_argument("--out", default="bench/results")
+    att.add_argument("--name", default="attention", help="result file stem (<name>_<device>.json)")
     att.add_argument("--no-plot", action="store_true")
     att.set_defaults(func=_cmd_bench_attention)
     dec = bsub.add_parser("decode", help="split-KV decoding (contiguous and paged cache) vs SDPA flash/cuDNN")
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     fp8.add_argument("--out", default="bench/results")
     fp8.set_defaults(func=_cmd_bench_fp8_error)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
-                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
+                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot")})
     return p
 
 

@@ -11,6 +11,8 @@ heads, head_dim) layout that model code produces, and times, in this process:
 * ``flex``           — ``torch.compile(flex_attention)`` with a causal BlockMask when causal
 * ``fa3``            — FlashAttention-3's forward (``fa3_fwd_interface``, an optional peer: the column
   reads "unsupported" when it is not importable, and for forward + backward, which it lacks)
+* ``flashtile-fp8`` / ``fa3-fp8`` — the FP8 forwards (FA3's API) on the same inputs quantised to e4m3
+  per (batch, kv head) once per point, outside the timed region (forward only; not in the default set)
 
 SDPA and FlexAttention receive ``x.transpose(1, 2)`` views of the same tensors.
 Throughput uses the FlashAttention convention: 4·B·H·N²·d FLOPs forward,
@@ -27,7 +29,9 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, rel_err
 
-PROVIDERS = ("flashtile", "flashtile-fa2", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3")
+PROVIDERS = ("flashtile", "flashtile-fa2", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3",
+             "flashtile-fp8", "fa3-fp8")
+DEFAULT_PROVIDERS = PROVIDERS[:7]
 
 
 @dataclass
@@ -139,6 +143,41 @@ def _fa3_fn():
     return run
 
 
+def _fp8_fn(peer: str):
+    """An FP8 forward (ours or FA3's) on e4m3 copies of the bf16 inputs, quantised once per input set."""
+    from flashtile.fp8 import quantize_per_head
+
+    if peer == "fa3":
+        try:
+            import fa3_fwd_interface as fa3
+        except ImportError as e:
+            reason = f"fa3_fwd_interface not importable ({e})"
+
+            def missing(q, k, v, causal):
+                raise RuntimeError(reason)
+
+            return missing
+        attn = fa3.flash_attn_func
+    else:
+        from flashtile import flash_attn_func as attn
+    memo: dict = {}
+
+    def run(q, k, v, causal):
+        if q.requires_grad:
+            raise RuntimeError("FP8 attention is forward only")
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape), tuple(k.shape))
+        if memo.get("key") != key:
+            hk = k.shape[2]
+            q8, qs = quantize_per_head(q, layout="bnhd", kv_heads=hk)
+            k8, ks = quantize_per_head(k, layout="bnhd")
+            v8, vs = quantize_per_head(v, layout="bnhd")
+            memo.update(key=key, args=(q8, k8, v8), kw=dict(q_descale=qs, k_descale=ks, v_descale=vs))
+        out = attn(*memo["args"], causal=causal, **memo["kw"])
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 def make_providers(names) -> dict[str, Callable]:
     out = {}
     for name in names:
@@ -150,6 +189,8 @@ def make_providers(names) -> dict[str, Callable]:
             out[name] = _flex_fn()
         elif name == "fa3":
             out[name] = _fa3_fn()
+        elif name in ("flashtile-fp8", "fa3-fp8"):
+            out[name] = _fp8_fn(name.split("-")[0])
         else:
             raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS + ('sdpa-math',)}")
     return out
