@@ -105,6 +105,7 @@ __all__ = [
     "flashdecoding_pp",
     "quantize_cache_rows",
     "fp8_cache_decoding",
+    "cascade_decoding",
 ]
 
 # Headroom factor of the default safe range: 16 = 2^4 (see default_safe_range).
@@ -676,3 +677,56 @@ def fp8_cache_decoding(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
+
+
+# ---------------------------------------------------------------------------
+# shared-prefix (cascade) decoding
+# ---------------------------------------------------------------------------
+
+
+def cascade_decoding(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_splits: int,
+    prefix_num_splits: int = 1,
+    cache_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    softcap: float = 0.0,
+) -> AttnResult:
+    """Float64 twin of shared-prefix decoding (:func:`flashtile.ops.cascade.cascade_attention_with_kvcache`).
+
+    q (B, Hq, Nq, d); the shared prefix ``prefix_k`` / ``prefix_v`` (1, Hk, P, d); each
+    request's own caches (B, Hk, Nk, d) with ``cache_seqlens``.  Request b attends to the P
+    prefix keys, all visible, then to keys [0, L_b) of its own cache (``causal`` bottom-right
+    aligned on that part):
+
+    1. prefix: the B·Nq query rows of all requests as the rows of one element,
+       :func:`flash_decoding` against the prefix (read once: the counts charge it once);
+    2. suffix: :func:`flash_decoding` of each request against its own cache;
+    3. :func:`merge_partials` of the two partials of every row
+       (``o = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2})``, ``lse = logaddexp``).
+
+    Exact: the result is softmax attention over the concatenation (what the tests check).
+    """
+    q = as_float(q, "q")
+    if q.dim() != 4 or prefix_k.dim() != 4 or prefix_k.shape[0] != 1:
+        raise ValueError(f"q must be (B, Hq, Nq, d) and prefix_k (1, Hk, P, d); got {tuple(q.shape)}, {tuple(prefix_k.shape)}")
+    b, hq, nq, d = q.shape
+    rows = q.permute(1, 0, 2, 3).reshape(1, hq, b * nq, d)
+    pre = flash_decoding(
+        rows, prefix_k, prefix_v, num_splits=prefix_num_splits, softmax_scale=softmax_scale, softcap=softcap,
+    )
+    own = flash_decoding(
+        q, k_cache, v_cache, num_splits=num_splits, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+        causal=causal, softcap=softcap,
+    )
+    o_p = pre.out.reshape(hq, b, nq, d).permute(1, 0, 2, 3)
+    l_p = pre.lse.reshape(hq, b, nq).permute(1, 0, 2)
+    counts = pre.counts + own.counts
+    out, lse = merge_partials(torch.stack([own.out, o_p]), torch.stack([own.lse, l_p]), counts=counts)
+    return AttnResult(out, lse, counts)
