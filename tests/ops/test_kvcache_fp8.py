@@ -69,11 +69,11 @@ def test_fp8_cache_append_and_attend(device, paged):
         perm = torch.randperm(b * n // page, generator=torch.Generator().manual_seed(5))
         table = perm.view(b, n // page).to(device, torch.int32)
         k_pool, v_pool = torch.empty_like(k8.view(-1, page, hk, d)), torch.empty_like(v8.view(-1, page, hk, d))
-        k_pool[table.long()] = k8.view(b, -1, page, hk, d)
-        v_pool[table.long()] = v8.view(b, -1, page, hk, d)
+        k_pool.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(b, -1, page, hk, d)
+        v_pool.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(b, -1, page, hk, d)
         out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, block_table=table, **kw)
-        k_after = k_pool[table.long()].reshape(b, n, hk, d)
-        v_after = v_pool[table.long()].reshape(b, n, hk, d)
+        k_after = k_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
+        v_after = v_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
     else:
         k_after, v_after = k8, v8
         out, lse = flash_attn_with_kvcache(q, k8, v8, kn, vn, **kw)
@@ -222,8 +222,8 @@ def test_gpu_fp8_cache_at_scale(batch, cache, paged):
         page = 256
         table = torch.randperm(batch * cache // page, device=dev, generator=g).view(batch, -1).int()
         kp, vp = torch.empty_like(k8).view(-1, page, hk, d), torch.empty_like(v8).view(-1, page, hk, d)
-        kp[table.long()] = k8.view(batch, -1, page, hk, d)
-        vp[table.long()] = v8.view(batch, -1, page, hk, d)
+        kp.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(batch, -1, page, hk, d)  # bytes: no fp8 index_put needed
+        vp.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(batch, -1, page, hk, d)
         out = flash_attn_with_kvcache(q, kp, vp, block_table=table, **kw)
     else:
         out = flash_attn_with_kvcache(q, k8, v8, **kw)
@@ -231,8 +231,8 @@ def test_gpu_fp8_cache_at_scale(batch, cache, paged):
         n = int(lens[bi])
         for h in (0, hq - 1):
             kv = h // (hq // hk)
-            kk = k8[bi, :n, kv].double() * kd[bi, kv].double()
-            vv = v8[bi, :n, kv].double() * vd[bi, kv].double()
+            kk = k8[bi, :n, kv].float().double() * kd[bi, kv].double()
+            vv = v8[bi, :n, kv].float().double() * vd[bi, kv].double()
             p = torch.softmax((q[bi, 0, h].double() @ kk.T) * d**-0.5, -1)
             assert_close(out[bi, 0, h], p @ vv, what=f"b{bi} h{h}")
 
