@@ -108,6 +108,25 @@ def test_fp8_cache_fp16_window_softcap_single_split(device):
     assert_close(out, ref, what="out")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy reports the fallback's overflow
+def test_fp8_cache_unified_max_alibi_kernel_level_inference_mode(device):
+    """FlashDecoding++ (a unified max far from the scores: every row falls back exactly) and ALiBi on an
+    FP8 cache, through flash_decode (the kernel-level entry), under inference_mode."""
+    from flashtile.runtime.decode import flash_decode
+
+    b, n, hq, hk, d = 2, 40, 4, 1, 16
+    q, k8, v8, kd, vd, _, _, _, _ = fp8_problem(b, n, hq, hk, d, 0, device, seed=7)
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], device=device)
+    lens = torch.tensor([40, 9], dtype=torch.int32, device=device)
+    with torch.inference_mode():
+        out, lse, flags = flash_decode(q, k8, v8, lens, alibi_slopes=slopes, unified_max=200.0, num_splits=2,
+                                       return_recomputed=True, k_descale=kd, v_descale=vd)
+    ref_o, ref_l = oracle(q, dequant(k8, kd), dequant(v8, vd), lens.tolist(), alibi=slopes.cpu().double())
+    assert (flags != 0).all()
+    assert_close(out, ref_o, what="out")
+    assert_close(lse, ref_l, dtype=torch.bfloat16, what="lse")
+
+
 def test_fp8_append_saturates_and_rounds_to_even(device):
     """New rows past ±448 * descale saturate to ±448; exact ties round to the even e4m3 neighbour;
     -0 keeps its sign; subnormals (below 2^-6) keep their 2^-9 spacing."""
