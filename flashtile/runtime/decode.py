@@ -302,6 +302,9 @@ SPLIT_DYNAMIC = (
 )
 MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags")
 APPEND_DYNAMIC = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err", "KDescale", "VDescale")
+# positions of an FP8 cache's descales among the dynamic arguments (the caller's tensors: their alignment is keyed)
+_DESCALE_SLOTS = (SPLIT_DYNAMIC.index("KDescale"), SPLIT_DYNAMIC.index("VDescale"))
+_APPEND_DESCALE_SLOTS = (APPEND_DYNAMIC.index("KDescale"), APPEND_DYNAMIC.index("VDescale"))
 
 
 class DecodeLaunch:
@@ -377,9 +380,11 @@ class DecodeLaunch:
         # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
         # flags and outputs are aligned allocations
         fp8 = (("KV_FP8", descale_strides is not None),)
+        # the caller's tensors: q, caches, block table, lengths, slopes, and an FP8 cache's descales
+        check = (*range(6), *_DESCALE_SLOTS) if descale_strides is not None else range(6)
         fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge, *fp8))
         self.arguments = {"fused": fused}
-        self.fused = fused.bind(grid, options, check=range(6))
+        self.fused = fused.bind(grid, options, check=check)
         self.split = self.merge = None
         if not self.write_out:
             split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge, *fp8))
@@ -392,7 +397,7 @@ class DecodeLaunch:
                 ("UNIFIED", unified),
             ))
             self.arguments.update(split=split, merge=merge_args)
-            self.split = split.bind(grid, options, check=range(6))
+            self.split = split.bind(grid, options, check=check)
             self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=())
 
     def __call__(
@@ -406,7 +411,7 @@ class DecodeLaunch:
         errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
         hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
         this signature's dtype and stride.  ``descales``: the fp32 (k_descale, v_descale) of an
-        FP8 cache (this signature's strides; scalar loads, so their alignment is not keyed)."""
+        FP8 cache, of this signature's strides."""
         flags = lse if flags is None else flags
         if self.write_out:
             work = f_part = count = lse
@@ -497,14 +502,15 @@ class AppendLaunch:
             ("PAGE_SIZE", page_size or 1), ("QUANT", descale_strides is not None),
         ))
         # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there)
-        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=range(6))
+        check = (*range(6), *_APPEND_DESCALE_SLOTS) if descale_strides is not None else range(6)
+        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=check)
 
     def __call__(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
         descales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale), scalar loads (alignment not keyed)
+        # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale)
         self.launcher(
             k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err,
             *(descales if descales is not None else (seqlens_k, seqlens_k)),
