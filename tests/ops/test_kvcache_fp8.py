@@ -322,3 +322,41 @@ def test_gpu_fp8_cache_graph_and_inference_mode():
             torch.cuda.synchronize()
             assert torch.equal(static, want)
             assert torch.equal(k8.view(torch.uint8), k_eager.view(torch.uint8))
+
+
+def test_fp8_launch_arguments_in_their_named_slots(monkeypatch):
+    """The bound FP8 launches (decode and append) pass the descales in the KDescale / VDescale slots and bind
+    their strides and KV_FP8 / QUANT under their names (the names equal the kernels' parameters).  CPU, nothing
+    is launched."""
+    import inspect
+
+    from flashtile.runtime import decode as rd
+
+    b, hq, hk, d = 2, 4, 2, 16
+    q = torch.randn(b, 1, hq, d).bfloat16()
+    k8 = torch.zeros(b, 32, hk, d, dtype=FP8)
+    kd, vd = torch.rand(b, hk), torch.rand(hk, b).t()
+    lens = torch.zeros(b, dtype=torch.int32)
+    _, launch = rd.decode_launch(q, k8, k8, None, None, left=-1, right=-1, softcap=0.0, unified=False, num_splits=2,
+                                 descales=(kd, vd))
+    for label, args in launch.arguments.items():
+        assert args.names() == tuple(inspect.signature(args.kernel.fn).parameters), label
+    static = dict(launch.arguments["fused"].static)
+    assert (static["stride_kds_b"], static["stride_kds_h"], static["stride_vds_b"], static["stride_vds_h"]) == (
+        *kd.stride(), *vd.stride())
+    assert static["KV_FP8"] is True
+    recorded = []
+    monkeypatch.setattr(launch, "fused", lambda *a: recorded.append(a))
+    out, lse = torch.empty(b, 1, hq, d, dtype=torch.bfloat16), torch.empty(b, hq, 1)
+    launch(q, k8, k8, lens, None, None, out, lse, None, 0.25, 0.0, None, (kd, vd))
+    dyn = dict(zip(rd.SPLIT_DYNAMIC, recorded[0]))
+    assert dyn["KDescale"] is kd and dyn["VDescale"] is vd
+    kn = torch.zeros(b, 1, hk, d, dtype=torch.bfloat16)
+    app = rd.append_launch(k8, k8, kn, kn, lens, None, (kd, vd))
+    assert app.arguments.names() == tuple(inspect.signature(app.arguments.kernel.fn).parameters)
+    assert dict(app.arguments.static)["QUANT"] is True
+    got = []
+    monkeypatch.setattr(app, "launcher", lambda *a: got.append(a))
+    app(k8, k8, kn, kn, lens, None, (kd, vd))
+    named = dict(zip(rd.APPEND_DYNAMIC, got[0]))
+    assert named["KDescale"] is kd and named["VDescale"] is vd
