@@ -34,7 +34,7 @@ from flashtile.runtime.launch import KernelLauncher
 
 __all__ = ["merge_attention_states", "cascade_attention_with_kvcache"]
 
-_BLOCK_ROWS = 4096  # elements (rows x BLOCK_D) one program merges: 16 fp32 registers a thread at 8 warps
+_MERGE_ELEMENTS = 1024  # rows x BLOCK_D a program merges: ptxas (sm_90a, 4 warps) spills from 2048 (bf16, d = 128)
 
 
 def _check_state(o: object, lse: object, on: str, ln: str) -> None:
@@ -59,7 +59,7 @@ def _check_state(o: object, lse: object, on: str, ln: str) -> None:
 @functools.lru_cache(maxsize=256)
 def _merge_launcher(rows: int, d: int, strides: tuple, dims: tuple, device: torch.device, dtype: torch.dtype):
     block_d = max(16, triton.next_power_of_2(d))
-    block_r = max(1, min(128, _BLOCK_ROWS // block_d))
+    block_r = max(1, _MERGE_ELEMENTS // block_d)
     return KernelLauncher(
         _merge_states_kernel, (triton.cdiv(rows, block_r),), (*strides, *dims, block_r, block_d),
         dict(num_warps=4), check=range(6),

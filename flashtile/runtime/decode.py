@@ -78,7 +78,7 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     operand in flight per stage with 3 stages (on an H100 no tile, warp or
     stage count swept beat this by more than noise).  It is shrunk to divide
     ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
-    small test caches span many tiles.
+    small test caches span many tiles.  64-row tiles run on 8 warps (register spills at 4).
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if interpreting(device):
@@ -89,6 +89,10 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
         block_n, warps, stages = 64, 4, 3
     if page_size is not None:
         block_n = min(block_n, _lowbit(page_size))
+    if block_m == 64 and not interpreting(device):
+        # 64-row tiles (more than 32 packed rows: many query tokens, or a cascade's shared prefix): ptxas
+        # (sm_90a, d = 128) spills 1.2 KB a thread at 4 warps (2 KB paged), none at 8 (0.3 KB paged)
+        warps = 8
     return block_m, block_n, warps, stages
 
 
