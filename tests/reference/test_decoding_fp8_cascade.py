@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from tests._oracle import assert_close, attention_ref
 
