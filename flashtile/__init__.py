@@ -24,12 +24,14 @@ from flashtile.reference.masks import BlockMask
 __version__ = "0.1.0"
 
 _LAZY = {
+    "cascade_attention_with_kvcache": "flashtile.ops.cascade",
     "check_errors": "flashtile.ops.kvcache",
     "flash_attn_func": "flashtile.ops.flash_attn",
     "flash_attn_kvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_qkvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_with_kvcache": "flashtile.ops.kvcache",
     "hadamard_rotate": "flashtile.fp8",
+    "merge_attention_states": "flashtile.ops.cascade",
     "next_philox_state": "flashtile.ops.autograd",
     "quantize_per_block": "flashtile.fp8",
     "quantize_per_head": "flashtile.fp8",

@@ -87,6 +87,28 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         console.print("[red]`flashtile bench decode` needs a CUDA GPU[/red]")
         return 2
+    if args.fp8_cascade:
+        from flashtile.bench.decode import run_fp8_cascade_bench
+
+        with console.status("FP8 cache and cascade decoding") as status:
+            payload = run_fp8_cascade_bench(args.out, progress=lambda what: status.update(str(what)))
+        table = Table(title=f"FP8 KV cache on {payload['env']['device']} (clean-L2 µs; × = peer time / FP8 time)")
+        for c in ("batch", "cache", "fp8 µs", "× bf16 cache", "× fp8 paged", "× sdpa-flash", "× FA3 bf16", "× FA3 fp8",
+                  "fp8 err vs bf16"):
+            table.add_column(c, justify="right")
+        for p in payload["fp8_points"]:
+            sp, ms = p["speedup"], p["ms"]
+            f = lambda x: f"{x:.2f}" if isinstance(x, float) else "—"  # noqa: E731
+            table.add_row(str(p["batch"]), str(p["cache"]), f"{(ms.get('flashtile-fp8') or float('nan')) * 1e3:.0f}",
+                          f(sp.get("flashtile-bf16")), f(sp.get("flashtile-fp8-paged")), f(sp.get("sdpa-flash")),
+                          f(sp.get("fa3-bf16")), f(sp.get("fa3-fp8")), f(p["err"].get("flashtile-fp8")))
+        console.print(table)
+        c = payload["cascade"]
+        console.print(f"cascade {c['batch']} x ({c['prefix']} shared + {c['own']} own): "
+                      + ", ".join(f"{k} {v * 1e3:.0f} µs" for k, v in c["ms"].items() if v)
+                      + "; speedups " + ", ".join(f"{k} {v:.2f}x" for k, v in c["speedup"].items()))
+        console.print(f"wrote {payload['path']}")
+        return 0
     if args.sweep_tiles:
         with console.status("decode tile sweep") as status:
             payload = run_tile_sweep(args.out, progress=lambda what: status.update(str(what)))
@@ -249,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--out", default="bench/results")
     dec.add_argument("--sweep-tiles", action="store_true",
                      help="instead of the grid: time the split kernel's tile configs (BLOCK_N, warps, stages, splits)")
+    dec.add_argument("--fp8-cascade", action="store_true",
+                     help="instead of the grid: FP8 vs bf16 KV cache (B 1/8, 32k/128k; FA3 if importable) and "
+                          "shared-prefix cascade (64 x (32k shared + 1k own)) vs unshared")
     dec.set_defaults(func=_cmd_bench_decode)
     iol = bsub.add_parser("io", help="IO lab: FA1 vs FA2, online vs safe softmax, ncu DRAM bytes vs Theorem 2, roofline")
     iol.add_argument("--out", default="bench/results")

@@ -62,7 +62,7 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, median_ms_clean_l2, rel_err, write_json
 
-__all__ = ["run_decode_bench", "run_tile_sweep", "copy_bandwidth", "forced_decode", "host_us", "PROVIDERS", "GRID"]
+__all__ = ["run_decode_bench", "run_tile_sweep", "run_fp8_cascade_bench", "copy_bandwidth", "forced_decode", "host_us", "PROVIDERS", "GRID"]
 
 HQ, HK, D, PAGE = 32, 8, 128, 256
 GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
@@ -388,6 +388,187 @@ def run_tile_sweep(
         "points": rows,
     }
     payload["path"] = str(write_json(payload, out_dir, "decode_tiles"))
+    return payload
+
+
+# --------------------------------------------------------------------------- #
+# FP8 KV cache and shared-prefix (cascade) decoding
+# --------------------------------------------------------------------------- #
+FP8_POINTS = ((1, 32768), (1, 131072), (8, 32768), (8, 131072))
+FP8_PROVIDERS = ("flashtile-bf16", "flashtile-fp8", "flashtile-fp8-paged", "flashtile-fp8-graph", "sdpa-flash",
+                 "fa3-bf16", "fa3-fp8")
+CASCADE_POINT = {"batch": 64, "prefix": 32768, "own": 1024}
+CASCADE_PREFIX_SPLITS = (0, 8, 16, 32)  # prefix_num_splits of the cascade's prefix launch (0: heuristic)
+
+
+def _fa3_kvcache():
+    """FA3's ``flash_attn_with_kvcache`` (``fa3_fwd_interface`` or ``flash_attn_interface``), or a reason it is absent."""
+    for name in ("fa3_fwd_interface", "flash_attn_interface"):
+        try:
+            mod = __import__(name)
+        except ImportError as e:
+            reason = f"{name} not importable ({e})"
+            continue
+        fn = getattr(mod, "flash_attn_with_kvcache", None)
+        if fn is not None:
+            return fn
+        reason = f"{name} has no flash_attn_with_kvcache"
+    return reason
+
+
+def _timed(fns: dict, ref: torch.Tensor | None, kv_bytes_of: dict) -> dict:
+    """Clean-L2 device ms of every provider (after one checked call), GB/s of its cache bytes, and its
+    error against ``ref``; a provider that raises is recorded with its reason."""
+    row = {"ms": {}, "gbps": {}, "err": {}}
+    for name, fn in fns.items():
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+            row["err"][name] = rel_err(out, ref) if ref is not None else None
+            row["ms"][name] = statistics.median(
+                median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH) for _ in range(ROUNDS)
+            )
+            if name in kv_bytes_of:
+                row["gbps"][name] = kv_bytes_of[name] / (row["ms"][name] * 1e-3) / 1e9
+        except Exception as e:  # noqa: BLE001 - a peer may not support the shape or dtype: recorded
+            row["ms"][name] = None
+            row["err"][name] = f"unsupported: {type(e).__name__}: {str(e)[:160]}"
+    return row
+
+
+def _fp8_point(batch: int, cache: int) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    from flashtile.fp8 import quantize_per_head
+    from flashtile.ops.kvcache import flash_attn_with_kvcache
+
+    q, k, v, k_pool, v_pool, table, lens = _inputs(batch, cache)
+    k8, kd = quantize_per_head(k, layout="bnhd")
+    v8, vd = quantize_per_head(v, layout="bnhd")
+    del k_pool, v_pool
+    # the paged FP8 pool holds the contiguous cache's e4m3 pages (same (B, Hk) descales) in the table's order;
+    # copied as bytes (index_put of float8 is not implemented on every torch build)
+    k8p, v8p = torch.empty_like(k8).view(-1, PAGE, HK, D), torch.empty_like(v8).view(-1, PAGE, HK, D)
+    k8p.view(torch.uint8)[table.flatten().long()] = k8.view(torch.uint8).view(-1, PAGE, HK, D)
+    v8p.view(torch.uint8)[table.flatten().long()] = v8.view(torch.uint8).view(-1, PAGE, HK, D)
+    flash = _sdpa(SDPBackend.FLASH_ATTENTION)
+    fa3 = _fa3_kvcache()
+    fp8 = lambda: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, causal=True, k_descale=kd, v_descale=vd)  # noqa: E731
+    fns = {
+        "flashtile-bf16": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True),
+        "flashtile-fp8": fp8,
+        "flashtile-fp8-paged": lambda: flash_attn_with_kvcache(
+            q, k8p, v8p, cache_seqlens=lens, block_table=table, causal=True, k_descale=kd, v_descale=vd),
+        "flashtile-fp8-graph": _graphed(fp8),
+        "sdpa-flash": lambda: flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2),
+    }
+    if callable(fa3):
+        q8, qd = quantize_per_head(q, layout="bnhd", kv_heads=HK)  # FA3's FP8 kernel takes e4m3 q too
+        fns["fa3-bf16"] = lambda: _first(fa3(q, k, v, cache_seqlens=lens, causal=True))
+        fns["fa3-fp8"] = lambda: _first(fa3(q8, k8, v8, cache_seqlens=lens, causal=True,
+                                             q_descale=qd, k_descale=kd, v_descale=vd))
+    bytes16 = 2 * batch * cache * HK * D * 2
+    kv_bytes = {name: bytes16 // 2 if "fp8" in name else bytes16 for name in fns}
+    ref = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
+    row = {"batch": batch, "cache": cache, **_timed(fns, ref, kv_bytes)}
+    if not callable(fa3):
+        row["ms"]["fa3-bf16"] = row["ms"]["fa3-fp8"] = None
+        row["err"]["fa3-bf16"] = row["err"]["fa3-fp8"] = fa3
+    ms = row["ms"]
+    row["speedup"] = {
+        name: ms[name] / ms["flashtile-fp8"] for name in ms if ms.get(name) and ms.get("flashtile-fp8") and name != "flashtile-fp8"
+    }
+    del q, k, v, k8, v8, k8p, v8p, table, lens, fns, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _cascade_point(batch: int, prefix: int, own: int) -> dict:
+    """``batch`` requests sharing ``prefix`` keys, each with ``own`` keys of its own (+1 appended per step is not
+    timed: the caches are read-only here), bf16, Hq 32 / Hk 8 / d 128, one query token, causal."""
+    from flashtile.ops.cascade import cascade_attention_with_kvcache
+    from flashtile.ops.kvcache import flash_attn_with_kvcache
+
+    dev = "cuda"
+    q = torch.randn(batch, 1, HQ, D, device=dev, dtype=torch.bfloat16)
+    pk = torch.randn(1, prefix, HK, D, device=dev, dtype=torch.bfloat16)
+    pv = torch.randn_like(pk)
+    kc = torch.randn(batch, own, HK, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.full((batch,), own, dtype=torch.int32, device=dev)
+    # unshared, contiguous: each request holds its own copy of the prefix
+    k_full = torch.cat([pk.expand(batch, -1, -1, -1), kc], dim=1)
+    v_full = torch.cat([pv.expand(batch, -1, -1, -1), vc], dim=1)
+    full_lens = torch.full((batch,), prefix + own, dtype=torch.int32, device=dev)
+    # unshared, paged: every block table points at the same prefix pages (shared memory, read per request)
+    pp, po = prefix // PAGE, own // PAGE
+    k_pool = torch.cat([pk.view(pp, PAGE, HK, D), kc.reshape(batch * po, PAGE, HK, D)])
+    v_pool = torch.cat([pv.view(pp, PAGE, HK, D), vc.reshape(batch * po, PAGE, HK, D)])
+    table = torch.cat([
+        torch.arange(pp, device=dev).expand(batch, pp),
+        pp + torch.arange(batch * po, device=dev).view(batch, po),
+    ], dim=1).to(torch.int32)
+
+    def cascade(splits=0):
+        return lambda: cascade_attention_with_kvcache(  # noqa: E731
+            q, pk, pv, kc, vc, cache_seqlens=lens, causal=True, prefix_num_splits=splits)
+
+    unshared = lambda: flash_attn_with_kvcache(q, k_full, v_full, cache_seqlens=full_lens, causal=True)  # noqa: E731
+    paged = lambda: flash_attn_with_kvcache(  # noqa: E731
+        q, k_pool, v_pool, cache_seqlens=full_lens, block_table=table, causal=True)
+    fns = {f"cascade-splits{s}" if s else "cascade": cascade(s) for s in CASCADE_PREFIX_SPLITS}
+    fns.update({
+        "cascade-graph": _graphed(cascade()),
+        "unshared": unshared,
+        "unshared-graph": _graphed(unshared),
+        "unshared-paged-shared-pages": paged,
+    })
+    ref = unshared()
+    bytes_unshared = 2 * batch * (prefix + own) * HK * D * 2
+    row = {"batch": batch, "prefix": prefix, "own": own, **_timed(fns, ref, {"unshared": bytes_unshared})}
+    ms = row["ms"]
+    row["speedup"] = {  # > 1: the cascade is faster
+        peer: ms[peer] / ms["cascade"]
+        for peer in ("unshared", "unshared-paged-shared-pages") if ms.get(peer) and ms.get("cascade")
+    }
+    if ms.get("cascade-graph") and ms.get("unshared-graph"):
+        row["speedup"]["graph: unshared"] = ms["unshared-graph"] / ms["cascade-graph"]
+    best = min((ms[n], n) for n in fns if n.startswith("cascade") and ms.get(n))
+    row["best_cascade"] = {"name": best[1], "ms": best[0], "speedup_vs_unshared": (ms.get("unshared") or 0) / best[0]}
+    del q, pk, pv, kc, vc, k_full, v_full, k_pool, v_pool, fns, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_fp8_cascade_bench(out_dir, progress: Callable[[str], None] | None = None) -> dict:
+    """``flashtile bench decode --fp8-cascade``: the FP8-cache points (``FP8_POINTS``: FP8 vs bf16 cache,
+    contiguous and paged, FA3 as a peer when importable) and the cascade point (``CASCADE_POINT``:
+    shared vs unshared), clean-L2 device times; writes ``decode_fp8_cascade_<device>.json``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("`flashtile bench decode --fp8-cascade` needs a CUDA GPU")
+    torch.manual_seed(0)
+    fp8_rows = []
+    for batch, cache in FP8_POINTS:
+        if progress:
+            progress(f"fp8 cache B={batch} L={cache}")
+        fp8_rows.append(_fp8_point(batch, cache))
+    if progress:
+        progress("cascade {batch} x ({prefix} shared + {own} own)".format(**CASCADE_POINT))
+    cascade = _cascade_point(**CASCADE_POINT)
+    payload = {
+        "env": environment(),
+        "shape": {"dtype": "bfloat16 q/out", "heads_q": HQ, "heads_k": HK, "head_dim": D, "seqlen_q": 1, "page_size": PAGE},
+        "timer": f"median_ms_clean_l2, {CLEAN_FLUSH >> 20} MB read flush, median of {ROUNDS} rounds",
+        "ratio_convention": "speedup[peer] = t_peer / t_ours (fp8: t / t_flashtile-fp8; cascade: t / t_cascade)",
+        "err_convention": "relative L2 error against flashtile on the bf16 cache (fp8) / the unshared call (cascade)",
+        "fp8_points": fp8_rows,
+        "cascade": cascade,
+    }
+    payload["path"] = str(write_json(payload, out_dir, "decode_fp8_cascade"))
     return payload
 
 

@@ -138,6 +138,10 @@ def _sweep(
         kv_ok = offs_n < limit
         k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        # an FP8 cache is widened to q's dtype for both MMAs (a no-op for a cache of q's dtype); its
+        # descales are folded into sm_scale and the partial output by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
@@ -258,6 +262,7 @@ def _decode_split_kernel(
     Count,  # int32 arrival counter per (batch element, kv head, row tile), FUSED only: zero on entry and exit
     Out, LSE, Flags,  # final outputs (Flags: FlashDecoding++ only)
     Err,  # int32 error bits of the device (ERR_SEQLENS, ERR_BLOCK_TABLE), ORed into
+    KDescale, VDescale,  # fp32 (B, Hk) descales of a float8_e4m3fn cache (KV_FP8 only)
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
     # ints (fixed for a problem signature: runtime/launch.py binds them once)
     stride_qb, stride_qm, stride_qh,
@@ -267,6 +272,7 @@ def _decode_split_kernel(
     stride_ob, stride_om, stride_oh,
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, window_left, window_right, lse_offset,
     seqlen_add, capacity, num_pages,
+    stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -274,6 +280,7 @@ def _decode_split_kernel(
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     EVEN_D: tl.constexpr, WRITE_OUT: tl.constexpr,
     FUSED: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
     with ``FUSED`` the split that finishes last for those rows also merges all their splits.
@@ -330,6 +337,9 @@ def _decode_split_kernel(
         v_head += off_b.to(tl.int64) * stride_vb
     k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
     v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
+    if KV_FP8:
+        # s = sm_scale (q . k_descale k8): the k descale is one scalar of this program, folded into the scale
+        sm_scale = sm_scale * tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + off_hk.to(tl.int64) * stride_kds_h)
 
     acc, l_i, m_i, flag, bad_page = _sweep(
         q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
@@ -361,6 +371,9 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o_part = acc / l_safe[:, None]
+    if KV_FP8:
+        # P (v_descale v8) = v_descale (P v8): the v descale scales the partial once, outside the key loop
+        o_part = o_part * tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + off_hk.to(tl.int64) * stride_vds_h)
     l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
     row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
     if WRITE_OUT:
@@ -395,12 +408,35 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _quantize_e4m3(x, descale):
+    """``x / descale`` (fp32, correctly rounded) saturated to [-448, 448] and rounded to the nearest
+    e4m3 value, ties to even, as a float8_e4m3fn tensor: bit for bit torch's
+    ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)``.
+
+    The rounding is done in fp32 arithmetic, so the final cast is exact: Triton's interpreter
+    rounds fp32 -> fp8 wrongly (ties away, and a carry into the exponent is lost: 124.3 -> 64).
+    Spacing of e4m3 values around |y|: 2^(e - 3) for exponent e >= -6 (subnormals below keep 2^-9);
+    adding and subtracting 1.5 * 2^23 rounds y / spacing (|.| <= 16) to an integer, ties to even."""
+    y = tl.math.div_rn(x.to(tl.float32), descale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    spacing = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    r = tl.abs(((y / spacing + 12582912.0) - 12582912.0) * spacing)
+    r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep the sign (of -0 too)
+    return r.to(tl.float8e4nv)
+
+
+@triton.jit
 def _append_kernel(
     K, V, KNew, VNew, BlockTable, SeqlensK, Err,
+    KDescale, VDescale,  # fp32 (B, Hk) descales of a float8_e4m3fn cache (QUANT only)
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_bt_b, stride_sl, n_new, capacity, num_pages, head_dim, n_heads_k, n_batch,
+    stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """In a ``fold_grid(Nnew·Hk, B)`` grid, program (i·Hk + h, b) stores row (b, i, h) of the new
     keys/values at position ``SeqlensK[b] + i`` of element b's cache (paged: through ``BlockTable``).
@@ -433,6 +469,9 @@ def _append_kernel(
     src_v = VNew + off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnn + h.to(tl.int64) * stride_vnh
     kn = tl.load(src_k + offs_d, mask=d_ok, other=0.0)
     vn = tl.load(src_v + offs_d, mask=d_ok, other=0.0)
+    if QUANT:
+        kn = _quantize_e4m3(kn, tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + h.to(tl.int64) * stride_kds_h))
+        vn = _quantize_e4m3(vn, tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + h.to(tl.int64) * stride_vds_h))
     w_ok = offs_d < tl.where(ok, head_dim, 0)  # nothing of a rejected row is stored
     tl.store(K + k_off + h.to(tl.int64) * stride_kh + offs_d, kn, mask=w_ok)
     tl.store(V + v_off + h.to(tl.int64) * stride_vh + offs_d, vn, mask=w_ok)

@@ -119,8 +119,9 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return validate.AttnDims(b, hq, hk, nq, rows, d)
 
 
-def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.AttnDims) -> int:
-    """New keys/values: both None, or both (B, Nnew, Hk, d) in the cache's dtype and device.  Returns Nnew."""
+def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.AttnDims, dtype: torch.dtype) -> int:
+    """New keys/values: both None, or both (B, Nnew, Hk, d) in ``dtype`` (the cache's, q's for an FP8
+    cache) on the cache's device.  Returns Nnew."""
     if k is None and v is None:
         return 0
     if k is None or v is None:
@@ -128,8 +129,9 @@ def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.At
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
-        if x.dtype != k_cache.dtype:
-            raise TypeError(f"{name} must have the dtype of k_cache ({k_cache.dtype}), got {x.dtype}")
+        if x.dtype != dtype:
+            whose = "q (an FP8 cache takes new rows in q's dtype and quantises them)" if dtype != k_cache.dtype else "k_cache"
+            raise TypeError(f"{name} must have the dtype of {whose} ({dtype}), got {x.dtype}")
         if x.device != k_cache.device:
             raise ValueError(f"{name} must be on the device of k_cache ({k_cache.device}), got {x.device}")
         want = (dims.batch, x.shape[1] if x.dim() == 4 else -1, dims.heads_k, dims.head_dim)
@@ -141,6 +143,61 @@ def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.At
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} must equal v shape {tuple(v.shape)}")
     return int(k.shape[1])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _check_cache_dtypes(q: object, k_cache: object, v_cache: object) -> bool:
+    """q, k_cache, v_cache: one supported dtype, or an FP8 (float8_e4m3fn) k_cache and v_cache with a
+    float16 / bfloat16 q.  Returns whether the cache is FP8."""
+    fp8 = isinstance(k_cache, torch.Tensor) and k_cache.dtype == FP8
+    if not fp8:
+        validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+        return False
+    validate.check_qkv_tensors(("q",), q)
+    if not isinstance(v_cache, torch.Tensor) or v_cache.dtype != FP8:
+        got = v_cache.dtype if isinstance(v_cache, torch.Tensor) else type(v_cache).__name__
+        raise TypeError(f"v_cache must be torch.float8_e4m3fn like k_cache, got {got}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be torch.float16 or torch.bfloat16 with a float8_e4m3fn cache, got {q.dtype}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device != q.device:
+            raise ValueError(f"q and {name} must be on the same device; got {q.device} and {x.device}")
+    return True
+
+
+def _check_descales(k_descale: object, v_descale: object, fp8: bool, q: torch.Tensor, dims: validate.AttnDims):
+    """FA3's descales of an FP8 cache: float32 (batch, nheads_k) tensors on q's device, both given exactly
+    when the cache is float8_e4m3fn.  Returns (k_descale, v_descale) or None."""
+    if not fp8:
+        for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if x is not None:
+                raise ValueError(f"{name} is only for a torch.float8_e4m3fn k_cache/v_cache; pass None with this cache")
+        return None
+    want = (dims.batch, dims.heads_k)
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if x is None:
+            raise ValueError(
+                f"{name} is required with a float8_e4m3fn cache: a float32 tensor of shape (batch, nheads_k) = {want} "
+                "(x = x_fp8 * descale, see flashtile.quantize_per_head)"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 torch.Tensor of shape (batch, nheads_k), got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype torch.float32, got {x.dtype}")
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have shape (batch, nheads_k) = {want}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+    return k_descale, v_descale
+
+
+def _check_descale_values(descales: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``debug=True`` only (a device sync): every descale finite and > 0."""
+    for name, x in zip(("k_descale", "v_descale"), descales):
+        if not bool((torch.isfinite(x) & (x > 0)).all()):
+            raise ValueError(f"{name} must be finite and > 0 everywhere")
 
 
 def _check_block_table(block_table: object, q: torch.Tensor, b: int) -> None:
@@ -249,6 +306,7 @@ class _Call(NamedTuple):
     return_lse: bool
     launch: DecodeLaunch  # the kernel's bound launch (q with unit last stride)
     append: AppendLaunch | None  # the append's bound launch (k, v with unit last stride), with Nnew > 0
+    fp8: bool = False  # float8_e4m3fn caches with (k_descale, v_descale)
 
 
 _UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
@@ -257,15 +315,17 @@ _UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
 def prepare_call(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
+    k_descale=None, v_descale=None,
 ) -> _Call:
     """Every check of the arguments except the contents of tensor cache_seqlens / block_table;
     raises on bad input.  Also the checks of :func:`flashtile.runtime.decode.flash_decode`."""
-    validate.check_qkv_tensors(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
+    fp8 = _check_cache_dtypes(q, k_cache, v_cache)
     paged = block_table is not None
     dims = _check_layout(q, k_cache, v_cache, paged)
+    descales = _check_descales(k_descale, v_descale, fp8, q, dims)
     if paged:
         _check_block_table(block_table, q, dims.batch)
-    n_new = _check_new_kv(k, v, k_cache, dims)
+    n_new = _check_new_kv(k, v, k_cache, dims, q.dtype if fp8 else k_cache.dtype)
     left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
@@ -293,13 +353,15 @@ def prepare_call(
     launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
-        seqlens_k=lens, seqlen_add=n_new,
+        seqlens_k=lens, seqlen_add=n_new, descales=descales,
     )[1]
     append = None
     if n_new:
         lens_like = lens if lens is not None else torch.empty(dims.batch, dtype=torch.int32, device=q.device)
-        append = append_launch(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, bt)
-    return _Call(dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append)
+        append = append_launch(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, bt, descales)
+    return _Call(
+        dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
+    )
 
 
 def _tensor_key(x: object) -> tuple:
@@ -312,6 +374,7 @@ def _tensor_key(x: object) -> tuple:
 def _call_key(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
+    k_descale=None, v_descale=None,
 ) -> tuple | None:
     """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
 
@@ -335,6 +398,7 @@ def _call_key(
             type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
             type(return_lse), return_lse, type(unified_max), unified_max, type(debug), debug,
+            _tensor_key(k_descale), _tensor_key(v_descale),
         )
         hash(key)
     except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
@@ -386,6 +450,8 @@ def flash_attn_with_kvcache(
     unified_max: float | None = None,
     return_lse: bool = False,
     debug: bool = False,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache, after appending the new k/v in place (flash-attn 2.x semantics).
 
@@ -412,6 +478,17 @@ def flash_attn_with_kvcache(
     the block table on the host (one device sync) and raises ``ValueError``
     for an out-of-range value before anything is written.
 
+    FP8 cache (keyword-only ``k_descale``, ``v_descale``, FA3's names and shapes):
+    ``k_cache`` / ``v_cache`` of dtype ``torch.float8_e4m3fn`` hold ``x / descale`` rounded
+    to e4m3, with float32 descales of shape (B, Hk) (one per batch element and kv head,
+    e.g. from :func:`flashtile.quantize_per_head` with ``layout="bnhd"``); q (and the new
+    k, v) are float16 or bfloat16, and so is the output.  The kernel loads the e4m3 tiles,
+    widens them to q's dtype, folds ``k_descale`` into the softmax scale and multiplies each
+    partial output by ``v_descale`` once.  New k, v are quantised on the append with the
+    same descales: ``(x / descale)`` in fp32, saturated to ±448, rounded to nearest even.
+    The descales' values are not read on the host (they must be finite and > 0; ``debug``
+    checks them).  Both are required with an FP8 cache and rejected with any other.
+
     Bad shapes, dtypes, devices and Python values raise before the cache is
     written, and so does an out-of-range int ``cache_seqlens``.  Out-of-range
     values *inside* a tensor ``cache_seqlens`` or ``block_table`` never make a
@@ -425,6 +502,7 @@ def flash_attn_with_kvcache(
     args = (
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
+        k_descale, v_descale,
     )
     key = _call_key(*args)
     call = _CALLS.get(key) if key is not None else None
@@ -434,12 +512,16 @@ def flash_attn_with_kvcache(
             _remember(key, call)
     elif type(cache_seqlens) is int:
         _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
-    return _run(q, call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug)
+    return _run(
+        q, call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
+        (k_descale, v_descale) if call.fp8 else None,
+    )
 
 
 @on_tensor_device
 def _run(
     q, call: _Call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
+    descales=None,
 ):
     """The launches of one checked call: the append (if any), then the attention."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -453,12 +535,14 @@ def _run(
         block_table = block_table.contiguous()
     if debug and isinstance(cache_seqlens, torch.Tensor) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_lengths(lens.tolist(), call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
+    if debug and descales is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_descale_values(descales)
     if call.n_new:
-        call.append(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens, block_table)
+        call.append(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens, block_table, descales)
     out, lse, _ = run_decode(
         unit_last_stride(q), k_cache, v_cache, lens, block_table,
         alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
-        unified=call.unified, launch=call.launch, seqlen_add=call.n_new,
+        unified=call.unified, launch=call.launch, seqlen_add=call.n_new, descales=descales,
     )
     return (out, lse) if call.return_lse else out

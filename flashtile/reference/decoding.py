@@ -103,6 +103,9 @@ __all__ = [
     "estimate_phi",
     "DecodePPInfo",
     "flashdecoding_pp",
+    "quantize_cache_rows",
+    "fp8_cache_decoding",
+    "cascade_decoding",
 ]
 
 # Headroom factor of the default safe range: 16 = 2^4 (see default_safe_range).
@@ -612,3 +615,118 @@ def flashdecoding_pp(
         phi, (lo, hi), prob.restore(recomputed), *(prob.restore(flags[k]) for k in ("above", "below", "overflowed"))
     )
     return AttnResult(prob.restore(out), prob.restore(lse), counts), info
+
+
+# ---------------------------------------------------------------------------
+# FP8 (e4m3) KV cache
+# ---------------------------------------------------------------------------
+
+
+def quantize_cache_rows(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """What the append of an FP8 cache stores, in float64 (e4m3 values): ``round_e4m3(x / descale)``.
+
+    ``x`` (B, Hk, N, d) new keys or values (any floating dtype), ``descale`` (B, Hk) float32:
+    ``x / descale`` is taken in float32 (as the kernel divides), saturated to ±448 and
+    rounded to the nearest e4m3 value, ties to even (:func:`flashtile.reference.fp8.round_e4m3`).
+    """
+    from flashtile.reference.fp8 import round_e4m3
+
+    x = as_float(x, "x", torch.float32)
+    scale = as_float(descale, "descale", torch.float32).to(x.device)
+    if x.dim() != 4 or tuple(scale.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"x must be (B, Hk, N, d) and descale (B, Hk); got {tuple(x.shape)} and {tuple(scale.shape)}")
+    return round_e4m3(x / scale[:, :, None, None])
+
+
+def fp8_cache_decoding(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    *,
+    num_splits: int,
+    cache_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] | None = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> AttnResult:
+    """Float64 twin of decoding against an FP8 KV cache (FA3's per-(batch, kv head) descales).
+
+    ``k_cache`` / ``v_cache`` (B, Hk, Nk, d) hold e4m3 values (``float8_e4m3fn``, or the
+    float64 values :func:`quantize_cache_rows` returns), ``k_descale`` / ``v_descale``
+    (B, Hk) float32, so key j of kv head h is ``k_descale[b, h] * k_cache[b, h, j]``: a
+    product of a 4-bit and a 24-bit significand, exact in float64.  The kernel computes
+    ``s = (sm_scale k_descale) q . k8`` and ``O = v_descale (P v8)``, the same numbers up to
+    its fp32 / bf16 rounding; this twin is exact attention of the dequantised cache,
+    computed by :func:`flash_decoding` (same splits, merge and counts; counts in elements).
+    The error of an FP8 cache against float64 attention of the unquantised keys and values
+    is this twin's error plus the kernel's: ``docs/decoding.md``, "FP8 KV cache".
+    """
+    k64 = as_float(k_cache.to(torch.float32) if k_cache.dtype == torch.float8_e4m3fn else k_cache, "k_cache")
+    v64 = as_float(v_cache.to(torch.float32) if v_cache.dtype == torch.float8_e4m3fn else v_cache, "v_cache")
+    for name, x, c in (("k_descale", k_descale, k64), ("v_descale", v_descale, v64)):
+        if not isinstance(x, torch.Tensor) or c.dim() != 4 or tuple(x.shape) != tuple(c.shape[:2]):
+            raise ValueError(f"{name} must be a (B, Hk) tensor for caches (B, Hk, Nk, d); got {getattr(x, 'shape', x)}")
+    kd = as_float(k_descale, "k_descale").to(k64.device)
+    vd = as_float(v_descale, "v_descale").to(v64.device)
+    return flash_decoding(
+        q, k64 * kd[:, :, None, None], v64 * vd[:, :, None, None], num_splits=num_splits, cache_seqlens=cache_seqlens,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
+
+
+# ---------------------------------------------------------------------------
+# shared-prefix (cascade) decoding
+# ---------------------------------------------------------------------------
+
+
+def cascade_decoding(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_splits: int,
+    prefix_num_splits: int = 1,
+    cache_seqlens: torch.Tensor | Sequence[int] | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    softcap: float = 0.0,
+) -> AttnResult:
+    """Float64 twin of shared-prefix decoding (:func:`flashtile.ops.cascade.cascade_attention_with_kvcache`).
+
+    q (B, Hq, Nq, d); the shared prefix ``prefix_k`` / ``prefix_v`` (1, Hk, P, d); each
+    request's own caches (B, Hk, Nk, d) with ``cache_seqlens``.  Request b attends to the P
+    prefix keys, all visible, then to keys [0, L_b) of its own cache (``causal`` bottom-right
+    aligned on that part):
+
+    1. prefix: the B·Nq query rows of all requests as the rows of one element,
+       :func:`flash_decoding` against the prefix (read once: the counts charge it once);
+    2. suffix: :func:`flash_decoding` of each request against its own cache;
+    3. :func:`merge_partials` of the two partials of every row
+       (``o = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2})``, ``lse = logaddexp``).
+
+    Exact: the result is softmax attention over the concatenation (what the tests check).
+    """
+    q = as_float(q, "q")
+    if q.dim() != 4 or prefix_k.dim() != 4 or prefix_k.shape[0] != 1:
+        raise ValueError(f"q must be (B, Hq, Nq, d) and prefix_k (1, Hk, P, d); got {tuple(q.shape)}, {tuple(prefix_k.shape)}")
+    b, hq, nq, d = q.shape
+    rows = q.permute(1, 0, 2, 3).reshape(1, hq, b * nq, d)
+    pre = flash_decoding(
+        rows, prefix_k, prefix_v, num_splits=prefix_num_splits, softmax_scale=softmax_scale, softcap=softcap,
+    )
+    own = flash_decoding(
+        q, k_cache, v_cache, num_splits=num_splits, cache_seqlens=cache_seqlens, softmax_scale=softmax_scale,
+        causal=causal, softcap=softcap,
+    )
+    o_p = pre.out.reshape(hq, b, nq, d).permute(1, 0, 2, 3)
+    l_p = pre.lse.reshape(hq, b, nq).permute(1, 0, 2)
+    counts = pre.counts + own.counts
+    out, lse = merge_partials(torch.stack([own.out, o_p]), torch.stack([own.lse, l_p]), counts=counts)
+    return AttnResult(out, lse, counts)

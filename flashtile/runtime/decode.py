@@ -78,7 +78,7 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     operand in flight per stage with 3 stages (on an H100 no tile, warp or
     stage count swept beat this by more than noise).  It is shrunk to divide
     ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
-    small test caches span many tiles.
+    small test caches span many tiles.  64-row tiles run on 8 warps (register spills at 4).
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     if interpreting(device):
@@ -89,6 +89,10 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
         block_n, warps, stages = 64, 4, 3
     if page_size is not None:
         block_n = min(block_n, _lowbit(page_size))
+    if block_m == 64 and not interpreting(device):
+        # 64-row tiles (more than 32 packed rows: many query tokens, or a cascade's shared prefix): ptxas
+        # (sm_90a, d = 128) spills 1.2 KB a thread at 4 warps (2 KB paged), none at 8 (0.3 KB paged)
+        warps = 8
     return block_m, block_n, warps, stages
 
 
@@ -297,10 +301,14 @@ class KernelArgs(NamedTuple):
 # per-call arguments of the split kernel, in DecodeLaunch.__call__'s order
 SPLIT_DYNAMIC = (
     "Q", "K", "V", "BlockTable", "SeqlensK", "Alibi", "Work", "FPart", "Count", "Out", "LSE", "Flags", "Err",
+    "KDescale", "VDescale",
     "sm_scale", "softcap", "phi2", "lo2", "hi2",
 )
 MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags")
-APPEND_DYNAMIC = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err")
+APPEND_DYNAMIC = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err", "KDescale", "VDescale")
+# positions of an FP8 cache's descales among the dynamic arguments (the caller's tensors: their alignment is keyed)
+_DESCALE_SLOTS = (SPLIT_DYNAMIC.index("KDescale"), SPLIT_DYNAMIC.index("VDescale"))
+_APPEND_DESCALE_SLOTS = (APPEND_DYNAMIC.index("KDescale"), APPEND_DYNAMIC.index("VDescale"))
 
 
 class DecodeLaunch:
@@ -336,7 +344,7 @@ class DecodeLaunch:
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
         left: int, right: int, has_softcap: bool, unified: bool,
         sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
-        device: torch.device,
+        device: torch.device, descale_strides: tuple[int, int, int, int] | None = None,
     ) -> None:
         s = plan.n_splits
         self.err = error_flags(device)
@@ -361,6 +369,7 @@ class DecodeLaunch:
             *out_strides, *shape,
             ("window_left", left), ("window_right", right), ("lse_offset", self.lse_offset),
             ("seqlen_add", seqlen_add), ("capacity", capacity), ("num_pages", num_pages),
+            *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
             ("BLOCK_M", plan.block_m), ("BLOCK_N", plan.block_n), ("BLOCK_D", plan.block_d),
             ("PAGED", page_size is not None), ("PAGE_SIZE", page_size or 1),
             ("HAS_LEFT", left >= 0), ("HAS_RIGHT", right >= 0),
@@ -374,12 +383,15 @@ class DecodeLaunch:
         grid = (b * hk, s, plan.row_tiles)
         # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
         # flags and outputs are aligned allocations
-        fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge))
+        fp8 = (("KV_FP8", descale_strides is not None),)
+        # the caller's tensors: q, caches, block table, lengths, slopes, and an FP8 cache's descales
+        check = (*range(6), *_DESCALE_SLOTS) if descale_strides is not None else range(6)
+        fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge, *fp8))
         self.arguments = {"fused": fused}
-        self.fused = fused.bind(grid, options, check=range(6))
+        self.fused = fused.bind(grid, options, check=check)
         self.split = self.merge = None
         if not self.write_out:
-            split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge))
+            split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge, *fp8))
             # one packed row a program, on one warp (two at 8K merge-tile elements): of 1/2/4 rows a
             # program on 1/2/4 warps, the fastest in a graph (B=1: 0.7-1.6 us less than one row tile a program)
             warps = max(1, min(4, 2 * plan.merge_s * plan.block_d // 4096))
@@ -389,7 +401,7 @@ class DecodeLaunch:
                 ("UNIFIED", unified),
             ))
             self.arguments.update(split=split, merge=merge_args)
-            self.split = split.bind(grid, options, check=range(6))
+            self.split = split.bind(grid, options, check=check)
             self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=())
 
     def __call__(
@@ -397,11 +409,13 @@ class DecodeLaunch:
         block_table: torch.Tensor | None, alibi: torch.Tensor | None,
         out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
         scale: float, softcap: float, unified: tuple[float, float, float] | None,
+        descales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
         errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
         hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
-        this signature's dtype and stride."""
+        this signature's dtype and stride.  ``descales``: the fp32 (k_descale, v_descale) of an
+        FP8 cache, of this signature's strides."""
         flags = lse if flags is None else flags
         if self.write_out:
             work = f_part = count = lse
@@ -414,6 +428,7 @@ class DecodeLaunch:
         args = (  # SPLIT_DYNAMIC
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
             seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
+            *(descales if descales is not None else (lse, lse)),
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
         )
         if self.write_out or not graph:
@@ -432,11 +447,13 @@ def decode_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
     num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[DecodePlan, DecodeLaunch]:
     """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
 
     ``seqlens_k`` (its dtype and stride; None: contiguous int32) and ``seqlen_add`` (the
-    tokens appended before attending) are part of the signature.  The launch is keyed by
+    tokens appended before attending) are part of the signature, and so are the strides of
+    ``descales`` (an FP8 cache's (k_descale, v_descale), or None).  The launch is keyed by
     q's device.
 
     With one query token a right window bound allows every key before the cache's end
@@ -455,9 +472,14 @@ def decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
-        *sl, seqlen_add, capacity, k_cache.shape[0], q.device,
+        *sl, seqlen_add, capacity, k_cache.shape[0], q.device, _descale_strides(descales),
     )
     return plan, launch
+
+
+def _descale_strides(descales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int] | None:
+    """(k_descale strides, v_descale strides) of an FP8 cache's (B, Hk) descales, or None."""
+    return None if descales is None else (*descales[0].stride(), *descales[1].stride())
 
 
 class AppendLaunch:
@@ -468,6 +490,7 @@ class AppendLaunch:
         self, b: int, n_new: int, hk: int, d: int, k_strides: tuple[int, ...], v_strides: tuple[int, ...],
         kn_strides: tuple[int, ...], vn_strides: tuple[int, ...], bt_stride: int | None, page_size: int | None,
         sl_stride: int, capacity: int, num_pages: int, device: torch.device,
+        descale_strides: tuple[int, int, int, int] | None = None,
     ) -> None:
         self.err = error_flags(device)
         self.arguments = KernelArgs(_append_kernel, APPEND_DYNAMIC, (
@@ -478,31 +501,39 @@ class AppendLaunch:
             ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
             ("n_new", n_new), ("capacity", capacity), ("num_pages", num_pages), ("head_dim", d),
             ("n_heads_k", hk), ("n_batch", b),
+            *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
             ("BLOCK_D", max(16, triton.next_power_of_2(d))), ("PAGED", page_size is not None),
-            ("PAGE_SIZE", page_size or 1),
+            ("PAGE_SIZE", page_size or 1), ("QUANT", descale_strides is not None),
         ))
         # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there)
-        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=range(6))
+        check = (*range(6), *_APPEND_DESCALE_SLOTS) if descale_strides is not None else range(6)
+        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=check)
 
     def __call__(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+        descales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        # APPEND_DYNAMIC
-        self.launcher(k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err)
+        # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale)
+        self.launcher(
+            k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err,
+            *(descales if descales is not None else (seqlens_k, seqlens_k)),
+        )
 
 
 @functools.lru_cache(maxsize=256)
 def _append_launch(*signature) -> AppendLaunch:
-    return AppendLaunch(*signature[:-3])
+    return AppendLaunch(*signature[:-4])
 
 
 def append_launch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AppendLaunch:
     """The memoised :class:`AppendLaunch` writing k, v (B, Nnew, Hk, d) into the caches at
-    positions ``seqlens_k[b] + i`` (validated shapes; the values are not trusted)."""
+    positions ``seqlens_k[b] + i`` (validated shapes; the values are not trusted).  With
+    ``descales`` (an FP8 cache's (k_descale, v_descale)) the rows are quantised on the way in."""
     b, n_new, hk, d = k.shape
     paged = block_table is not None
     rows = k_cache.shape[1]
@@ -510,7 +541,8 @@ def append_launch(
         b, n_new, hk, d, k_cache.stride(), v_cache.stride(), k.stride(), v.stride(),
         block_table.stride(0) if paged else None, rows if paged else None, seqlens_k.stride(0),
         block_table.shape[1] * rows if paged else rows, k_cache.shape[0], k_cache.device,
-        k_cache.dtype, seqlens_k.dtype, block_table is not None,  # dtypes: one launcher per dtype
+        _descale_strides(descales),
+        k_cache.dtype, k.dtype, seqlens_k.dtype, block_table is not None,  # dtypes: one launcher per dtype
     )
 
 
@@ -531,6 +563,7 @@ def run_decode(
     return_flags: bool = False,
     launch: DecodeLaunch | None = None,
     seqlen_add: int = 0,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decode launch for validated arguments: ``(out, lse, flags)``.  No checks here.
 
@@ -542,7 +575,8 @@ def run_decode(
     ``[0, seqlens_k[b] + seqlen_add)``; lengths and block-table entries are not
     trusted (clamped / masked on the device, errors in :func:`error_flags`).  ``flags`` is None unless
     ``unified`` is set or ``return_flags`` asks for (zero) flags.  ``launch``:
-    the :func:`decode_launch` of these arguments, when the caller kept it.
+    the :func:`decode_launch` of these arguments, when the caller kept it.  ``descales``:
+    (k_descale, v_descale) fp32 (B, Hk) of float8_e4m3fn caches (q fp16/bf16).
     No host synchronisation: FlashDecoding++'s fallback happens in the kernel.
     """
     b, nq, hq, d = q.shape
@@ -551,6 +585,7 @@ def run_decode(
         launch = decode_launch(
             q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
             left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
+            descales=descales,
         )[1]
     out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
@@ -562,7 +597,7 @@ def run_decode(
     if out.numel() == 0:
         return out, lse, flags
     launch(q, k_cache, v_cache, seqlens_k, block_table, alibi[0] if alibi is not None else None,
-           out, lse, flags, scale, softcap, unified)
+           out, lse, flags, scale, softcap, unified, descales)
     return out, lse, flags
 
 
@@ -590,6 +625,8 @@ def flash_decode(
     unified_max: float | None = None,
     safe_range: tuple[float, float] | None = None,
     return_recomputed: bool = False,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Split-KV decoding without an append: returns ``(out, lse)`` (plus the recomputed-row flags if asked).
 
@@ -605,13 +642,14 @@ def flash_decode(
     ``phi = unified_max`` and ``safe_range`` (natural units, default
     :func:`default_unified_range`); with ``return_recomputed`` a third value (B, Hq, Nq)
     int32 holds each row's flag bits (FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW) ORed over its
-    splits, all zero on the safe path.  Forward only (no autograd).
+    splits, all zero on the safe path.  ``k_descale`` / ``v_descale``: float32 (B, Hk) descales
+    of float8_e4m3fn caches (as the op).  Forward only (no autograd).
     """
     from flashtile.ops.kvcache import prepare_call  # the op's checks; imported late: ops builds on runtime
 
     call = prepare_call(
         q, k_cache, v_cache, None, None, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
-        True, alibi_slopes, num_splits, True, False, unified_max, False,
+        True, alibi_slopes, num_splits, True, False, unified_max, False, k_descale, v_descale,
     )
     unified = call.unified
     if safe_range is not None:
@@ -627,5 +665,6 @@ def flash_decode(
         alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
         unified=unified, return_flags=return_recomputed, launch=call.launch,
+        descales=(k_descale, v_descale) if call.fp8 else None,
     )
     return (out, lse, flags) if return_recomputed else (out, lse)

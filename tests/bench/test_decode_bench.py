@@ -100,3 +100,23 @@ def test_gpu_tile_sweep_one_point(tmp_path):
     assert all(("us" in c) != ("error" in c) for c in point["configs"])
     assert point["heuristic_us"] is not None and point["best"][0]["us"] <= point["heuristic_us"]
     assert Path(payload["path"]).exists()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cascade_bench_small(tmp_path, monkeypatch):
+    """`flashtile bench decode --fp8-cascade` end to end on small points: every flashtile provider timed,
+    the FP8 cache's error against the bf16 cache's output at e4m3's scale, the cascade's at bf16's."""
+    import flashtile.bench.decode as bd
+
+    monkeypatch.setattr(bd, "FP8_POINTS", ((1, 4096),))
+    monkeypatch.setattr(bd, "CASCADE_POINT", {"batch": 4, "prefix": 4096, "own": 512})
+    monkeypatch.setattr(bd, "ROUNDS", 1)
+    payload = bd.run_fp8_cascade_bench(tmp_path)
+    row = payload["fp8_points"][0]
+    for name in ("flashtile-bf16", "flashtile-fp8", "flashtile-fp8-paged", "flashtile-fp8-graph"):
+        assert row["ms"][name] > 0, (name, row["err"][name])
+        assert row["err"][name] < 0.1, name
+    c = payload["cascade"]
+    for name in ("cascade", "cascade-graph", "unshared", "unshared-paged-shared-pages"):
+        assert c["ms"][name] > 0, (name, c["err"][name])
+        assert c["err"][name] < 2e-2, name
