@@ -218,8 +218,9 @@ def _cmd_bench_fp8_error(args: argparse.Namespace) -> int:
             payload = run_fp8_error(
                 args.out, batch=args.batch, heads=args.heads, seqlen=args.seqlen, head_dim=args.head_dim,
                 causal=args.causal, seed=args.seed, progress=lambda what: status.update(str(what)),
+                kernels=args.kernels,
             )
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
     c = payload["config"]
@@ -228,7 +229,8 @@ def _cmd_bench_fp8_error(args: argparse.Namespace) -> int:
     for col in ("method", "RMSE", "per-tensor FP8 RMSE / RMSE"):
         table.add_column(col, justify="right")
     for r in payload["rows"]:
-        table.add_row(r["method"], f"{r['rmse']:.2e}", f"{r['ratio']:.2f}×" if r["ratio"] else "—")
+        table.add_row(r["method"], f"{r['rmse']:.2e}" if r["rmse"] is not None else r.get("note", "—"),
+                      f"{r['ratio']:.2f}×" if r["ratio"] else "—")
     console.print(f"wrote {payload['path']}")
     console.print(table)
     return 0
@@ -297,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     fp8.add_argument("--head-dim", type=int, default=128, help="a power of two (Hadamard rotation)")
     fp8.add_argument("--causal", action="store_true")
     fp8.add_argument("--seed", type=int, default=0)
+    fp8.add_argument("--kernels", action="store_true", help="also run our bf16 / FP8 kernels and FA3's FP8 (GPU)")
     fp8.add_argument("--out", default="bench/results")
     fp8.set_defaults(func=_cmd_bench_fp8_error)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in

@@ -16,6 +16,11 @@ FlashAttention kernel performs and nothing else:
 * ``+ Hadamard`` -- incoherent processing first: q and k rotated by the same random
   ±1-signed Hadamard matrix (:func:`flashtile.fp8.hadamard_rotate`), then quantised.
 
+With ``kernels=True`` (a CUDA GPU) the same inputs also run through real kernels:
+our bf16 forward, our FP8 forward and FA3's (when ``fa3_fwd_interface`` imports), the
+FP8 ones with FA3's API scales (one per (batch, head)), with and without the Hadamard
+rotation -- measured, not simulated.
+
 The paper reports RMSE 2.4e-2 for baseline FP8 and 9.1e-3 for block FP8 +
 incoherent processing (2.6× lower); ``ratio`` here is per-tensor RMSE / the
 method's RMSE.  docs/fp8.md records a run.
@@ -32,7 +37,7 @@ from flashtile.fp8 import FP8, hadamard_rotate, quantize_per_block, quantize_per
 from flashtile.reference.attention import standard_attention
 from flashtile.reference.fp8 import fp8_attention
 
-__all__ = ["METHODS", "outlier_inputs", "rmse", "run_fp8_error", "fp8_error_payload"]
+__all__ = ["METHODS", "KERNEL_METHODS", "outlier_inputs", "rmse", "run_fp8_error", "fp8_error_payload"]
 
 METHODS = (
     "fp16",
@@ -41,6 +46,13 @@ METHODS = (
     "fp8 per-tensor + Hadamard",
     "fp8 block",
     "fp8 block + Hadamard",
+)
+KERNEL_METHODS = (
+    "kernel: flashtile bf16",
+    "kernel: flashtile fp8 per-head",
+    "kernel: flashtile fp8 per-head + Hadamard",
+    "kernel: fa3 fp8 per-head",
+    "kernel: fa3 fp8 per-head + Hadamard",
 )
 OUTLIER_FRAC = 0.001
 OUTLIER_STD = 10.0
@@ -100,12 +112,45 @@ def _method(name: str, block_sizes: tuple[int, int], seed: int, causal: bool) ->
     return table[name]
 
 
+def _kernel_method(name: str, seed: int, causal: bool) -> Callable[..., torch.Tensor]:
+    """One real kernel on the GPU: (q, k, v) float64 (B, H, N, d) on the CPU -> its output, float64 on the CPU."""
+    from flashtile.fp8 import quantize_per_head
+
+    def run(q, k, v):
+        if name.endswith("Hadamard"):
+            q, k, _ = hadamard_rotate(q, k, seed=seed)
+        q, k, v = (x.transpose(1, 2).float().cuda() for x in (q, k, v))  # flash layout (B, N, H, d)
+        if name.endswith("bf16"):
+            from flashtile import flash_attn_func
+
+            out = flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=causal)
+        else:
+            if "fa3" in name:
+                import fa3_fwd_interface as fa3  # an optional peer; ImportError marks the row unsupported
+
+                attn = fa3.flash_attn_func
+            else:
+                from flashtile import flash_attn_func as attn
+            hk = k.shape[2]
+            (q8, qs), (k8, ks), (v8, vs) = (quantize_per_head(q, layout="bnhd", kv_heads=hk),
+                                            quantize_per_head(k, layout="bnhd"), quantize_per_head(v, layout="bnhd"))
+            out = attn(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+            out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2).double().cpu()
+
+    return run
+
+
 def fp8_error_payload(
     *, batch: int = 1, heads: int = 4, seqlen: int = 1024, head_dim: int = 128, causal: bool = False,
     block_sizes: tuple[int, int] = (128, 128), seed: int = 0, methods: tuple[str, ...] = METHODS,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, kernels: bool = False,
 ) -> dict:
-    """Run the experiment; returns ``{"env", "config", "rows"}``, rows ``{method, rmse, ratio}`` (ratio = per-tensor RMSE / RMSE)."""
+    """Run the experiment; returns ``{"env", "config", "rows"}``, rows ``{method, rmse, ratio}`` (ratio = per-tensor
+    RMSE / RMSE).  ``kernels``: add :data:`KERNEL_METHODS` (needs CUDA; a peer that is missing gets ``rmse`` None
+    and a ``note``)."""
+    if kernels and not torch.cuda.is_available():
+        raise RuntimeError("kernels=True needs a CUDA GPU")
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"methods must be drawn from {METHODS}, got {m!r}")
@@ -118,12 +163,20 @@ def fp8_error_payload(
         if progress:
             progress(name)
         rows.append({"method": name, "rmse": rmse(_method(name, block_sizes, seed, causal)(q, k, v), ref)})
+    for name in KERNEL_METHODS if kernels else ():
+        if progress:
+            progress(name)
+        try:
+            rows.append({"method": name, "rmse": rmse(_kernel_method(name, seed, causal)(q, k, v), ref)})
+        except ImportError as e:
+            rows.append({"method": name, "rmse": None, "note": f"not importable: {e}"})
     base = next((r["rmse"] for r in rows if r["method"] == "fp8 per-tensor"), None)
     for r in rows:
         r["ratio"] = base / r["rmse"] if base and r["rmse"] else None
     config = dict(batch=batch, heads=heads, seqlen=seqlen, head_dim=head_dim, causal=causal,
                   block_sizes=list(block_sizes), seed=seed, outlier_frac=OUTLIER_FRAC, outlier_std=OUTLIER_STD,
-                  compute="float64 twin on CPU (flashtile.reference.fp8)")
+                  compute="float64 twin on CPU (flashtile.reference.fp8)"
+                  + ("; kernel rows: compiled kernels on the GPU" if kernels else ""))
     return {"env": environment(), "config": config, "rows": rows}
 
 
