@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation]`."""
 
 from __future__ import annotations
 
@@ -236,6 +236,45 @@ def _cmd_bench_fp8_error(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench import hopper_ablation as ha
+    from flashtile.bench.common import write_json
+
+    console = Console()
+    grid = [g for g in ha.default_grid(head_dims=args.head_dims, seqlens=args.seqlens)]
+    try:
+        with console.status("Hopper ablation") as status:
+            payload = ha.run_ablation(grid, progress=lambda what: status.update(what))
+    except RuntimeError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    table = Table(title=f"Hopper forward ablation on {payload['env']['device']}: TFLOP/s (% of dense peak)")
+    variants = list(dict.fromkeys(r["variant"] for r in payload["rows"]))
+    for col in ("d", "N", "causal", *variants):
+        table.add_column(col, justify="right")
+    for d, n, causal in dict.fromkeys((r["head_dim"], r["seqlen"], r["causal"]) for r in payload["rows"]):
+        cells = [str(d), str(n), "y" if causal else "n"]
+        for name in variants:
+            r = next(r for r in payload["rows"]
+                     if (r["head_dim"], r["seqlen"], r["causal"], r["variant"]) == (d, n, causal, name))
+            cells.append(f"{r['tflops']:.0f} ({r['pct_peak']:.0f}%)" if "tflops" in r else "—")
+        table.add_row(*cells)
+    console.print(table)
+    for what, why in payload["not_expressible"].items():
+        console.print(f"{what}: not measured ({why})")
+    path = write_json(payload, args.out, "hopper-ablation")
+    console.print(f"wrote {path}")
+    try:
+        ha.plot(payload, path.with_suffix(".png"))
+        console.print(f"wrote {path.with_suffix('.png')}")
+    except ImportError:
+        console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
 def tune_points(args: argparse.Namespace) -> list:
     """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
     from flashtile.bench.tune import MODES, tune_sweep
@@ -291,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     tune.add_argument("--out", default="bench/results")
     tune.set_defaults(func=_cmd_bench_tune)
+    abl = bsub.add_parser("hopper-ablation", help="the Hopper forward with warp specialisation, pipelining stages, "
+                                                  "the TMA epilogue and FP8 switched one at a time (FA3's ablation)")
+    abl.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    abl.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    abl.add_argument("--out", default="bench/results")
+    abl.set_defaults(func=_cmd_bench_hopper_ablation)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
                                              "block and Hadamard-rotated FP8 attention on outlier inputs")
     fp8.add_argument("--batch", type=int, default=1)

@@ -1,0 +1,175 @@
+"""`flashtile bench hopper-ablation`: the FA3 paper's ablation (§4.2, Table 2), measured on our Hopper kernel.
+
+One kernel (:mod:`flashtile.kernels.fa3_fwd`), one switch changed at a time from its tuned config
+(:func:`flashtile.runtime.fa3_fwd.fa3_config`; FP8: ``fa3_fp8_config``):
+
+* ``tuned``              -- the config the dispatcher runs: warp-specialised (a producer warpgroup issuing
+  TMA loads into a 2-stage shared-memory ring, two consumer warpgroups of 64 rows running wgmma and the
+  softmax, ``setmaxnreg`` moving registers to them), O stored through TMA where it fits;
+* ``no warp specialisation`` -- the same tiles with every warp a consumer (2 warpgroups = 8 warps,
+  each loading its own tiles; Triton's software pipeliner overlaps loads of the next tile instead);
+* ``1 stage``            -- warp-specialised with a 1-deep ring (the producer cannot run ahead);
+* ``O by plain stores``  -- the epilogue without the TMA staging tile (flips ``o_tma``);
+* ``fp8``                -- the same kernel in its FP8 mode (e4m3 inputs, per-head scales).
+
+FA3's other two ingredients are not switches here: Triton 3.6's ``warp_specialize`` decides itself
+how the consumer warpgroups interleave (no explicit ping-pong barrier), and it accepts one loop with a
+branch-free body, which rules out FA3's intra-warpgroup pipelining (softmax of tile j under the
+QKᵀ wgmma of tile j+1, a software-pipelined loop with a prologue and an epilogue).  The JSON lists them
+with ``"expressible": false`` and that reason rather than inventing numbers.
+
+Every variant is checked against the FA2 kernel's output on the same inputs before it is timed.
+TFLOP/s = 4·B·H·N²·d / time (halved when causal); % of peak against 989 TFLOP/s (dense bf16, H100 SXM)
+or 1979 (FP8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from flashtile.bench.common import environment, median_ms
+
+__all__ = ["VARIANTS", "NOT_EXPRESSIBLE", "PEAK_TFLOPS", "run_ablation", "plot"]
+
+PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
+NOT_EXPRESSIBLE = {
+    "ping-pong scheduling": "Triton 3.6's warp_specialize places the consumer warpgroups itself; there is no "
+                            "named barrier to order one's softmax under the other's GEMMs",
+    "intra-warpgroup overlap": "needs a software-pipelined loop (prologue, steady state, epilogue); Triton 3.6's "
+                               "warp-specialised loop must be the only loop and branch-free",
+}
+
+
+def _tuned(cfg):
+    return cfg
+
+
+def _no_ws(cfg):
+    return dataclasses.replace(cfg, warp_spec=False, num_warps=8, o_tma=cfg.o_tma)
+
+
+def _one_stage(cfg):
+    return dataclasses.replace(cfg, num_stages=1)
+
+
+def _plain_o(cfg):
+    return dataclasses.replace(cfg, o_tma=not cfg.o_tma)
+
+
+VARIANTS: dict[str, Callable] = {
+    "tuned": _tuned,
+    "no warp specialisation": _no_ws,
+    "1 stage": _one_stage,
+    "O by plain stores": _plain_o,
+    "fp8": _tuned,
+}
+
+
+def default_grid(head_dims=(64, 128, 256), seqlens=(4096, 16384), total_tokens=16384):
+    """bf16, B·N = 16k tokens, H = 2048 / d (the attention bench's grid)."""
+    for d in head_dims:
+        for n in seqlens:
+            for causal in (False, True):
+                yield d, n, max(1, total_tokens // n), 2048 // d, causal
+
+
+def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
+    from flashtile.fp8 import quantize_per_head
+    from flashtile.kernels._common import LOG2E
+    from flashtile.runtime import fa3_fwd
+    from flashtile.runtime.decode import error_flags
+    from flashtile.runtime.fa2_fwd import fa2_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    scale = d ** -0.5
+    ref, _ = fa2_forward(q, k, v, softmax_scale=scale, causal=causal)
+    fa3_fwd._ensure_allocator()
+    q8, qs = quantize_per_head(q, kv_heads=h)
+    k8, ks = quantize_per_head(k)
+    v8, vs = quantize_per_head(v)
+    vt = torch.zeros(b, h, d, -(-n // 16) * 16, dtype=v8.dtype, device="cuda")
+    vt[..., :n] = v8.transpose(2, 3)
+    flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
+    rows = []
+    for name in variants:
+        fp8 = name == "fp8"
+        base = fa3_fwd.fa3_fp8_config(d, causal) if fp8 else fa3_fwd.fa3_config(d, causal, n, n)
+        cfg = VARIANTS[name](base)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, n, device="cuda")
+        if fp8:
+            def call():
+                fa3_fwd.launch(q8, k8, vt, out, lse, scale * LOG2E, causal, cfg, descales=(qs, ks, vs),
+                               err=error_flags(q.device))
+        else:
+            def call():
+                fa3_fwd.launch(q, k, v, out, lse, scale * LOG2E, causal, cfg)
+        row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
+        if progress:
+            progress(f"d={d} N={n} causal={causal} {name}")
+        try:
+            call()
+            torch.cuda.synchronize()
+            err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+            row["max_rel_err_vs_fa2"] = err
+            if err > (5e-2 if fp8 else 2e-2):
+                row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
+            else:
+                ms = median_ms(call)
+                row["ms"] = ms
+                row["tflops"] = flops / (ms * 1e-3) / 1e12
+                row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["fp8" if fp8 else "bf16"]
+        except Exception as e:  # a config the compiler rejects (shared memory, a pass failure)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None) -> dict:
+    """The payload ``{env, peak_tflops, not_expressible, rows}``; needs an sm_90 GPU."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise RuntimeError("`flashtile bench hopper-ablation` needs an sm_90 (Hopper) GPU")
+    rows = []
+    for d, n, b, h, causal in grid if grid is not None else default_grid():
+        rows.extend(_point(d, n, b, h, causal, variants, progress))
+    return {
+        "env": environment(),
+        "peak_tflops": PEAK_TFLOPS,
+        "flops_convention": "4*B*H*N^2*d forward, /2 causal",
+        "not_expressible": NOT_EXPRESSIBLE,
+        "rows": rows,
+    }
+
+
+def plot(payload: dict, path) -> None:
+    """% of peak per variant, one bar group per (d, N, causal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    groups = sorted({(r["head_dim"], r["seqlen"], r["causal"]) for r in rows})
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        ys = []
+        for g in groups:
+            hit = [r for r in rows if (r["head_dim"], r["seqlen"], r["causal"]) == g and r["variant"] == name]
+            ys.append(hit[0].get("pct_peak", 0.0) if hit else 0.0)
+        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"d{d} {n // 1024}k{' C' if c else ''}" for d, n, c in groups], fontsize=8)
+    ax.set_ylabel("% of dense peak")
+    ax.set_title(f"Hopper forward ablation, {payload['env'].get('device')}")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,42 @@
+"""`flashtile bench hopper-ablation` (bench/hopper_ablation.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashtile import cli
+from flashtile.bench import hopper_ablation as ha
+from flashtile.runtime.fa3_fwd import fa3_config
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_each_variant_changes_one_switch():
+    base = fa3_config(128, False, 4096, 4096)
+    changed = {name: {f.name for f in dataclasses.fields(base)
+                      if getattr(fn(base), f.name) != getattr(base, f.name)} for name, fn in ha.VARIANTS.items()}
+    assert changed["tuned"] == set() and changed["fp8"] == set()
+    assert changed["1 stage"] == {"num_stages"} and changed["O by plain stores"] == {"o_tma"}
+    assert changed["no warp specialisation"] <= {"warp_spec", "num_warps"} and "warp_spec" in changed["no warp specialisation"]
+    assert set(ha.NOT_EXPRESSIBLE) == {"ping-pong scheduling", "intra-warpgroup overlap"}
+
+
+@pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
+def test_refuses_without_hopper(capsys):
+    assert cli.main(["bench", "hopper-ablation", "--head-dims", "128"]) == 2
+    assert "sm_90" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_one_point(tmp_path):
+    payload = ha.run_ablation([(128, 2048, 2, 8, True)])
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == set(ha.VARIANTS)
+    for name in ("tuned", "fp8"):
+        assert "tflops" in rows[name] and rows[name]["max_rel_err_vs_fa2"] < 5e-2, rows[name]
+    ha.plot(payload, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 0
