@@ -310,6 +310,19 @@ def test_compile_fullgraph_matches_eager(device):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_opcheck_varlen_ops(device):
+    """torch.library.opcheck on both packed ops (schema, fake tensors, autograd registration)."""
+    lens = [5, 0, 9]
+    q, k, v, dout = _packed(lens, lens, 1, 1, 16, device, seed=13)
+    cu = _cu(lens, device)
+    opts = (9, 9, 0.25, True, -1, 0, 0.0, 0.0, False)  # max_q, max_k, scale, causal, left, right, softcap, p, det
+    fwd_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu, cu, None, None, *opts)
+    torch.library.opcheck(torch.ops.flashtile.flash_attn_varlen_fwd.default, fwd_args)
+    out, lse, rng = torch.ops.flashtile.flash_attn_varlen_fwd(*(x.detach() if torch.is_tensor(x) else x for x in fwd_args))
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, rng, cu, cu, None, None, *opts)
+    torch.library.opcheck(torch.ops.flashtile.flash_attn_varlen_bwd.default, bwd_args)
+
+
 # --------------------------------------------------------------------------- #
 # GPU: large packed batches
 # --------------------------------------------------------------------------- #
