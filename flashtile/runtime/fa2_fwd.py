@@ -326,8 +326,6 @@ def _varlen_forward(
         lse.fill_(float("-inf"))
         return result, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
-    if wide_rows(k, v):
-        k, v = k.contiguous(), v.contiguous()
     q, softmax_scale = _positive_scale(q, softmax_scale, softcap == 0 and alibi_slopes is None)
     # the kernel's (batch, heads, rows, d) views: one packed "batch" of total rows, or (pages, H, page_size, d)
     qv, ov = q.transpose(0, 1).unsqueeze(0), target.transpose(0, 1).unsqueeze(0)
@@ -335,9 +333,12 @@ def _varlen_forward(
         kv_, vv = k.transpose(1, 2), v.transpose(1, 2)
         page_size, n_pages = k.shape[1], k.shape[0]
         bt, stride_bt = block_table, block_table.stride(0)
+        total_k = 2**31 - 1  # keys are reached through pages: lengths are clamped to max_seqlen_k only
     else:
         kv_, vv = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         page_size, n_pages, bt, stride_bt = 0, 1, lse, 0
+    if wide_rows(kv_, vv):  # 32-bit in-tile offsets of the K/V tiles, as in the fixed-length path
+        kv_, vv = kv_.contiguous(), vv.contiguous()
     alibi, s_ab, s_ah = lse, 0, 0
     if alibi_slopes is not None:
         alibi = alibi_slopes
@@ -354,7 +355,7 @@ def _varlen_forward(
         0, ov.stride(1), ov.stride(2),
         0, 0, 0, 0, s_ab, s_ah, 0, 0, 0, 0, 0, 0,
         hq, b * hq, hq // hk, max_q, max_k, d,
-        total_q, total_k if not paged else 2**31 - 1, stride_bt, max(page_size, 1), n_pages,
+        total_q, total_k, stride_bt, max(page_size, 1), n_pages,
         left, right,
         1, 1, max_q // 128, max_k // 128,
     )

@@ -267,23 +267,38 @@ def test_any_cu_seqlens_values_stay_inside_the_tensors(device):
         view.copy_(torch.randn(rows, h, d, generator=torch.Generator().manual_seed(rows)))
         return store, view
 
+    def rows(cu, total, max_len):
+        """Rows each sequence covers once clamped as the kernels clamp it (rows outside every range are
+        never written: their contents are whatever the allocation held)."""
+        covered = torch.zeros(total, dtype=torch.bool)
+        for lo, hi in zip(cu, cu[1:]):
+            start = min(max(lo, 0), total)
+            end = min(max(hi, start), total)
+            covered[start : start + min(end - start, max_len)] = True
+        return covered
+
     (sq, q), (sk, k), (sv, v) = guarded(8), guarded(10), guarded(10)
     bad = [
         ([0, 50, 8], [0, -7, 10]), ([-100, 3, 2**31 - 1], [0, 4, 10]), ([0, 3, 8], [2**31 - 1, 0, -2**31]),
+        ([0, 8, 8], [0, 10, 10]),
     ]
     for cu_q, cu_k in bad:
+        rq, rk = rows(cu_q, 8, 6), rows(cu_k, 10, 7)
         cu_q, cu_k = _i32(cu_q, device), _i32(cu_k, device)
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        out, lse = flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, 8, 10, causal=True, return_lse=True)
+        out, lse = flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, 6, 7, return_lse=True)
         out.backward(torch.ones_like(out))
-        for x in (qg.grad, kg.grad, vg.grad):
-            assert not torch.isnan(x).any()
-        assert not torch.isnan(lse).any()
+        assert rq.any()
+        for x, covered in ((out, rq), (qg.grad, rq), (kg.grad, rk), (vg.grad, rk)):
+            assert not torch.isnan(x.cpu()[covered]).any()
+        assert not torch.isnan(lse.cpu()[:, rq]).any()
         for store in (sq, sk, sv):
             assert torch.isnan(store[:guard]).all() and torch.isnan(store[-guard:]).all()
     # the paged forward with page indices outside the pool
     pages = torch.randn(3, 16, h, d, device=device)
     table = _i32([[5, -1], [2**31 - 1, 0]], device)
+    store, pages = guarded(3 * 16)
+    pages = pages.view(3, 16, h, d)
     out = flash_attn_varlen_func(q, pages, pages, _i32([0, 3, 8], device), _i32([0, 32, 60], device), 5, 1000,
                                  block_table=table)
     assert torch.isfinite(out).all()
