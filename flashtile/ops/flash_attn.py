@@ -193,8 +193,9 @@ def _run_varlen(
     paged = block_table is not None
     total_q, hq, hk, total_k, d, page_size = validate.check_varlen_dims(q, k, v, paged=paged, names=names)
     batch = validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, names=cu_names)
-    max_q = validate.check_max_seqlen(max_seqlen_q, "max_seqlen_q" if cu_names[0] == "cu_seqlens_q" else "max_seqlen")
-    max_k = validate.check_max_seqlen(max_seqlen_k, "max_seqlen_k" if cu_names[0] == "cu_seqlens_q" else "max_seqlen")
+    max_names = ("max_seqlen_q", "max_seqlen_k") if cu_names[0] == "cu_seqlens_q" else ("max_seqlen", "max_seqlen")
+    max_q = validate.check_max_seqlen(max_seqlen_q, max_names[0])
+    max_k = validate.check_max_seqlen(max_seqlen_k, max_names[1])
     if paged:
         validate.check_block_table(block_table, q, batch)
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -209,6 +210,7 @@ def _run_varlen(
         validate.check_cu_seqlens_values(
             cu_seqlens_q, cu_seqlens_k, total_q, None if paged else total_k, max_q, max_k,
             block_table=block_table, num_pages=k.shape[0] if paged else 0, page_size=page_size, names=cu_names,
+            max_names=max_names,
         )
     # no sequence is longer than its packed tensor (or its block-table row): a larger max only grows the grid
     max_q = min(max_q, total_q)

@@ -363,6 +363,7 @@ def check_cu_seqlens_values(
     num_pages: int = 0,
     page_size: int = 0,
     names: tuple[str, str] = ("cu_seqlens_q", "cu_seqlens_k"),
+    max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k"),
 ) -> None:
     """The values the kernels clamp instead of trusting, checked on the host with one device-to-host copy:
     each cu_seqlens starts at 0, never decreases and ends at the packed length (``total_k`` None: paged K/V,
@@ -373,8 +374,8 @@ def check_cu_seqlens_values(
     n = cu_seqlens_q.shape[0]
     cus = (flat[:n], flat[n : 2 * n])
     for name, cu, total, max_len, max_name in (
-        (names[0], cus[0], total_q, max_seqlen_q, "max_seqlen_q"),
-        (names[1], cus[1], total_k, max_seqlen_k, "max_seqlen_k"),
+        (names[0], cus[0], total_q, max_seqlen_q, max_names[0]),
+        (names[1], cus[1], total_k, max_seqlen_k, max_names[1]),
     ):
         if cu[0] != 0:
             raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
