@@ -149,6 +149,10 @@ def test_many_tiny_sequences_and_loose_max_seqlen(device):
 
 
 def test_packed_variants_share_storage_gradients(device):
+    import flashtile
+
+    for name in ("flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"):
+        assert name in flashtile.__all__ and getattr(flashtile, name) is globals()[name]
     lens = [9, 0, 21]
     gen = torch.Generator().manual_seed(9)
     qkv = torch.randn(sum(lens), 3, 2, 16, generator=gen).to(device).requires_grad_()
