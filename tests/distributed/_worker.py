@@ -1,0 +1,99 @@
+"""Body of the spawned ranks of tests/distributed: gloo on CPU, kernels through Triton's interpreter.
+
+Each rank builds the same full q, k, v, dout from the case's seed, runs the distributed function
+on its shard (forward and backward), and rank 0 saves the gathered out, lse, dq, dk, dv (or the
+error a case expects) for the parent test to check.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+def full_inputs(case: dict):
+    """The case's full-sequence q, k, v, dout (batch, seqlen, heads, d), identical on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(case["seed"])
+    b, n, hq, hk, d = case["batch"], case["seqlen"], case["hq"], case["hk"], case["d"]
+    q = torch.randn(b, n, hq, d, generator=g)
+    k = torch.randn(b, n, hk, d, generator=g)
+    v = torch.randn(b, n, hk, d, generator=g)
+    dout = torch.randn(b, n, hq, d, generator=g)
+    return q, k, v, dout
+
+
+def _call(case, fn, q, k, v, group):
+    import torch
+
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+              softcap=case.get("softcap", 0.0), deterministic=case.get("deterministic", False), return_lse=True)
+    if case.get("layout") is not None:
+        kw["layout"] = case["layout"]
+    api = case.get("api", "func")
+    if api == "qkvpacked":
+        qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_(True)
+        out, lse = fn["qkvpacked"](qkv, group, **kw)
+        return out, lse, (qkv,)
+    if api == "kvpacked":
+        qq = q.detach().requires_grad_(True)
+        kv = torch.stack((k, v), dim=2).detach().requires_grad_(True)
+        out, lse = fn["kvpacked"](qq, kv, group, **kw)
+        return out, lse, (qq, kv)
+    qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out, lse = fn["func"](qq, kk, vv, group, **kw)
+    return out, lse, (qq, kk, vv)
+
+
+def _grads(api, leaves):
+    if api == "qkvpacked":
+        return leaves[0].grad.unbind(2)
+    if api == "kvpacked":
+        return (leaves[0].grad, *leaves[1].grad.unbind(2))
+    return tuple(x.grad for x in leaves)
+
+
+def run(rank: int, world: int, port: int, cases: list, result_path: str) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    from flashtile.distributed import ring, sharding, ulysses
+
+    fns = {
+        "ring": {"func": ring.ring_flash_attn_func, "qkvpacked": ring.ring_flash_attn_qkvpacked_func,
+                 "kvpacked": ring.ring_flash_attn_kvpacked_func},
+        "ulysses": {"func": ulysses.ulysses_flash_attn_func},
+    }
+    results = {}
+    for case in cases:
+        group = None
+        if case.get("mesh"):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            group = init_device_mesh("cpu", (world,))
+        layout = case.get("layout") or "contiguous"
+        q, k, v, dout = full_inputs(case)
+        if case.get("expect_error"):
+            group = dist.new_group(list(range(world)))  # the shapes are checked at a group's first call
+            n = q.shape[1] // world + (2 if rank == 0 else 0)  # rank 0's shard is longer than the others'
+            try:
+                _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
+                results[case["name"]] = "no error"
+            except Exception as e:  # noqa: BLE001 - the parent checks the type and message
+                results[case["name"]] = (type(e).__name__, str(e))
+            continue
+        shard = lambda x: sharding.shard_sequence(x, (rank, world), layout=layout)  # noqa: E731
+        out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
+        out.backward(shard(dout))
+        grads = _grads(case.get("api", "func"), leaves)
+        gather = lambda x, dim=1: sharding.unshard_sequence(x.detach().contiguous(), group, layout=layout, dim=dim)  # noqa: E731
+        results[case["name"]] = tuple([gather(out), gather(lse, 2)] + [gather(g) for g in grads])
+    if rank == 0:
+        torch.save(results, result_path)
+    dist.barrier()
+    dist.destroy_process_group()

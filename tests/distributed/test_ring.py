@@ -1,0 +1,98 @@
+"""Ring (and Ulysses) attention over spawned gloo ranks on CPU, against one process and the float64 oracle.
+
+Spawning costs seconds per process, so each group of 2 or 4 ranks runs every case of its size
+once (``tests/distributed/_worker.py``); the parent checks each case's gathered out, lse, dq,
+dk, dv against ``flash_attn_func`` on the full sequence and against ``attention_ref``.
+The ``multigpu`` tests at the end run NCCL on 2 / 4 GPUs at realistic shapes.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from tests._oracle import assert_close, attention_ref_grads
+from tests.distributed._worker import full_inputs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, cases: list, tmp_path) -> dict:
+    import torch.multiprocessing as mp
+
+    from tests.distributed import _worker
+
+    path = str(tmp_path / f"ring{world}.pt")
+    mp.spawn(_worker.run, args=(world, _free_port(), cases, path), nprocs=world, join=True)
+    return torch.load(path)
+
+
+def _case(name, fn="ring", *, layout, seqlen, hq=2, hk=2, d=16, seed=0, **kw):
+    return dict(name=name, fn=fn, layout=layout, seqlen=seqlen, batch=1, hq=hq, hk=hk, d=d, seed=seed, **kw)
+
+
+CASES_2 = [
+    _case("zigzag-causal", layout="zigzag", seqlen=16, causal=True),
+    _case("contiguous-odd-gqa", layout="contiguous", seqlen=14, hq=4, hk=2, softcap=3.0, api="kvpacked", seed=1),
+    _case("zigzag-window-gqa", layout="zigzag", seqlen=16, hq=4, hk=1, window=(5, 2), seed=2),
+    _case("contiguous-causal-window", layout="contiguous", seqlen=12, causal=True, window=(3, 0),
+          deterministic=True, api="qkvpacked", seed=3),
+    _case("zigzag-causal-ulysses", fn="ulysses", layout="zigzag", seqlen=16, causal=True, seed=4),
+    _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error=True),
+]
+CASES_4 = [
+    _case("zigzag-causal-gqa", layout="zigzag", seqlen=24, hq=4, hk=2, causal=True, seed=5),
+    _case("contiguous-window-mesh", layout="contiguous", seqlen=20, window=(4, 4), mesh=True, seed=6),
+    _case("contiguous-window-ulysses", fn="ulysses", layout="contiguous", seqlen=20, hq=4, hk=4,
+          window=(4, 4), seed=7),
+]
+
+
+def _check(case: dict, got: tuple) -> None:
+    from flashtile import flash_attn_func
+
+    q, k, v, dout = full_inputs(case)
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+              softcap=case.get("softcap", 0.0))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = flash_attn_func(*leaves, return_lse=True, **kw)
+    out.backward(dout)
+    single = (out, lse, *(x.grad for x in leaves))
+    bhnd = lambda x: x.transpose(1, 2)  # noqa: E731
+    ref = attention_ref_grads(bhnd(q), bhnd(k), bhnd(v), bhnd(dout), causal=kw["causal"], window=kw["window_size"],
+                              softcap=kw["softcap"])
+    ref = (bhnd(ref[0]), ref[1], *(bhnd(g) for g in ref[2:]))
+    for what, a, s, r in zip(("out", "lse", "dq", "dk", "dv"), got, single, ref):
+        assert_close(a, s, what=f"{case['name']} {what} vs flash_attn_func")
+        assert_close(a, r, dtype=torch.float32, what=f"{case['name']} {what} vs float64 oracle")
+
+
+@pytest.fixture(scope="module")
+def ring2(tmp_path_factory):
+    return _spawn(2, CASES_2, tmp_path_factory.mktemp("ring2"))
+
+
+@pytest.fixture(scope="module")
+def ring4(tmp_path_factory):
+    return _spawn(4, CASES_4, tmp_path_factory.mktemp("ring4"))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
+def test_two_ranks(ring2, case):
+    _check(case, ring2[case["name"]])
+
+
+def test_unequal_shards_raise_on_every_rank(ring2):
+    kind, msg = ring2["unequal-shards"]
+    assert kind == "ValueError" and "every rank" in msg and "q, k, v" in msg
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
+def test_four_ranks(ring4, case):
+    _check(case, ring4[case["name"]])
