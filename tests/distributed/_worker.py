@@ -11,17 +11,15 @@ import os
 from datetime import timedelta
 
 
-def full_inputs(case: dict):
+def full_inputs(case: dict, device="cpu"):
     """The case's full-sequence q, k, v, dout (batch, seqlen, heads, d), identical on every rank."""
     import torch
 
     g = torch.Generator().manual_seed(case["seed"])
     b, n, hq, hk, d = case["batch"], case["seqlen"], case["hq"], case["hk"], case["d"]
-    q = torch.randn(b, n, hq, d, generator=g)
-    k = torch.randn(b, n, hk, d, generator=g)
-    v = torch.randn(b, n, hk, d, generator=g)
-    dout = torch.randn(b, n, hq, d, generator=g)
-    return q, k, v, dout
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    shapes = ((b, n, hq, d), (b, n, hk, d), (b, n, hk, d), (b, n, hq, d))
+    return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
 
 
 def _call(case, fn, q, k, v, group):
@@ -54,13 +52,19 @@ def _grads(api, leaves):
     return tuple(x.grad for x in leaves)
 
 
-def run(rank: int, world: int, port: int, cases: list, result_path: str) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+def run(rank: int, world: int, port: int, cases: list, result_path: str, backend: str = "gloo") -> None:
+    """One rank: ``backend`` "gloo" (CPU, Triton's interpreter) or "nccl" (GPU ``rank``)."""
+    if backend == "gloo":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     from flashtile.distributed import ring, sharding, ulysses
 
@@ -75,9 +79,9 @@ def run(rank: int, world: int, port: int, cases: list, result_path: str) -> None
         if case.get("mesh"):
             from torch.distributed.device_mesh import init_device_mesh
 
-            group = init_device_mesh("cpu", (world,))
+            group = init_device_mesh(device.type, (world,))
         layout = case.get("layout") or "contiguous"
-        q, k, v, dout = full_inputs(case)
+        q, k, v, dout = full_inputs(case, device)
         if case.get("expect_error"):
             group = dist.new_group(list(range(world)))  # the shapes are checked at a group's first call
             n = q.shape[1] // world + (2 if rank == 0 else 0)  # rank 0's shard is longer than the others'
@@ -91,7 +95,8 @@ def run(rank: int, world: int, port: int, cases: list, result_path: str) -> None
         out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
         out.backward(shard(dout))
         grads = _grads(case.get("api", "func"), leaves)
-        gather = lambda x, dim=1: sharding.unshard_sequence(x.detach().contiguous(), group, layout=layout, dim=dim)  # noqa: E731
+        gather = lambda x, dim=1: sharding.unshard_sequence(  # noqa: E731
+            x.detach().contiguous(), group, layout=layout, dim=dim).cpu()
         results[case["name"]] = tuple([gather(out), gather(lse, 2)] + [gather(g) for g in grads])
     if rank == 0:
         torch.save(results, result_path)
