@@ -29,6 +29,8 @@ def _call(case, fn, q, k, v, group):
               softcap=case.get("softcap", 0.0), deterministic=case.get("deterministic", False), return_lse=True)
     if case.get("layout") is not None:
         kw["layout"] = case["layout"]
+    if case.get("alibi"):
+        kw["alibi_slopes"] = torch.tensor(case["alibi"], dtype=torch.float32, device=q.device)
     api = case.get("api", "func")
     if api == "qkvpacked":
         qkv = torch.stack((q, k, v), dim=2).detach().requires_grad_(True)

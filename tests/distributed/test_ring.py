@@ -49,8 +49,8 @@ CASES_2 = [
 CASES_4 = [
     _case("zigzag-causal-gqa", layout="zigzag", seqlen=24, hq=4, hk=2, causal=True, seed=5),
     _case("contiguous-window-mesh", layout="contiguous", seqlen=20, window=(4, 4), mesh=True, seed=6),
-    _case("contiguous-window-ulysses", fn="ulysses", layout="contiguous", seqlen=20, hq=4, hk=4,
-          window=(4, 4), seed=7),
+    _case("contiguous-window-alibi-ulysses", fn="ulysses", layout="contiguous", seqlen=20, hq=4, hk=4,
+          window=(4, 4), alibi=[0.5, 0.25, 0.125, 1.0], seed=7),
 ]
 
 
@@ -65,13 +65,14 @@ def _check(case: dict, got: tuple, device: str = "cpu") -> None:
     q, k, v, dout = full_inputs(case, device)
     kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
               softcap=case.get("softcap", 0.0))
+    alibi = torch.tensor(case["alibi"], dtype=torch.float32, device=device) if case.get("alibi") else None
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out, lse = flash_attn_func(*leaves, return_lse=True, **kw)
+    out, lse = flash_attn_func(*leaves, return_lse=True, alibi_slopes=alibi, **kw)
     out.backward(dout)
     single = (out, lse, *(x.grad for x in leaves))
     bhnd = lambda x: x.transpose(1, 2)  # noqa: E731
     ref = attention_ref_grads(bhnd(q), bhnd(k), bhnd(v), bhnd(dout), causal=kw["causal"], window=kw["window_size"],
-                              softcap=kw["softcap"])
+                              softcap=kw["softcap"], alibi=alibi)
     ref = (bhnd(ref[0]), ref[1], *(bhnd(g) for g in ref[2:]))
     for what, a, s, r in zip(("out", "lse", "dq", "dk", "dv"), got, single, ref):
         a = a.to(s.device)
