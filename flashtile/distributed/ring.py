@@ -28,7 +28,7 @@ import torch.distributed as dist
 from flashtile.distributed.plan import LAYOUTS, step_plan
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
-from flashtile.ops.autograd import _bwd_impl, _fwd_impl
+from flashtile.ops.autograd import _bwd_impl, _fwd_impl, _philox
 
 __all__ = [
     "ring_flash_attn_func",
@@ -56,10 +56,20 @@ class _Ring:
     left: int
     right: int
     softcap: float
+    dropout_p: float
     deterministic: bool
 
     def plan(self, src: int):
         return step_plan(self.layout, self.world, self.rank, src, self.nq, self.nk, self.left, self.right)
+
+    def philox_offset(self, src: int, index: int, batch: int, heads: int) -> int:
+        """Start of the Philox counters of call ``index`` of the step against ``src``'s block, past the
+        call's base offset: each call owns ``batch * heads * nq * nk`` counters (the kernel counts
+        (bh * rows + i) * cols + j from its offset), disjoint over ranks, steps and calls."""
+        return ((self.rank * self.world + src) * MAX_CALLS + index) * batch * heads * self.nq * self.nk
+
+
+MAX_CALLS = 4  # calls a step makes at most: one per (query segment, key segment) pair, 2 x 2
 
 
 def merge_partial_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -96,14 +106,22 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     lse = torch.full((b, hq, nq), -math.inf, dtype=torch.float32, device=q.device)
     fresh = True  # out / lse still hold the empty state everywhere
     kv = torch.stack((k, v)) if ring.world > 1 else (k, v)
+    # dropout: one Philox draw per ring call; each kernel call gets its own counter range (see _Ring)
+    base = _philox(q.device) if ring.dropout_p > 0 else None
+    rngs = []
     for t in range(ring.world):
         src = (ring.rank - t) % ring.world
         if t + 1 < ring.world:
             kv_next, reqs = _rotate(kv, ring)  # posted before this step's kernels: the transfer overlaps them
-        for c in ring.plan(src):
+        for index, c in enumerate(ring.plan(src)):
+            if base is not None:
+                rng = base.clone()
+                rng[1] += ring.philox_offset(src, index, b, hq)
+                rngs.append(rng)
             o, l, _ = _fwd_impl(
                 q[:, c.r0:c.r1], kv[0][:, c.c0:c.c1], kv[1][:, c.c0:c.c1], None, None, None, 0, 0,
-                ring.scale, c.wr == 0, c.wl, c.wr, ring.softcap, 0.0, ring.deterministic, True,
+                ring.scale, c.wr == 0, c.wl, c.wr, ring.softcap, ring.dropout_p, ring.deterministic, True,
+                rngs[-1] if base is not None else None,
             )
             if fresh and c.r1 - c.r0 == nq:
                 out.copy_(o)
@@ -114,14 +132,16 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         if t + 1 < ring.world:
             _wait(reqs)
             kv = kv_next
-    return out.to(q.dtype), lse
+    rng = torch.stack(rngs) if rngs else torch.zeros(0, 2, dtype=torch.int64)
+    return out.to(q.dtype), lse, rng
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
+def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v)) if ring.world > 1 else (k, v)
     dkv_shape = (2,) + tuple(k.shape)
     dkv_in, dkv_reqs = None, None
+    calls = 0
     for t in range(ring.world):
         src = (ring.rank - t) % ring.world
         if t + 1 < ring.world:
@@ -130,9 +150,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
         for c in ring.plan(src):
             dq_c, dk_c, dv_c = _bwd_impl(
                 dout[:, c.r0:c.r1], q[:, c.r0:c.r1], kv[0][:, c.c0:c.c1], kv[1][:, c.c0:c.c1],
-                out[:, c.r0:c.r1], lse[:, :, c.r0:c.r1], _NO_RNG, None, None, None, 0, 0,
-                ring.scale, c.wr == 0, c.wl, c.wr, ring.softcap, 0.0, ring.deterministic, True,
+                out[:, c.r0:c.r1], lse[:, :, c.r0:c.r1], rngs[calls] if ring.dropout_p > 0 else _NO_RNG,
+                None, None, None, 0, 0,
+                ring.scale, c.wr == 0, c.wl, c.wr, ring.softcap, ring.dropout_p, ring.deterministic, True,
             )
+            calls += 1
             dq[:, c.r0:c.r1] += dq_c
             dkv[0, :, c.c0:c.c1] += dk_c
             dkv[1, :, c.c0:c.c1] += dv_c
@@ -155,16 +177,16 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        out, lse = _ring_forward(q, k, v, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, rngs = _ring_forward(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, out, lse, rngs)
         ctx.ring = ring
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring)
+        q, k, v, out, lse, rngs = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, rngs, ctx.ring)
         return dq, dk, dv, None
 
 
@@ -211,8 +233,7 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     left, right = validate.check_window(causal, window_size)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
-    if validate.check_dropout(dropout_p) > 0:
-        raise NotImplementedError("dropout_p > 0 is not supported by ring attention yet (use ulysses_flash_attn_func)")
+    dropout_p = validate.check_dropout(dropout_p)
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use ulysses_flash_attn_func)")
     _flag(deterministic, "deterministic")
@@ -230,7 +251,7 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
         send_to=dist.get_global_rank(pg, (rank + 1) % world),
         recv_from=dist.get_global_rank(pg, (rank - 1) % world),
         layout=layout, nq=dims.seqlen_q, nk=dims.seqlen_k, scale=scale, left=left, right=right,
-        softcap=softcap, deterministic=deterministic,
+        softcap=softcap, dropout_p=dropout_p, deterministic=deterministic,
     )
     out, lse = _RingAttention.apply(q, k, v, ring)
     if return_attn_probs:
@@ -264,7 +285,9 @@ def ring_flash_attn_func(
     Every rank passes the same shapes and options.  ``group``: None (the default group), a
     ProcessGroup or a 1-D DeviceMesh.  causal, window_size, softcap, softmax_scale, GQA and
     deterministic mean what they mean in ``flash_attn_func`` over the *full* sequences
-    (bottom-right aligned); dropout and ALiBi raise ``NotImplementedError``.
+    (bottom-right aligned); ``dropout_p`` draws one Philox state per call from the device's default
+    generator and gives every kernel call of the ring its own counter range (the masks differ from
+    ``flash_attn_func``'s, the distribution does not); ``alibi_slopes`` raises ``NotImplementedError``.
 
     Returns this rank's shard of the output (q's layout); with return_lse ``(out, lse)``, lse
     (batch, nheads, seqlen_q / P) float32; with return_attn_probs ``(out, lse, None)``.

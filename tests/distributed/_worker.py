@@ -26,7 +26,8 @@ def _call(case, fn, q, k, v, group):
     import torch
 
     kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
-              softcap=case.get("softcap", 0.0), deterministic=case.get("deterministic", False), return_lse=True)
+              softcap=case.get("softcap", 0.0), deterministic=case.get("deterministic", False), return_lse=True,
+              dropout_p=case.get("dropout", 0.0))
     if case.get("layout") is not None:
         kw["layout"] = case["layout"]
     if case.get("alibi"):
@@ -94,6 +95,12 @@ def run(rank: int, world: int, port: int, cases: list, result_path: str, backend
                 results[case["name"]] = (type(e).__name__, str(e))
             continue
         shard = lambda x: sharding.shard_sequence(x, (rank, world), layout=layout)  # noqa: E731
+        if case.get("dropout"):
+            from flashtile.ops.autograd import next_philox_state
+
+            states = [None] * world  # each rank's (seed, offset) of the coming call
+            dist.all_gather_object(states, next_philox_state(device), group=group)
+            results[case["name"] + ":philox"] = states
         out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
         out.backward(shard(dout))
         grads = _grads(case.get("api", "func"), leaves)

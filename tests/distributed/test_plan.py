@@ -129,8 +129,8 @@ def test_argument_errors_name_the_argument(one_rank):
         ring_flash_attn_func(q, k, v, layout="striped")
     with pytest.raises(ValueError, match="q: a zigzag shard"):
         ring_flash_attn_func(*_qkv(n=7))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        ring_flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ring_flash_attn_func(q, k, v, dropout_p=1.0)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
     with pytest.raises(TypeError, match="group"):

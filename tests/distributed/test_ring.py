@@ -44,6 +44,8 @@ CASES_2 = [
     _case("contiguous-causal-window", layout="contiguous", seqlen=12, causal=True, window=(3, 0),
           deterministic=True, api="qkvpacked", seed=3),
     _case("zigzag-causal-ulysses", fn="ulysses", layout="zigzag", seqlen=16, causal=True, seed=4),
+    _case("zigzag-causal-window-dropout", layout="zigzag", seqlen=16, causal=True, window=(6, 0), dropout=0.3,
+          seed=8),
     _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error=True),
 ]
 CASES_4 = [
@@ -54,7 +56,31 @@ CASES_4 = [
 ]
 
 
-def _check(case: dict, got: tuple, device: str = "cpu") -> None:
+def _ring_keep_mask(case: dict, world: int, states: list) -> torch.Tensor:
+    """The (B, Hq, N, N) dropout keep-mask a ring call used: every kernel call's mask, rebuilt from its
+    rank's Philox state and the call's counter range, placed at the call's global positions."""
+    from flashtile.distributed.plan import step_plan
+    from flashtile.distributed.ring import MAX_CALLS
+    from flashtile.ops.validate import check_window, unbind_window
+    from flashtile.reference.ring import shard_positions
+    from flashtile.runtime.common import dropout_keep_mask
+
+    b, n, hq, layout, p = case["batch"], case["seqlen"], case["hq"], case["layout"], case["dropout"]
+    per = n // world
+    left, right = unbind_window(*check_window(case.get("causal", False), case.get("window", (-1, -1))), n, n)
+    keep = torch.zeros(b, hq, n, n, dtype=torch.bool)
+    for rank, (seed, offset) in enumerate(states):
+        for src in range(world):
+            for index, c in enumerate(step_plan(layout, world, rank, src, per, per, left, right)):
+                start = offset + ((rank * world + src) * MAX_CALLS + index) * b * hq * per * per
+                mask = dropout_keep_mask(seed, start, b, hq, c.r1 - c.r0, c.c1 - c.c0, p, "cpu")
+                rows = shard_positions(n, world, rank, layout)[c.r0:c.r1]
+                cols = shard_positions(n, world, src, layout)[c.c0:c.c1]
+                keep[:, :, rows[:, None], cols[None, :]] = mask
+    return keep
+
+
+def _check(case: dict, got: tuple, device: str = "cpu", keep: torch.Tensor | None = None) -> None:
     """Gathered (out, lse, dq, dk, dv) against flash_attn_func on the full sequence and the float64 oracle.
 
     fp32 on CPU: the interpreter's fp32 tolerance for both.  bf16 on a GPU: close to flash_attn_func at
@@ -72,11 +98,12 @@ def _check(case: dict, got: tuple, device: str = "cpu") -> None:
     single = (out, lse, *(x.grad for x in leaves))
     bhnd = lambda x: x.transpose(1, 2)  # noqa: E731
     ref = attention_ref_grads(bhnd(q), bhnd(k), bhnd(v), bhnd(dout), causal=kw["causal"], window=kw["window_size"],
-                              softcap=kw["softcap"], alibi=alibi)
+                              softcap=kw["softcap"], alibi=alibi, keep=keep, dropout_p=case.get("dropout", 0.0))
     ref = (bhnd(ref[0]), ref[1], *(bhnd(g) for g in ref[2:]))
     for what, a, s, r in zip(("out", "lse", "dq", "dk", "dv"), got, single, ref):
         a = a.to(s.device)
-        assert_close(a, s, what=f"{case['name']} {what} vs flash_attn_func")
+        if keep is None:  # with dropout the single-process call draws other masks: the oracle alone
+            assert_close(a, s, what=f"{case['name']} {what} vs flash_attn_func")
         if s.dtype == torch.float32:
             assert_close(a, r, dtype=torch.float32, what=f"{case['name']} {what} vs float64 oracle")
         else:
@@ -96,7 +123,8 @@ def ring4(tmp_path_factory):
 
 @pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
 def test_two_ranks(ring2, case):
-    _check(case, ring2[case["name"]])
+    keep = _ring_keep_mask(case, 2, ring2[case["name"] + ":philox"]) if case.get("dropout") else None
+    _check(case, ring2[case["name"]], keep=keep)
 
 
 def test_unequal_shards_raise_on_every_rank(ring2):
