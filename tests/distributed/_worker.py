@@ -55,8 +55,20 @@ def _grads(api, leaves):
     return tuple(x.grad for x in leaves)
 
 
-def run(rank: int, world: int, port: int, cases: list, result_path: str, backend: str = "gloo") -> None:
-    """One rank: ``backend`` "gloo" (CPU, Triton's interpreter) or "nccl" (GPU ``rank``)."""
+def _split(dist, world: int, size: int):
+    """Groups of ``size`` consecutive ranks (every rank creates every group, as new_group requires)."""
+    if size == world:
+        return None  # the default group
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+    return groups[dist.get_rank() // size]
+
+
+def run(rank: int, world: int, port: int, stages: list, result_path: str, backend: str = "gloo") -> None:
+    """One rank: ``backend`` "gloo" (CPU, Triton's interpreter) or "nccl" (GPU ``rank``).
+
+    ``stages``: ``(size, cases)`` pairs; a size below ``world`` splits the ranks into groups of
+    ``size`` consecutive ranks that run the cases side by side (so groups whose ranks are not
+    0..size-1 are exercised too).  Each group's first rank saves ``{result_path}.{size}.{group}``."""
     if backend == "gloo":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     import torch
@@ -76,38 +88,42 @@ def run(rank: int, world: int, port: int, cases: list, result_path: str, backend
                  "kvpacked": ring.ring_flash_attn_kvpacked_func},
         "ulysses": {"func": ulysses.ulysses_flash_attn_func},
     }
-    results = {}
-    for case in cases:
-        group = None
-        if case.get("mesh"):
-            from torch.distributed.device_mesh import init_device_mesh
+    for size, cases in stages:
+        results = {}
+        stage_group = _split(dist, world, size)
+        me = rank % size  # rank inside the group
+        for case in cases:
+            group = stage_group
+            if case.get("mesh"):
+                from torch.distributed.device_mesh import init_device_mesh
 
-            group = init_device_mesh(device.type, (world,))
-        layout = case.get("layout") or "contiguous"
-        q, k, v, dout = full_inputs(case, device)
-        if case.get("expect_error"):
-            group = dist.new_group(list(range(world)))  # the shapes are checked at a group's first call
-            n = q.shape[1] // world + (2 if rank == 0 else 0)  # rank 0's shard is longer than the others'
-            try:
-                _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
-                results[case["name"]] = "no error"
-            except Exception as e:  # noqa: BLE001 - the parent checks the type and message
-                results[case["name"]] = (type(e).__name__, str(e))
-            continue
-        shard = lambda x: sharding.shard_sequence(x, (rank, world), layout=layout)  # noqa: E731
-        if case.get("dropout"):
-            from flashtile.ops.autograd import next_philox_state
+                assert size == world, "a mesh case runs on all ranks"
+                group = init_device_mesh(device.type, (world,))
+            layout = case.get("layout") or "contiguous"
+            q, k, v, dout = full_inputs(case, device)
+            if case.get("expect_error"):
+                group = _split(dist, world, size) or dist.new_group(list(range(world)))  # checked at a group's first call
+                n = q.shape[1] // size + (2 if me == 0 else 0)  # the group's first shard is longer than the others'
+                try:
+                    _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
+                    results[case["name"]] = "no error"
+                except Exception as e:  # noqa: BLE001 - the parent checks the type and message
+                    results[case["name"]] = (type(e).__name__, str(e))
+                continue
+            shard = lambda x: sharding.shard_sequence(x, (me, size), layout=layout)  # noqa: E731
+            if case.get("dropout"):
+                from flashtile.ops.autograd import next_philox_state
 
-            states = [None] * world  # each rank's (seed, offset) of the coming call
-            dist.all_gather_object(states, next_philox_state(device), group=group)
-            results[case["name"] + ":philox"] = states
-        out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
-        out.backward(shard(dout))
-        grads = _grads(case.get("api", "func"), leaves)
-        gather = lambda x, dim=1: sharding.unshard_sequence(  # noqa: E731
-            x.detach().contiguous(), group, layout=layout, dim=dim).cpu()
-        results[case["name"]] = tuple([gather(out), gather(lse, 2)] + [gather(g) for g in grads])
-    if rank == 0:
-        torch.save(results, result_path)
+                states = [None] * size  # each rank's (seed, offset) of the coming call
+                dist.all_gather_object(states, next_philox_state(device), group=group)
+                results[case["name"] + ":philox"] = states
+            out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
+            out.backward(shard(dout))
+            grads = _grads(case.get("api", "func"), leaves)
+            gather = lambda x, dim=1: sharding.unshard_sequence(  # noqa: E731
+                x.detach().contiguous(), group, layout=layout, dim=dim).cpu()
+            results[case["name"]] = tuple([gather(out), gather(lse, 2)] + [gather(g) for g in grads])
+        if me == 0:
+            torch.save(results, f"{result_path}.{size}.{rank // size}")
     dist.barrier()
     dist.destroy_process_group()

@@ -23,14 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, cases: list, tmp_path, backend: str = "gloo") -> dict:
+def _spawn(world: int, stages: list, tmp_path, backend: str = "gloo") -> dict:
+    """Run ``stages`` ((group size, cases) pairs) on ``world`` spawned ranks: {(size, group index): results}."""
     import torch.multiprocessing as mp
 
     from tests.distributed import _worker
 
-    path = str(tmp_path / f"ring{world}.pt")
-    mp.spawn(_worker.run, args=(world, _free_port(), cases, path, backend), nprocs=world, join=True)
-    return torch.load(path)
+    path = str(tmp_path / "ring")
+    mp.spawn(_worker.run, args=(world, _free_port(), stages, path, backend), nprocs=world, join=True)
+    return {(size, g): torch.load(f"{path}.{size}.{g}") for size, _ in stages for g in range(world // size)}
 
 
 def _case(name, fn="ring", *, layout, seqlen, hq=2, hk=2, d=16, seed=0, **kw):
@@ -112,29 +113,29 @@ def _check(case: dict, got: tuple, device: str = "cpu", keep: torch.Tensor | Non
 
 
 @pytest.fixture(scope="module")
-def ring2(tmp_path_factory):
-    return _spawn(2, CASES_2, tmp_path_factory.mktemp("ring2"))
+def spawned(tmp_path_factory):
+    """One spawn of 4 ranks: the 2-rank cases on groups {0, 1} and {2, 3} side by side, then the
+    4-rank cases on all of them."""
+    return _spawn(4, [(2, CASES_2), (4, CASES_4)], tmp_path_factory.mktemp("ring"))
 
 
-@pytest.fixture(scope="module")
-def ring4(tmp_path_factory):
-    return _spawn(4, CASES_4, tmp_path_factory.mktemp("ring4"))
-
-
+@pytest.mark.parametrize("pair", [0, 1], ids=["ranks01", "ranks23"])
 @pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
-def test_two_ranks(ring2, case):
-    keep = _ring_keep_mask(case, 2, ring2[case["name"] + ":philox"]) if case.get("dropout") else None
-    _check(case, ring2[case["name"]], keep=keep)
+def test_two_ranks(spawned, case, pair):
+    got = spawned[(2, pair)]
+    keep = _ring_keep_mask(case, 2, got[case["name"] + ":philox"]) if case.get("dropout") else None
+    _check(case, got[case["name"]], keep=keep)
 
 
-def test_unequal_shards_raise_on_every_rank(ring2):
-    kind, msg = ring2["unequal-shards"]
+@pytest.mark.parametrize("pair", [0, 1])
+def test_unequal_shards_raise_on_every_rank(spawned, pair):
+    kind, msg = spawned[(2, pair)]["unequal-shards"]
     assert kind == "ValueError" and "every rank" in msg and "q, k, v" in msg
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
-def test_four_ranks(ring4, case):
-    _check(case, ring4[case["name"]])
+def test_four_ranks(spawned, case):
+    _check(case, spawned[(4, 0)][case["name"]])
 
 
 # --------------------------------------------------------------------------- #
@@ -157,6 +158,6 @@ def test_nccl_bf16_matches_one_gpu(world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     cases = _gpu_cases(world)
-    got = _spawn(world, cases, tmp_path, backend="nccl")
+    got = _spawn(world, [(world, cases)], tmp_path, backend="nccl")[(world, 0)]
     for case in cases:
         _check(case, got[case["name"]], device="cuda")
