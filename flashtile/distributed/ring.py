@@ -207,8 +207,8 @@ def _check_agreement(group: dist.ProcessGroup, device: torch.device, sig: tuple[
     rows = [tuple(x.tolist()) for x in every]
     if any(r != rows[0] for r in rows):
         raise ValueError(
-            "q, k, v: every rank of the group must pass shards of one shape and the same options "
-            f"(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, layout, left, right, dtype) per rank: {rows}"
+            "q, k, v: every rank of the group must pass shards of one shape and the same options; "
+            f"(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, layout, ...) per rank: {rows}"
         )
     _CHECKED.add(group)
 
@@ -225,11 +225,6 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     dims = validate.check_dims(q, k, v, seq_major=True, names=names)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "zigzag":
-        for name, n in ((names[0], dims.seqlen_q), (names[1], dims.seqlen_k)):
-            if n % 2:
-                raise ValueError(f"{name}: a zigzag shard holds two equal chunks, so its seqlen must be even, "
-                                 f"got {n} (use layout='contiguous' or pad the sequence)")
     left, right = validate.check_window(causal, window_size)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
@@ -246,6 +241,12 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     sig = (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k, dims.head_dim,
            LAYOUTS.index(layout), left, right, validate.SUPPORTED_DTYPES.index(q.dtype))
     _check_agreement(pg, q.device, sig)
+    # shape checks after the agreement: no rank raises while the others wait in a collective
+    if layout == "zigzag":
+        for name, n in ((names[0], dims.seqlen_q), (names[1], dims.seqlen_k)):
+            if n % 2:
+                raise ValueError(f"{name}: a zigzag shard holds two equal chunks, so its seqlen must be even, "
+                                 f"got {n} (use layout='contiguous' or pad the sequence)")
     ring = _Ring(
         group=pg, rank=rank, world=world,
         send_to=dist.get_global_rank(pg, (rank + 1) % world),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flashtile.distributed.plan import LAYOUTS, segments
+from flashtile.distributed.ring import _check_agreement
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
 
@@ -110,6 +111,9 @@ def ulysses_flash_attn_func(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    # before any check that depends on shapes: a rank must not raise while the others wait
+    _check_agreement(pg, q.device, (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k,
+                                    dims.head_dim, LAYOUTS.index(layout), validate.SUPPORTED_DTYPES.index(q.dtype)))
     for name, h in (("q", dims.heads_q), ("k", dims.heads_k)):
         if h % world:
             raise ValueError(f"{name}: ulysses splits the heads over the {world} ranks, so its heads ({h}) "
