@@ -28,7 +28,9 @@ import torch.distributed as dist
 from flashtile.distributed.plan import LAYOUTS, step_plan
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
-from flashtile.ops.autograd import _bwd_impl, _fwd_impl, _philox
+from flashtile.ops.autograd import _fwd_impl, _philox
+from flashtile.runtime.common import on_tensor_device
+from flashtile.runtime.fa2_bwd import fa2_backward
 
 __all__ = [
     "ring_flash_attn_func",
@@ -36,9 +38,6 @@ __all__ = [
     "ring_flash_attn_kvpacked_func",
     "merge_partial_",
 ]
-
-_NO_RNG = torch.zeros(2, dtype=torch.int64)
-
 
 @dataclass(frozen=True)
 class _Ring:
@@ -136,6 +135,18 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     return out.to(q.dtype), lse, rng
 
 
+@on_tensor_device
+def _block_backward(dout, q, k, v, out, lse, rng, c, ring: _Ring, dq, dk, dv) -> None:
+    """FA2 backward of one plan call with the global out / LSE, writing float32 dq, dk, dv (B, N, H, d):
+    per-step gradients are summed over the ring, so they are not rounded to the input dtype first."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731 - the kernels' (B, H, N, d) views
+    fa2_backward(
+        t(dout), t(q), t(k), t(v), t(out), lse,
+        softmax_scale=ring.scale, causal=c.wr == 0, window_size=(c.wl, c.wr), softcap=ring.softcap,
+        dropout_p=ring.dropout_p, rng_state=rng, deterministic=ring.deterministic, dq=t(dq), dk=t(dk), dv=t(dv),
+    )
+
+
 def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack((k, v)) if ring.world > 1 else (k, v)
@@ -147,17 +158,22 @@ def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
         if t + 1 < ring.world:
             kv_next, kv_reqs = _rotate(kv, ring)
         dkv = torch.zeros(dkv_shape, dtype=torch.float32, device=k.device)
-        for c in ring.plan(src):
-            dq_c, dk_c, dv_c = _bwd_impl(
-                dout[:, c.r0:c.r1], q[:, c.r0:c.r1], kv[0][:, c.c0:c.c1], kv[1][:, c.c0:c.c1],
-                out[:, c.r0:c.r1], lse[:, :, c.r0:c.r1], rngs[calls] if ring.dropout_p > 0 else _NO_RNG,
-                None, None, None, 0, 0,
-                ring.scale, c.wr == 0, c.wl, c.wr, ring.softcap, ring.dropout_p, ring.deterministic, True,
+        for index, c in enumerate(ring.plan(src)):
+            rows, cols = slice(c.r0, c.r1), slice(c.c0, c.c1)
+            dq_c = torch.empty(q[:, rows].shape, dtype=torch.float32, device=q.device)
+            # the step's first call writes its dK/dV straight into the (zeroed) accumulator; later calls
+            # of the step may share its key columns, so they go through scratch and add
+            dk_c, dv_c = (dkv[0, :, cols], dkv[1, :, cols]) if index == 0 else (
+                torch.empty_like(dkv[0, :, cols]), torch.empty_like(dkv[1, :, cols]))
+            _block_backward(
+                dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows],
+                rngs[calls] if ring.dropout_p > 0 else None, c, ring, dq_c, dk_c, dv_c,
             )
             calls += 1
-            dq[:, c.r0:c.r1] += dq_c
-            dkv[0, :, c.c0:c.c1] += dk_c
-            dkv[1, :, c.c0:c.c1] += dv_c
+            dq[:, rows] += dq_c
+            if index > 0:
+                dkv[0, :, cols] += dk_c
+                dkv[1, :, cols] += dv_c
         if dkv_reqs is not None:
             _wait(dkv_reqs)
             dkv += dkv_in  # this block's accumulator, from the rank that held it one step ago
