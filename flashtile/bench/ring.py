@@ -9,7 +9,7 @@ events around each step, the slowest rank's time) of
 
 * ``ring``: :func:`flashtile.distributed.ring_flash_attn_func` on N / P tokens per GPU
   (zigzag layout when causal, contiguous otherwise);
-* ``ulysses``: :func:`flashtile.distributed.ulysses_flash_attn_func` (when P divides the heads);
+* ``ulysses``: :func:`flashtile.distributed.ulysses_flash_attn_func` (when P divides the q heads and the kv heads divide or are divided by P);
 * ``one_gpu_shard``: :func:`flashtile.flash_attn_func` on one GPU over an N / P-token sequence
   (the per-GPU work a sequence shard would be without context parallelism);
 * ``one_gpu_full``: the same over all N tokens on one GPU (ideal scaling: its time / P), when it fits;
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
             ring = lambda q, k, v: ring_flash_attn_func(q, k, v, causal=causal, layout=layout)  # noqa: E731
             ms = _time_ms(_fwd_bwd(ring, shard[:3], shard[3]), args.reps, args.warmup, dist.group.WORLD)
             row["ring_ms"], row["ring_tflops_per_gpu"] = ms, per_gpu_flops / ms / 1e9
-            if hq % world == 0 and hk % world == 0:
+            if hq % world == 0 and (hk % world == 0 or world % hk == 0):
                 uly = lambda q, k, v: ulysses_flash_attn_func(q, k, v, causal=causal, layout=layout)  # noqa: E731
                 ms = _time_ms(_fwd_bwd(uly, shard[:3], shard[3]), args.reps, args.warmup, dist.group.WORLD)
                 row["ulysses_ms"], row["ulysses_tflops_per_gpu"] = ms, per_gpu_flops / ms / 1e9

@@ -99,7 +99,8 @@ def ulysses_flash_attn_func(
     """:func:`flashtile.flash_attn_func` over sequence shards, by all-to-all head parallelism.
 
     Arguments and results as :func:`~flashtile.distributed.ring_flash_attn_func` (same layouts);
-    nheads and nheads_k must be multiples of the group size.  ``alibi_slopes`` ((nheads,) or
+    nheads must be a multiple of the group size P, nheads_k a multiple or a divisor of P (fewer kv heads
+    than ranks are repeated before the exchange).  ``alibi_slopes`` ((nheads,) or
     (batch, nheads), all heads) and ``dropout_p`` are supported.  ``torch.compile`` runs it eagerly.
     """
     from flashtile.ops.flash_attn import flash_attn_func
@@ -114,10 +115,12 @@ def ulysses_flash_attn_func(
     # before any check that depends on shapes: a rank must not raise while the others wait
     _check_agreement(pg, q.device, (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k,
                                     dims.head_dim, LAYOUTS.index(layout), validate.SUPPORTED_DTYPES.index(q.dtype)))
-    for name, h in (("q", dims.heads_q), ("k", dims.heads_k)):
-        if h % world:
-            raise ValueError(f"{name}: ulysses splits the heads over the {world} ranks, so its heads ({h}) "
-                             f"must be a multiple of {world} (use ring_flash_attn_func)")
+    if dims.heads_q % world:
+        raise ValueError(f"q: ulysses splits the heads over the {world} ranks, so its heads ({dims.heads_q}) "
+                         f"must be a multiple of {world} (use ring_flash_attn_func)")
+    if dims.heads_k % world and world % dims.heads_k:
+        raise ValueError(f"k: ulysses splits the kv heads over the {world} ranks, so their number ({dims.heads_k}) "
+                         f"must be a multiple or a divisor of {world} (use ring_flash_attn_func)")
     if layout == "zigzag" and (dims.seqlen_q % 2 or dims.seqlen_k % 2):
         raise ValueError(f"q, k: a zigzag shard holds two equal chunks, so seqlen must be even, "
                          f"got {dims.seqlen_q} and {dims.seqlen_k}")
@@ -125,6 +128,10 @@ def ulysses_flash_attn_func(
         validate.check_alibi(alibi_slopes, q, dims)
         hh = dims.heads_q // world
         alibi_slopes = alibi_slopes[..., rank * hh:(rank + 1) * hh]
+    if dims.heads_k < world:
+        # fewer kv heads than ranks: each is repeated world / Hk times, so q head h still reads kv head
+        # h // (Hq / Hk) (GQA), and its gradient sums over the copies
+        k, v = (x.repeat_interleave(world // dims.heads_k, dim=2) for x in (k, v))
     qh, kh, vh = (_SeqToHeads.apply(x, pg, world) for x in (q, k, v))
     q_order, k_order = _order(layout, world, dims.seqlen_q, q.device), _order(layout, world, dims.seqlen_k, q.device)
     if q_order is not None:

@@ -44,7 +44,7 @@ CASES_2 = [
     _case("zigzag-window-gqa", layout="zigzag", seqlen=16, hq=4, hk=1, window=(5, 2), seed=2),
     _case("contiguous-causal-window", layout="contiguous", seqlen=12, causal=True, window=(3, 0),
           deterministic=True, api="qkvpacked", seed=3),
-    _case("zigzag-causal-ulysses", fn="ulysses", layout="zigzag", seqlen=16, causal=True, seed=4),
+    _case("zigzag-causal-mqa-ulysses", fn="ulysses", layout="zigzag", seqlen=16, hq=4, hk=1, causal=True, seed=4),
     _case("zigzag-causal-window-dropout", layout="zigzag", seqlen=16, causal=True, window=(6, 0), dropout=0.3,
           seed=8),
     _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error=True),
