@@ -290,8 +290,8 @@ def ring_flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    return_lse: bool = False,
     layout: str = "zigzag",
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flashtile.flash_attn_func` over a sequence sharded across the ranks of ``group``.
 
@@ -335,8 +335,8 @@ def ring_flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    return_lse: bool = False,
     layout: str = "zigzag",
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`ring_flash_attn_func` on qkv (batch, seqlen / P, 3, nheads, headdim); the gradient is d(qkv)."""
     q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
@@ -357,8 +357,8 @@ def ring_flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    return_lse: bool = False,
     layout: str = "zigzag",
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`ring_flash_attn_func` with kv (batch, seqlen_k / P, 2, nheads_k, headdim); gradients dq and d(kv)."""
     k, v = _unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")

@@ -93,8 +93,8 @@ def ulysses_flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    return_lse: bool = False,
     layout: str = "zigzag",
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flashtile.flash_attn_func` over sequence shards, by all-to-all head parallelism.
 
