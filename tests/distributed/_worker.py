@@ -103,7 +103,8 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
             q, k, v, dout = full_inputs(case, device)
             if case.get("expect_error"):
                 group = _split(dist, world, size) or dist.new_group(list(range(world)))  # checked at a group's first call
-                n = q.shape[1] // size + (2 if me == 0 else 0)  # the group's first shard is longer than the others'
+                # "unequal": the group's first shard is longer than the others'; otherwise equal shards
+                n = q.shape[1] // size + (2 if me == 0 and case["expect_error"] == "unequal" else 0)
                 try:
                     _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
                     results[case["name"]] = "no error"

@@ -47,7 +47,8 @@ CASES_2 = [
     _case("zigzag-causal-mqa-ulysses", fn="ulysses", layout="zigzag", seqlen=16, hq=4, hk=1, causal=True, seed=4),
     _case("zigzag-causal-window-dropout", layout="zigzag", seqlen=16, causal=True, window=(6, 0), dropout=0.3,
           seed=8),
-    _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error=True),
+    _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error="unequal"),
+    _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
 ]
 CASES_4 = [
     _case("zigzag-causal-gqa", layout="zigzag", seqlen=24, hq=4, hk=2, causal=True, seed=5),
@@ -131,6 +132,12 @@ def test_two_ranks(spawned, case, pair):
 def test_unequal_shards_raise_on_every_rank(spawned, pair):
     kind, msg = spawned[(2, pair)]["unequal-shards"]
     assert kind == "ValueError" and "every rank" in msg and "q, k, v" in msg
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+def test_ulysses_heads_not_divisible_raise(spawned, pair):
+    kind, msg = spawned[(2, pair)]["ulysses-odd-heads"]
+    assert kind == "ValueError" and msg.startswith("q:") and "multiple of 2" in msg
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
