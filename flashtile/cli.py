@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation|ring]`."""
 
 from __future__ import annotations
 
@@ -305,6 +305,25 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     return 0
 
 
+def ring_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command `flashtile bench ring` runs: one process per GPU, the options passed through."""
+    from flashtile.bench.ring import to_argv
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            "-m", "flashtile.bench.ring", *to_argv(args)]
+
+
+def _cmd_bench_ring(args: argparse.Namespace) -> int:
+    import subprocess
+
+    import torch
+
+    if torch.cuda.device_count() < 2 and args.nproc > 1:
+        print(f"`flashtile bench ring` needs {args.nproc} CUDA GPUs, found {torch.cuda.device_count()}")
+        return 2
+    return subprocess.call(ring_command(args))
+
+
 def tune_points(args: argparse.Namespace) -> list:
     """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
     from flashtile.bench.tune import MODES, tune_sweep
@@ -312,6 +331,12 @@ def tune_points(args: argparse.Namespace) -> list:
     modes = [m for m in MODES if getattr(args, m)] or list(MODES)
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     return tune_sweep(modes, args.head_dims, args.seqlens, causal)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     fp8.add_argument("--kernels", action="store_true", help="also run our bf16 / FP8 kernels and FA3's FP8 (GPU)")
     fp8.add_argument("--out", default="bench/results")
     fp8.set_defaults(func=_cmd_bench_fp8_error)
+    ring = bsub.add_parser("ring", help="ring / Ulysses context parallelism on P GPUs (torchrun) vs one GPU and "
+                                        "torch's context_parallel (launches torchrun)")
+    from flashtile.bench.ring import add_arguments as ring_arguments
+
+    ring.add_argument("--nproc", type=int, default=max(2, _gpu_count()), help="GPUs (processes) to run on")
+    ring_arguments(ring)
+    ring.set_defaults(func=_cmd_bench_ring)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
                        ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot", "varlen")})
     return p

@@ -134,14 +134,17 @@ def flash_attn_fwd(
 
 @_on_tensor_device
 def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
-              window_left, window_right, softcap, dropout_p, deterministic, seq_major):
-    """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path)."""
+              window_left, window_right, softcap, dropout_p, deterministic, seq_major, rng_state=None):
+    """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path).
+
+    ``rng_state``: dropout's [seed, offset] chosen by the caller (ring attention gives each of its
+    kernel calls its own counter range); None draws one."""
     from flashtile.runtime.fa2_fwd import fa2_forward
     from flashtile.runtime.fa3_fwd import fa3_forward, prefer_hopper
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
-    rng = _philox(q.device) if dropout_p > 0 else None
+    rng = None if dropout_p == 0 else rng_state if rng_state is not None else _philox(q.device)
     out = _out_like(q, seq_major)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     if prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
