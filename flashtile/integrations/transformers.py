@@ -151,7 +151,7 @@ def _run_ragged(q, k, v, plan: _Ragged, opts: dict) -> torch.Tensor:
     return out.view(b, nq, hq, -1)
 
 
-def _given_plan(kwargs: dict, b: int, nq: int, nk: int) -> _Ragged | None:
+def _given_plan(kwargs: dict, nk: int) -> _Ragged | None:
     """transformers' FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k over the flattened batch)."""
     given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if any(x is None for x in given):
@@ -160,7 +160,7 @@ def _given_plan(kwargs: dict, b: int, nq: int, nk: int) -> _Ragged | None:
     return _Ragged(None, None, nk, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
 
 
-def _dense(module, q, k, v, mask, dropout, scaling, softcap) -> torch.Tensor:
+def _dense(q, k, v, mask, dropout, scaling, softcap) -> torch.Tensor:
     from flashtile import scaled_dot_product_attention
 
     if softcap:
@@ -194,7 +194,7 @@ def flashtile_attention_forward(
     if dv < d:  # the kernels need value's head dim = query's (e.g. MLA): pad, then crop the output
         value = torch.nn.functional.pad(value, (0, d - dv))
     if attention_mask is not None and attention_mask.dim() == 4:
-        return _dense(module, query, key, value, attention_mask, dropout, scaling, softcap)[..., :dv], None
+        return _dense(query, key, value, attention_mask, dropout, scaling, softcap)[..., :dv], None
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
@@ -207,7 +207,7 @@ def flashtile_attention_forward(
                              f"got shape {tuple(attention_mask.shape)}")
         plan = _memo("pad", attention_mask, nq, nk, lambda: _padding_plan(attention_mask, nq, nk))
     else:
-        plan = _given_plan(kwargs, b, nq, nk)
+        plan = _given_plan(kwargs, nk)
         position_ids = kwargs.get("position_ids")
         if plan is None and position_ids is not None and nq == nk > 1:
             plan = _memo("packed", position_ids, nq, nk, lambda: _packed_plan(position_ids, b, nq))
