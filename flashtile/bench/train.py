@@ -165,8 +165,15 @@ def build_model(size: str, device, dtype):
     cfg = transformers.LlamaConfig(**SIZES[size], max_position_embeddings=1 << 17, pad_token_id=0,
                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flashtile", dtype=dtype)
-    return model.to(device)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flashtile")
+    return model.to(device=device, dtype=dtype)
+
+
+def _set_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):  # transformers >= 4.54
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
 
 
 def _measure(device, fn: Callable[[], object], warmup: int, reps: int) -> dict:
@@ -181,7 +188,7 @@ def _measure(device, fn: Callable[[], object], warmup: int, reps: int) -> dict:
 def _train_provider(model, snapshot, provider: str, batches: list[dict], n_targets: int, tokens: int,
                     device, warmup: int, reps: int) -> dict:
     model.load_state_dict(snapshot)
-    model.set_attn_implementation(_implementation(provider))
+    _set_implementation(model, _implementation(provider))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.device(device).type == "cuda")
     first: list[float] = []
@@ -219,7 +226,7 @@ def _guarded(provider: str, fn: Callable[[], dict]) -> dict:
 
 def _inference_provider(model, provider: str, batch: int, prompt: int, new_tokens: int, vocab: int,
                         device, warmup: int, reps: int) -> dict:
-    model.set_attn_implementation(_implementation(provider))
+    _set_implementation(model, _implementation(provider))
     model.eval()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, vocab, (batch, prompt), generator=g).to(device)

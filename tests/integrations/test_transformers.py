@@ -169,34 +169,47 @@ def test_left_padded_generate_matches():
     assert torch.equal(got, want)
 
 
+def _assert_documents_match(packed: torch.Tensor, ids: torch.Tensor, docs: list[list[int]], theirs) -> None:
+    """Each packed document's logits equal the reference model's on that document alone (transformers
+    < 4.54's SDPA path does not keep packed documents apart, so the reference runs them one by one)."""
+    with torch.no_grad():
+        for r, row in enumerate(docs):
+            start = 0
+            for length in row:
+                doc = ids[r:r + 1, start:start + length]
+                alone = theirs(doc, position_ids=torch.arange(length).unsqueeze(0), use_cache=False).logits
+                assert_close(packed[r:r + 1, start:start + length], alone, what=f"row {r} document at {start}")
+                start += length
+
+
 def test_packed_position_ids_match():
-    """Two rows, each packing documents (position_ids restart at 0): equal to the reference, whose
-    mask keeps documents apart, and each document's logits equal those of the document alone."""
+    """Two rows, each packing documents (position_ids restart at 0)."""
     ours, theirs = _models("llama")
     docs = [[7, 9, 8], [13, 11]]
-    n = 24
-    ids = _ids(2, n, seed=6)
+    ids = _ids(2, 24, seed=6)
     pos = torch.cat([torch.cat([torch.arange(L) for L in row]).unsqueeze(0) for row in docs])
     with torch.no_grad():
-        a = ours(ids, position_ids=pos, use_cache=False).logits
-        b = theirs(ids, position_ids=pos, use_cache=False).logits
-        assert_close(a, b, what="packed logits")
-        alone = ours(ids[1:, 13:], position_ids=torch.arange(11).unsqueeze(0), use_cache=False).logits
-    assert_close(a[1:, 13:], alone, what="second document alone")
+        packed = ours(ids, position_ids=pos, use_cache=False).logits
+    _assert_documents_match(packed, ids, docs, theirs)
 
 
 def test_packed_cu_seqlens_kwargs():
-    """transformers' FlashAttentionKwargs (flattened batch of one row) are used as given."""
+    """transformers' FlashAttentionKwargs (flattened batch of one row) are used as given: the
+    position_ids here do not restart, so only cu_seq_lens can keep the documents apart."""
     ours, theirs = _models("qwen2")
     lens = [9, 6, 9]
     ids = _ids(1, sum(lens), seed=7)
-    pos = torch.cat([torch.arange(L) for L in lens]).unsqueeze(0)
     cu = torch.tensor([0, 9, 15, 24], dtype=torch.int32)
     with torch.no_grad():
-        a = ours(ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9,
-                 max_length_k=9).logits
-        b = theirs(ids, position_ids=pos, use_cache=False).logits
-    assert_close(a, b, what="cu_seq_lens logits")
+        packed = ours(ids, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
+    # rotary positions follow position_ids (0..23 here); the reference gets the same positions per document
+    with torch.no_grad():
+        start = 0
+        for length in lens:
+            alone = theirs(ids[:, start:start + length], position_ids=torch.arange(start, start + length)[None],
+                           use_cache=False).logits
+            assert_close(packed[:, start:start + length], alone, what=f"document at {start}")
+            start += length
 
 
 def test_four_d_mask_runs_dense():
