@@ -37,6 +37,8 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         console.print("[red]`flashtile bench attention` needs a CUDA GPU[/red]")
         return 2
+    if getattr(args, "varlen", False):
+        return _bench_attention_varlen(args, console)
     grid = list(ab.default_grid(head_dims=args.head_dims, seqlens=args.seqlens))
     if args.causal != "both":
         grid = [g for g in grid if g[4] == (args.causal == "yes")]
@@ -73,6 +75,34 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
             console.print(f"wrote {png}")
         except ImportError:
             console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
+def _bench_attention_varlen(args: argparse.Namespace, console) -> int:
+    """`flashtile bench attention --varlen`: a packed 64k-token batch (lengths 128..8k)."""
+    from rich.table import Table
+
+    from flashtile.bench import attention as ab
+    from flashtile.bench.common import write_json
+
+    head_dims = args.head_dims if args.head_dims != [64, 128] else [128]
+    causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    payloads = [ab.run_varlen(head_dim=d, heads=2048 // d, modes=args.modes, causal_modes=causal_modes)
+                for d in head_dims]
+    for payload in payloads:
+        fixed = payload["fixed_batch"]
+        table = Table(title=f"packed batch: {len(payload['lengths'])} sequences, {sum(payload['lengths'])} tokens, "
+                            f"d={payload['head_dim']}, H={payload['heads']} (fixed: {fixed['batch']}x{fixed['seqlen']}, "
+                            f"{fixed['flops_ratio']:.2f}x the FLOPs); TFLOP/s on {payload['env']['device']}")
+        for col in ("causal", "mode", *ab.VARLEN_PROVIDERS):
+            table.add_column(col, justify="right")
+        for p in payload["points"]:
+            t = p["tflops"]
+            table.add_row("y" if p["causal"] else "n", p["mode"],
+                          *[f"{t[n]:.0f}" if t.get(n) else "—" for n in ab.VARLEN_PROVIDERS])
+        console.print(table)
+    path = write_json({"env": payloads[0]["env"], "runs": payloads}, args.out, "attention-varlen")
+    console.print(f"wrote {path}")
     return 0
 
 
@@ -303,6 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     att.add_argument("--out", default="bench/results")
     att.add_argument("--no-plot", action="store_true")
+    att.add_argument("--varlen", action="store_true",
+                     help="instead of the grid: a packed batch of 64k tokens (lengths 128..8k) through "
+                          "flash_attn_varlen_func vs a fixed-length batch of equal FLOPs and FlexAttention "
+                          "with a document mask (d from --head-dims, default 128)")
     att.set_defaults(func=_cmd_bench_attention)
     dec = bsub.add_parser("decode", help="split-KV decoding (contiguous and paged cache) vs SDPA flash/cuDNN")
     dec.add_argument("--out", default="bench/results")
@@ -347,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--no-plot", action="store_true")
     trn.set_defaults(func=_cmd_bench_train)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
-                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot")})
+                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "no_plot", "varlen")})
     return p
 
 
