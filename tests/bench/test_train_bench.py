@@ -52,13 +52,13 @@ def test_bad_options_raise(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_quick_run_all_providers(tmp_path):
-    """On a GPU the tiny model runs every provider (bf16): packed flashtile, flex and padded SDPA
-    backends agree on the first-step loss."""
-    payload = run_train_bench(tmp_path, size="tiny", providers=("flashtile", "flex", "sdpa", "sdpa-flash", "sdpa-cudnn"),
+    """On a GPU the tiny model runs the providers (bf16; FlexAttention's compile is left to the real
+    run, for time): packed flashtile and the padded SDPA backends agree on the first-step loss."""
+    payload = run_train_bench(tmp_path, size="tiny", providers=("flashtile", "sdpa", "sdpa-flash", "sdpa-cudnn"),
                               batch=2, seqlen=512, unpadded_seqlens=(256, 512), unpadded_tokens=1024, prompt=128,
                               new_tokens=8, warmup=1, reps=2)
     losses = {r["provider"]: r["loss"] for r in payload["train_packed"] if "loss" in r}
-    assert {"flashtile", "flex", "sdpa"} <= set(losses), payload["train_packed"]
+    assert {"flashtile", "sdpa"} <= set(losses), payload["train_packed"]
     for p, v in losses.items():
         assert v == pytest.approx(losses["flashtile"], rel=2e-2), (p, losses)
     assert all(r.get("peak_gib") for r in payload["train_packed"] if "loss" in r)

@@ -169,6 +169,36 @@ def test_left_padded_generate_matches():
     assert torch.equal(got, want)
 
 
+def test_static_cache_generate_matches():
+    """A static cache holds more key slots than tokens: the padding mask (kept for flash-type
+    implementations under a static cache) is shorter than the keys, whose unused tail is never read."""
+    ours, theirs = _models("llama")
+    ids = _ids(2, 10, seed=5)
+    mask = _padding_mask("left", [10, 6], 10)
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="transformers 5's mask-function signature")
+def test_overlay_mask_functions_get_a_dense_mask():
+    """A model's or-overlay (here: the first 4 tokens see each other) cannot be expressed by causal
+    + padding: the mask function hands the dense mask transformers' SDPA would get."""
+    from transformers.masking_utils import causal_mask_function, or_masks, sdpa_mask
+
+    def prefix(b, h, q, kv):
+        return (q < 4) & (kv < 4)
+
+    kw = dict(batch_size=1, q_length=8, kv_length=8, q_offset=0, kv_offset=0,
+              mask_function=or_masks(causal_mask_function, prefix), attention_mask=None, device="cpu")
+    got = ft.flashtile_mask(**kw, use_vmap=True)
+    want = sdpa_mask(**kw, use_vmap=True, allow_is_causal_skip=False)
+    assert got is not None and got.dim() == 4 and torch.equal(got, want)
+    assert bool(got[0, 0, 0, 3]) and not bool(got[0, 0, 5, 6])
+
+
 def _assert_documents_match(packed: torch.Tensor, ids: torch.Tensor, docs: list[list[int]], theirs) -> None:
     """Each packed document's logits equal the reference model's on that document alone (transformers
     < 4.54's SDPA path does not keep packed documents apart, so the reference runs them one by one)."""
