@@ -189,6 +189,9 @@ def flashtile_attention_forward(
     -> ((B, Nq, Hq, d), None).  See the module docstring for the cases."""
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("s_aux (attention sinks) is not supported by flashtile")
+    if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
+        raise NotImplementedError("block_table with k_cache / v_cache (transformers' paged continuous batching) "
+                                  "is not supported by flashtile's integration")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     d, dv = query.shape[-1], value.shape[-1]
     if dv < d:  # the kernels need value's head dim = query's (e.g. MLA): pad, then crop the output

@@ -286,6 +286,9 @@ def test_bad_masks_raise():
         ft.flashtile_attention_forward(Module(), q, q, q, torch.ones(1, 2, 4, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="s_aux"):
         ft.flashtile_attention_forward(Module(), q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        ft.flashtile_attention_forward(Module(), q, q, q, None, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                       k_cache=q, v_cache=q)
 
 
 def test_plans_are_shared_by_the_layers(monkeypatch):
