@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation|ring]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation|ring|train]`."""
 
 from __future__ import annotations
 
@@ -324,6 +324,67 @@ def _cmd_bench_ring(args: argparse.Namespace) -> int:
     return subprocess.call(ring_command(args))
 
 
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not torch.cuda.is_available() and not args.quick:
+        console.print("[red]`flashtile bench train` needs a CUDA GPU (or --quick: the tiny CPU smoke run)[/red]")
+        return 2
+    _use_interpreter_without_gpu()
+    from pathlib import Path
+
+    from flashtile.bench.train import plot, run_train_bench
+
+    shape = {k: v for k, v in (("batch", args.batch), ("seqlen", args.seqlen)) if v is not None}
+    try:
+        with console.status("training / inference benchmark") as status:
+            payload = run_train_bench(args.out, size=args.size, quick=args.quick,
+                                      providers=args.providers, progress=lambda what: status.update(str(what)),
+                                      **shape)
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    sh = payload["shape"]
+    table = Table(title=f"{payload['size']} model ({payload['params'] / 1e9:.2f}B params, {payload['dtype']}) "
+                        f"on {payload['env']['device']}: training step")
+    for c in ("layout", "provider", "ms", "k tokens/s", "peak GiB", "loss", "error"):
+        table.add_column(c, justify="right")
+
+    def fmt(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "—"
+
+    for r in payload["train_packed"]:
+        table.add_row(f"packed {sh['batch']}x{sh['seqlen']}", r["provider"], fmt(r.get("ms"), ".1f"),
+                      fmt((r.get("tokens_per_s") or 0) / 1e3 or None, ".1f"), fmt(r.get("peak_gib"), ".1f"),
+                      fmt(r.get("loss"), ".5f"), r.get("error") or "")
+    for r in payload["train_unpadded"]:
+        table.add_row(f"unpadded {r['batch']}x{r['seqlen']}", r["provider"], fmt(r.get("ms"), ".1f"),
+                      fmt((r.get("tokens_per_s") or 0) / 1e3 or None, ".1f"), fmt(r.get("peak_gib"), ".1f"),
+                      fmt(r.get("loss"), ".5f"), r.get("error") or "")
+    console.print(table)
+    inf = Table(title=f"inference: prefill {sh['batch']}x{sh['prompt']}, greedy decoding of {sh['new_tokens']} tokens")
+    for c in ("provider", "prefill ms", "prefill k tokens/s", "decode ms/token", "peak GiB", "error"):
+        inf.add_column(c, justify="right")
+    for r in payload["inference"]:
+        inf.add_row(r["provider"], fmt(r.get("prefill_ms"), ".1f"), fmt((r.get("prefill_tokens_per_s") or 0) / 1e3 or None, ".1f"),
+                    fmt(r.get("decode_ms_per_token"), ".2f"), fmt(r.get("peak_gib"), ".1f"), r.get("error") or "")
+    console.print(inf)
+    console.print("flashtile speed / peer speed: " + str({k: {p: round(x, 3) for p, x in v.items()}
+                                                         for k, v in payload["ratios"].items()}))
+    console.print(f"wrote {payload['path']}")
+    if not args.no_plot:
+        try:
+            png = Path(payload["path"]).with_suffix(".png")
+            plot(payload, png)
+            console.print(f"wrote {png}")
+        except ImportError:
+            console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
 def tune_points(args: argparse.Namespace) -> list:
     """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
     from flashtile.bench.tune import MODES, tune_sweep
@@ -413,6 +474,19 @@ def build_parser() -> argparse.ArgumentParser:
     ring.add_argument("--nproc", type=int, default=max(2, _gpu_count()), help="GPUs (processes) to run on")
     ring_arguments(ring)
     ring.set_defaults(func=_cmd_bench_ring)
+    trn = bsub.add_parser("train", help="a ~1B Llama-style model through transformers: training step on packed documents "
+                                        "(flashtile varlen vs SDPA padded vs FlexAttention document mask), unpadded "
+                                        "steps, prefill and decoding")
+    from flashtile.bench.train import PROVIDERS as TRAIN_PROVIDERS, SIZES
+
+    trn.add_argument("--providers", nargs="+", default=list(TRAIN_PROVIDERS), choices=list(TRAIN_PROVIDERS))
+    trn.add_argument("--size", choices=list(SIZES), default=None, help="model shape (default 1b; --quick: tiny)")
+    trn.add_argument("--quick", action="store_true", help="tiny model and shapes: a CPU smoke run through the interpreter")
+    trn.add_argument("--batch", type=int, default=None, help="rows of the packed step and of the inference batch")
+    trn.add_argument("--seqlen", type=int, default=None, help="tokens per packed row (default 8192; --quick: 64)")
+    trn.add_argument("--out", default="bench/results")
+    trn.add_argument("--no-plot", action="store_true")
+    trn.set_defaults(func=_cmd_bench_train)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
                        ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot", "varlen")})
     return p
