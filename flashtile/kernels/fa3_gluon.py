@@ -23,7 +23,8 @@ Schedules, each a constexpr so an ablation can switch it off:
 Causal (bottom-right) and ragged Nk: the kv tiles every row of the program sees in full run an unmasked
 loop, the tiles crossed by the diagonal or the end of K a masked one (tile 0 is always the masked
 prologue of the pipeline).  Ragged Nq / Nk: per-head device-side tensor descriptors zero-fill loads past
-the head's end; the output goes out through masked stores.  The host launcher is
+the head's end; the output goes out through masked stores, or (``O_TMA``) a TMA store staged in the
+warpgroup's Q rows.  The host launcher is
 :mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
 """
 
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from flashtile.kernels._common import LN2
 
@@ -137,7 +140,7 @@ def _kv_iter(j, acc, p_prev, m_i, l_i, turn, q_wg, k_smem, v_smem, k_ready, v_re
 def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
               qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr, O_TMA: gl.constexpr):
     """Rows [start_m + WG * WG_M, + WG_M) of the tile: the kv loop, then O / l and the LSE."""
     gl.static_assert(gl.num_warps() == 4)
     M: gl.constexpr = 64
@@ -195,10 +198,20 @@ def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empt
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
     gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
     out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)
-    rows_o = row0 + gl.arange(0, M, layout=row_o)
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = Out + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols_o, 0)
-    gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
+    if O_TMA:
+        # staged in this warpgroup's Q rows (its last S GEMM has retired); the descriptor drops rows past Nq
+        o_desc = tma.make_tensor_descriptor(Out, [seqlen_q, HEAD_DIM], [stride_om, 1], [M, HEAD_DIM],
+                                            gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype))
+        o_stage = q_smem.slice(WG * M, M)
+        o_stage.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row0, 0], o_stage)
+        tma.store_wait(0)
+    else:
+        rows_o = row0 + gl.arange(0, M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = Out + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols_o, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows_o < seqlen_q, 1))
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles"])
@@ -212,6 +225,7 @@ def fa3_gluon_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     INTRA: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    O_TMA: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 128) programs, the query tiles of one head adjacent (they share its
     K and V in L2); causal runs each head's tiles last-first, the longest rows first.  Launch with
@@ -269,10 +283,10 @@ def fa3_gluon_kernel(
         [
             (_consumer_wg0, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-                             HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG)),
+                             HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, O_TMA)),
             (_consumer_wg1, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-                             HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG)),
+                             HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, O_TMA)),
             (_producer, (q_base, k_base, v_base, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                          stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
                          HEAD_DIM, gl.constexpr(BLOCK_M), BLOCK_N, NUM_STAGES)),
@@ -286,19 +300,19 @@ def fa3_gluon_kernel(
 def _consumer_wg0(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr, O_TMA: gl.constexpr):
     _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
               qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
               WG=0, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
-              PINGPONG=PINGPONG)
+              PINGPONG=PINGPONG, O_TMA=O_TMA)
 
 
 @gluon.jit
 def _consumer_wg1(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr, O_TMA: gl.constexpr):
     _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
               qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
               WG=1, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
-              PINGPONG=PINGPONG)
+              PINGPONG=PINGPONG, O_TMA=O_TMA)

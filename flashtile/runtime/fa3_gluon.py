@@ -34,6 +34,7 @@ class GluonConfig:
     pingpong: bool = True
     consumer_regs: int = 240  # setmaxnreg of the worker consumer warpgroup (the default one gets the rest)
     producer_regs: int = 24
+    o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
 
 
 def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
@@ -133,6 +134,6 @@ def fa3_gluon_forward(
             hq, hq // hk, nq, nk, num_m_tiles,
             HEAD_DIM=d, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=bool(causal),
             INTRA=cfg.intra, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
-            PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+            PRODUCER_REGS=cfg.producer_regs, O_TMA=cfg.o_tma, num_warps=4,
         )
     return out, lse

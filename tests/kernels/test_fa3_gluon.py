@@ -39,7 +39,7 @@ def test_smem_estimate_matches_compile_reports():
     for cfg, d, reported in [
         (GluonConfig(128, 2), 64, 82224), (GluonConfig(128, 3), 64, 115040),
         (GluonConfig(128, 2), 128, 164144), (GluonConfig(128, 3), 128, 229728),
-        (GluonConfig(64, 2), 256, 196912),
+        (GluonConfig(64, 2), 256, 196912), (GluonConfig(128, 3, o_tma=True), 128, 229880),
     ]:
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024
 
@@ -74,14 +74,15 @@ def test_launcher_passes_the_kernels_arguments():
     assert params[:6] == ["Q", "K", "V", "Out", "LSE", "qk_scale"]
     assert params[18:23] == ["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles"]
     assert params[23:] == ["HEAD_DIM", "BLOCK_N", "NUM_STAGES", "CAUSAL", "INTRA", "PINGPONG", "CONSUMER_REGS",
-                           "PRODUCER_REGS"]
+                           "PRODUCER_REGS", "O_TMA"]
     assert fa3_gluon_kernel.is_gluon()
 
 
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
-SCHEDULES = {"both": (True, True), "intra": (True, False), "pingpong": (False, True), "neither": (False, False)}
+SCHEDULES = {"both": (True, True, False), "intra": (True, False, False), "pingpong": (False, True, False),
+             "neither": (False, False, False), "both+tma-store": (True, True, True)}
 
 
 @pytest.mark.gpu
@@ -91,9 +92,9 @@ SCHEDULES = {"both": (True, True), "intra": (True, False), "pingpong": (False, T
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333)])
 def test_gpu_matches_float64(d, causal, schedule, nq, nk):
-    intra, pingpong = SCHEDULES[schedule]
+    intra, pingpong, o_tma = SCHEDULES[schedule]
     base = gluon_config(d, causal)
-    cfg = GluonConfig(base.block_n, base.num_stages, intra=intra, pingpong=pingpong)
+    cfg = GluonConfig(base.block_n, base.num_stages, intra=intra, pingpong=pingpong, o_tma=o_tma)
     g = torch.Generator().manual_seed(d + nq)
     q = torch.randn(2, nq, 4, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)  # GQA 4:2, BNHD storage
     k = torch.randn(2, nk, 2, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
