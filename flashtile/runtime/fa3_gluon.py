@@ -121,9 +121,9 @@ def fa3_gluon_forward(
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {BLOCK_M}) = {grid[0]} programs exceed the grid's axis 0")
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
-    from flashtile.runtime.fa3_fwd import _ensure_allocator
+    from flashtile.runtime.fa3_fwd import ensure_allocator
 
-    _ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+    ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     with torch.cuda.device(q.device):
         fa3_gluon_kernel[grid](
             q, k, v, out, lse, softmax_scale * LOG2E,
