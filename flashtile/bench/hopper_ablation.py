@@ -12,11 +12,12 @@ One kernel (:mod:`flashtile.kernels.fa3_fwd`), one switch changed at a time from
 * ``O by plain stores``  -- the epilogue without the TMA staging tile (flips ``o_tma``);
 * ``fp8``                -- the same kernel in its FP8 mode (e4m3 inputs, per-head scales).
 
-FA3's other two ingredients are not switches here: Triton 3.6's ``warp_specialize`` decides itself
-how the consumer warpgroups interleave (no explicit ping-pong barrier), and it accepts one loop with a
-branch-free body, which rules out FA3's intra-warpgroup pipelining (softmax of tile j under the
-QKᵀ wgmma of tile j+1, a software-pipelined loop with a prologue and an epilogue).  The JSON lists them
-with ``"expressible": false`` and that reason rather than inventing numbers.
+FA3's other two ingredients are not switches of that kernel: Triton 3.6's ``warp_specialize`` decides
+itself how the consumer warpgroups interleave (no explicit ping-pong barrier), and it accepts one loop
+with a branch-free body, which rules out FA3's intra-warpgroup pipelining (softmax of tile j under the
+QKᵀ wgmma of tile j+1).  The JSON lists them under ``not_expressible`` for that kernel.  They are
+switches of the Gluon kernel (:mod:`flashtile.kernels.fa3_gluon`, d = 64, 128, 256), measured as
+``gluon`` (both on), ``gluon no ping-pong``, ``gluon no intra-warpgroup overlap``, ``gluon neither``.
 
 Every variant is checked against the FA2 kernel's output on the same inputs before it is timed (within
 2e-2 of max|out|; FP8 within 0.15, as far as e4m3 inputs put FA3's FP8 forward from bf16 on these inputs).
@@ -38,7 +39,7 @@ __all__ = ["VARIANTS", "NOT_EXPRESSIBLE", "PEAK_TFLOPS", "run_ablation", "plot"]
 
 LOG2E = 1.0 / math.log(2.0)
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
-NOT_EXPRESSIBLE = {
+NOT_EXPRESSIBLE = {  # in the Triton kernel; the Gluon rows measure both
     "ping-pong scheduling": "Triton 3.6's warp_specialize places the consumer warpgroups itself; there is no "
                             "named barrier to order one's softmax under the other's GEMMs",
     "intra-warpgroup overlap": "needs a software-pipelined loop (prologue, steady state, epilogue); Triton 3.6's "
@@ -68,6 +69,13 @@ VARIANTS: dict[str, Callable] = {
     "1 stage": _one_stage,
     "O by plain stores": _plain_o,
     "fp8": _tuned,
+}
+# the Gluon kernel (flashtile/kernels/fa3_gluon.py), where FA3's two schedules are switches: (pingpong, intra)
+GLUON_VARIANTS = {
+    "gluon": (True, True),
+    "gluon no ping-pong": (False, True),
+    "gluon no intra-warpgroup overlap": (True, False),
+    "gluon neither": (False, False),
 }
 
 
@@ -130,6 +138,40 @@ def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
         torch.cuda.empty_cache()
+    rows.extend(_gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress))
+    return rows
+
+
+def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None) -> list[dict]:
+    from flashtile.runtime.fa3_gluon import GLUON_HEAD_DIMS, fa3_gluon_forward, gluon_config
+
+    if d not in GLUON_HEAD_DIMS:
+        return []
+    rows = []
+    for name, (pingpong, intra) in GLUON_VARIANTS.items():
+        cfg = dataclasses.replace(gluon_config(d, causal), pingpong=pingpong, intra=intra, o_tma=True)
+        row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
+        if progress:
+            progress(f"d={d} N={n} causal={causal} {name}")
+        out = torch.empty_like(q)
+
+        def call():
+            fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
+
+        try:
+            call()
+            torch.cuda.synchronize()
+            err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+            row["max_rel_err_vs_fa2"] = err
+            if err > 2e-2:
+                row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
+            else:
+                ms = median_ms(call)
+                row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["bf16"]
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
     return rows
 
 

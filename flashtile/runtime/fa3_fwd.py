@@ -11,7 +11,7 @@ The public ops call it where :func:`prefer_hopper` says it beats the FA2 kernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -19,8 +19,9 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes", "ensure_allocator",
-           "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes",
+           "ensure_allocator", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED", "GLUON", "use_gluon",
+           "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -95,6 +96,18 @@ def ensure_allocator() -> None:
 
 # False sends every forward to the FA2 kernel (benchmarks and tests compare the two paths)
 ENABLED = True
+# False keeps the Triton Hopper kernel where the Gluon one would run (benchmarks and tests compare them)
+GLUON = True
+
+
+def use_gluon(d: int, causal: bool) -> bool:
+    """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
+    producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop).
+    H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Gluon forward"), d = 128 with O through TMA against
+    the Triton kernel: 629 vs 590 TFLOP/s at 16k, 661 vs 545 causal; 588 vs 514 at 4k, 478 vs 402 causal.
+    At d = 64 the Triton kernel is faster; d = 256 is not measured yet."""
+    del causal
+    return GLUON and d == 128
 
 
 def _tma_ready(x: torch.Tensor) -> bool:
@@ -237,6 +250,11 @@ def fa3_forward(
     _check(q, k, v, out)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
+    if use_gluon(d, causal):
+        from flashtile.runtime.fa3_gluon import fa3_gluon_forward, gluon_config
+
+        cfg = replace(gluon_config(d, causal), o_tma=True)
+        return fa3_gluon_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, config=cfg)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
