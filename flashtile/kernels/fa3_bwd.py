@@ -18,8 +18,11 @@ kernels after D = rowsum(dO o O) (FA2's ``_bwd_preprocess``):
   head (the host sums each group: Triton 3.6's specialisation takes one loop, so the q heads of
   a group cannot be a second loop around it);
 * ``fa3_bwd_dq_kernel``: one q tile per program, loop over kv tiles (K_j, V_j by descriptor):
-  dQ_i += dS K_j, one writer per row (deterministic, no atomics).  Specialised, the consumers
-  own 64 q rows each.
+  dQ_i += dS K_j, one writer per row (deterministic, no atomics).  ``WARP_SPEC`` does not
+  compile with Triton 3.6 (``WSLowerToken.cpp:73`` assertion in ``NVGPUWarpSpecialization``,
+  offline, sm_90a): the third wgmma, dS K_j, is what trips it (with it replaced by a row sum the
+  loop specialises; loading K_j a second time for it does not help), so the table runs it
+  unspecialised, band and diagonal in two loops.
 
 Ragged tails need no element mask: descriptors zero-fill Q, dO, K, V past the sequence, an
 LSE of +inf (rows past Nq, or rows with no key, LSE -inf) makes P exactly 0 there, and a zero

@@ -43,25 +43,29 @@ class Fa3BwdConfig:
 
 
 def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
-    """The config for head dim ``d`` (a table, CPU-testable).  Offline compiles (Triton 3.6, sm_90a,
-    ``scratch/cc_bwd.py``) fix what fits: warp-specialised dK/dV needs BLOCK_N = 128 (two consumers of 64
-    kv rows), whose fp32 dK + dV take 2 * d / 2 registers per consumer thread, so d = 256 runs
-    unspecialised with 64 kv rows over 8 warps.  Timings to confirm: ``scratch/hbwd_probe.py`` on an H100."""
+    """The config for head dim ``d`` (a table, CPU-testable).  From offline compiles (Triton 3.6, sm_90a,
+    ``ptxas -v``; bench/NOTES.md "Hopper backward"), not yet from timings: warp-specialised dK/dV needs
+    BLOCK_N = 128 (two consumers of 64 kv rows), whose fp32 dK + dV hold d registers per consumer thread:
+    no spill at d = 64, ~600 bytes at d = 128, 5 KB at d = 256, so d = 256 runs unspecialised, 64 kv rows
+    over 8 warps (112 bytes).  dQ is unspecialised everywhere (the pass fails on it), 128 q rows over
+    8 warps (no spill to d = 128).  ``scratch/hbwd_probe.py`` on an H100 picks between the candidates."""
     del causal  # one row per head-dim bucket so far
     if d <= 128:
-        return Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 4, 2, True)
-    return Fa3BwdConfig(64, 64, 8, 2, False, 128, 32, 4, 2, True)
+        return Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 8, 2, False)
+    return Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False)
 
 
 def smem_bytes_dkdv(cfg: Fa3BwdConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of the dK/dV kernel: K, V tiles, a ring of ``num_stages`` Q, dO tiles, 1 KB of barriers
-    (an estimate: the dQ / conversion scratch that the compiler adds is checked by the offline compile)."""
+    """Shared memory of the dK/dV kernel as Triton 3.6 lays it out for sm_90a (compile reports, offline):
+    K, V tiles, a ring of ``num_stages`` Q, dO tiles, with specialisation one more (BLOCK_N, BLOCK_M) tile
+    (a score tile staged between the consumers' wgmmas), under 1 KB of barriers."""
     bd = max(16, 1 << (d - 1).bit_length())
-    return 2 * cfg.block_n * bd * esize + cfg.num_stages * 2 * cfg.block_m * bd * esize + 1024
+    ws = cfg.block_n * cfg.block_m * esize if cfg.warp_spec else 0
+    return 2 * cfg.block_n * bd * esize + cfg.num_stages * 2 * cfg.block_m * bd * esize + ws + 1024
 
 
 def smem_bytes_dq(cfg: Fa3BwdConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of the dQ kernel: Q, dO tiles, a ring of K, V tiles, 1 KB of barriers (an estimate)."""
+    """Shared memory of the unspecialised dQ kernel: Q, dO tiles, a ring of K, V tiles, under 1 KB of barriers."""
     bd = max(16, 1 << (d - 1).bit_length())
     return 2 * cfg.dq_block_m * bd * esize + cfg.dq_num_stages * 2 * cfg.dq_block_n * bd * esize + 1024
 
