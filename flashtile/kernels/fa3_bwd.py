@@ -14,9 +14,10 @@ kernels after D = rowsum(dO o O) (FA2's ``_bwd_preprocess``):
 
   Warp-specialised (``WARP_SPEC``), the two consumer warpgroups own 64 kv rows each
   (``BLOCK_N = 128``): dK/dV reduce over q rows, which stay whole in each consumer.
-  GQA: a program owns one q head; with ``group > 1`` it writes fp32 partial dK, dV of its q
-  head (the host sums each group: Triton 3.6's specialisation takes one loop, so the q heads of
-  a group cannot be a second loop around it);
+  GQA: specialised, a program owns one q head and, with ``group > 1``, writes fp32 partial dK,
+  dV of its q head (the host sums each group: Triton 3.6's specialisation takes one loop, so
+  the q heads of a group cannot be a loop around it); unspecialised (``GROUP_LOOP``), a program
+  owns one kv head and sweeps its group's q heads, dK, dV reduced in registers;
 * ``fa3_bwd_dq_kernel``: one q tile per program, loop over kv tiles (K_j, V_j by descriptor):
   dQ_i += dS K_j, one writer per row (deterministic, no atomics).  ``WARP_SPEC`` does not
   compile with Triton 3.6 (``WSLowerToken.cpp:73`` assertion in ``NVGPUWarpSpecialization``,
@@ -101,20 +102,31 @@ def fa3_bwd_dkdv_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr,
+    CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr, GROUP_LOOP: tl.constexpr,
 ):
-    """1-D grid of B * Hq * cdiv(Nk, BLOCK_N) programs, kv tiles of one q head adjacent.
-    DK, DV are indexed by (batch, q head): the outputs when ``kv_group == 1``, else fp32 partials."""
+    """1-D grid of B * H * cdiv(Nk, BLOCK_N) programs, kv tiles of one head adjacent.  H is the q heads
+    (DK, DV indexed by q head: the outputs when ``kv_group == 1``, else fp32 partials) unless
+    ``GROUP_LOOP`` (unspecialised only): then H is the kv heads and each program sweeps the q heads of
+    its group, dK, dV reduced in registers."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_N % 64 == 0)  # 64 kv rows per consumer warpgroup (wgmma M)
     tl.static_assert(BLOCK_M % 16 == 0)
     tl.static_assert(BLOCK_N == 1 << LOG2_BLOCK_N)
+    tl.static_assert(not (WARP_SPEC and GROUP_LOOP))  # the specialisation pass takes one loop, not two nested
     pid = tl.program_id(0)
     bh = pid // num_n_tiles
     tile = pid % num_n_tiles
-    off_b = (bh // n_heads).to(tl.int64)
-    off_h = (bh % n_heads).to(tl.int64)
-    off_hk = off_h // kv_group
+    if GROUP_LOOP:
+        n_kv_heads = n_heads // kv_group
+        off_b = (bh // n_kv_heads).to(tl.int64)
+        off_hk = (bh % n_kv_heads).to(tl.int64)
+        off_h0 = off_hk * kv_group
+        off_out = off_hk
+    else:
+        off_b = (bh // n_heads).to(tl.int64)
+        off_h0 = (bh % n_heads).to(tl.int64)
+        off_hk = off_h0 // kv_group
+        off_out = off_h0
     start_n = tile * BLOCK_N
     scale_log2 = softmax_scale * _LOG2E
 
@@ -122,13 +134,6 @@ def fa3_bwd_dkdv_kernel(
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
     v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-    q_desc = _head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
-                        HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-    do_desc = _head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
-                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-    LSEh = LSE + bh.to(tl.int64) * seqlen_q
-    Deltah = Delta + bh.to(tl.int64) * seqlen_q
-
     # not from start_n: see the module docstring (the specialisation pass splits this axis)
     offs_n = (tile << LOG2_BLOCK_N) + tl.arange(0, BLOCK_N)
     k = k_desc.load([start_n, 0])
@@ -140,24 +145,39 @@ def fa3_bwd_dkdv_kernel(
     lo, full_lo, _full_hi, hi = q_block_range(start_n, start_n + BLOCK_N, seqlen_q, seqlen_k, -1, 0,
                                               BLOCK_M=BLOCK_M, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
     if WARP_SPEC:  # one branch-free loop: every tile takes the mask when causal
+        q_desc = _head_desc(Q + off_b * stride_qb + off_h0 * stride_qh, seqlen_q, stride_qm,
+                            HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
+        do_desc = _head_desc(DO + off_b * stride_dob + off_h0 * stride_doh, seqlen_q, stride_dom,
+                             HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
+        LSEh = LSE + (off_b * n_heads + off_h0) * seqlen_q
+        Deltah = Delta + (off_b * n_heads + off_h0) * seqlen_q
         for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=True):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift, seqlen_q,
                                 scale_log2, BLOCK_M=BLOCK_M, MASKED=CAUSAL)
-    else:  # the diagonal tiles masked, then the band unmasked
-        for start_m in tl.range(lo, full_lo, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift, seqlen_q,
-                                scale_log2, BLOCK_M=BLOCK_M, MASKED=True)
-        for start_m in tl.range(full_lo, hi, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift, seqlen_q,
-                                scale_log2, BLOCK_M=BLOCK_M, MASKED=False)
+    else:
+        for g in range(0, kv_group if GROUP_LOOP else 1):
+            off_h = off_h0 + g
+            q_desc = _head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
+                                HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
+            do_desc = _head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
+                                 HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
+            LSEh = LSE + (off_b * n_heads + off_h) * seqlen_q
+            Deltah = Delta + (off_b * n_heads + off_h) * seqlen_q
+            # the diagonal tiles masked, then the band unmasked
+            for start_m in tl.range(lo, full_lo, BLOCK_M):
+                start_m = tl.multiple_of(start_m, BLOCK_M)
+                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift,
+                                    seqlen_q, scale_log2, BLOCK_M=BLOCK_M, MASKED=True)
+            for start_m in tl.range(full_lo, hi, BLOCK_M):
+                start_m = tl.multiple_of(start_m, BLOCK_M)
+                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift,
+                                    seqlen_q, scale_log2, BLOCK_M=BLOCK_M, MASKED=False)
 
     dk = dk * softmax_scale
-    _store_rows(DK + off_b * stride_dkb + off_h * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,
+    _store_rows(DK + off_b * stride_dkb + off_out * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,
                 HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
-    _store_rows(DV + off_b * stride_dvb + off_h * stride_dvh, dv, offs_n, stride_dvn, seqlen_k,
+    _store_rows(DV + off_b * stride_dvb + off_out * stride_dvh, dv, offs_n, stride_dvn, seqlen_k,
                 HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D)
 
 

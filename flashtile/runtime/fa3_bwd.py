@@ -181,10 +181,11 @@ def fa3_backward(
     lse = lse.to(dtype=torch.float32).contiguous()
     # plain stores take any strides with unit stride on d; otherwise a buffer and a copy
     dq_buf = dq_ret if dq_ret.stride(-1) == 1 else torch.empty_like(q)
-    if group == 1:
+    group_loop = group > 1 and not cfg.warp_spec  # unspecialised: the group's q heads in the kernel
+    if group == 1 or group_loop:
         dk_buf = dk_ret if dk_ret.stride(-1) == 1 else torch.empty_like(k)
         dv_buf = dv_ret if dv_ret.stride(-1) == 1 else torch.empty_like(v)
-    else:  # fp32 partials per q head, summed per group below (one program per q head: one WS loop)
+    else:  # specialised: fp32 partials per q head, summed per group below (one program per q head: one WS loop)
         dk_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
         dv_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
 
@@ -192,10 +193,10 @@ def fa3_backward(
         _ensure_allocator()
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
         delta = _preprocess(out, dout, b, hq, nq, d)
-        launch_dkdv(q, k, v, dout, lse, delta, dk_buf, dv_buf, scale, causal, cfg)
+        launch_dkdv(q, k, v, dout, lse, delta, dk_buf, dv_buf, scale, causal, cfg, group_loop)
         launch_dq(q, k, v, dout, lse, delta, dq_buf, scale, causal, cfg)
 
-    if group > 1:
+    if group > 1 and not group_loop:
         dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
         dv_ret.copy_(dv_buf.view(b, hk, group, nk, d).sum(2))
     else:
@@ -233,23 +234,25 @@ def _preprocess(out, dout, b, hq, nq, d) -> torch.Tensor:
     return delta
 
 
-def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, cfg: Fa3BwdConfig) -> None:
-    """The dK/dV kernel on checked views; ``dk``, ``dv`` indexed (B, Hq or Hk, Nk, d) (GQA partials: Hq)."""
+def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, cfg: Fa3BwdConfig,
+                group_loop: bool = False) -> None:
+    """The dK/dV kernel on checked views; ``dk``, ``dv`` indexed (B, Hk, Nk, d), or (B, Hq, Nk, d) GQA
+    partials unless ``group_loop`` (unspecialised configs: the kernel sweeps each group's q heads)."""
     from flashtile.kernels.fa3_bwd import fa3_bwd_dkdv_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     num_n_tiles = triton.cdiv(nk, cfg.block_n)
-    grid = (b * hq * num_n_tiles,)
+    grid = (b * (hk if group_loop else hq) * num_n_tiles,)
     if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * Hq * cdiv(Nk, {cfg.block_n}) = {grid[0]} programs exceed the grid's axis 0")
+        raise NotImplementedError(f"B * H * cdiv(Nk, {cfg.block_n}) = {grid[0]} programs exceed the grid's axis 0")
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         hq, hq // hk, nq, nk, num_n_tiles,
-        # HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC
+        # HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC, GROUP_LOOP
         d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_n, cfg.block_n.bit_length() - 1,
-        bool(causal), cfg.warp_spec,
+        bool(causal), cfg.warp_spec, bool(group_loop),
     )
     run_kernel(fa3_bwd_dkdv_kernel, grid, (q, k, v, dout, lse, delta, dk, dv, float(scale)), static,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
