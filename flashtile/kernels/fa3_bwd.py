@@ -18,6 +18,8 @@ kernels after D = rowsum(dO o O) (FA2's ``_bwd_preprocess``):
   dV of its q head (the host sums each group: Triton 3.6's specialisation takes one loop, so
   the q heads of a group cannot be a loop around it); unspecialised (``GROUP_LOOP``), a program
   owns one kv head and sweeps its group's q heads, dK, dV reduced in registers;
+* dQ by fp32 atomics inside the dK/dV loop (``ATOMIC_DQ``, unspecialised configs with
+  ``deterministic=False``; the specialisation pass fails on an atomic in its loop), or
 * ``fa3_bwd_dq_kernel``: one q tile per program, loop over kv tiles (K_j, V_j by descriptor):
   dQ_i += dS K_j, one writer per row (deterministic, no atomics).  ``WARP_SPEC`` does not
   compile with Triton 3.6 (``WSLowerToken.cpp:73`` assertion in ``NVGPUWarpSpecialization``,
@@ -70,8 +72,9 @@ def _store_rows(base, x, offs_r, stride_r, n_rows, HEAD_DIM: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift, seqlen_q, scale_log2,
-               BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+def _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, DQh, stride_dqm, start_m, offs_n, shift, seqlen_q,
+               scale_log2, softmax_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """One q tile [start_m, start_m + BLOCK_M) into the kv tile's dK, dV (transposed orientation)."""
     q = q_desc.load([start_m, 0])
     do = do_desc.load([start_m, 0])
@@ -85,13 +88,19 @@ def _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shi
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dpt = tl.dot(v, do.T)
     dst = pt * (dpt - delta[None, :])
-    dk = tl.dot(dst.to(q.dtype), q, dk)
+    dst = dst.to(q.dtype)
+    dk = tl.dot(dst, q, dk)
+    if ATOMIC_DQ:  # unspecialised only (the pass fails on an atomic in the loop): dQ_i += scale dS K_j, fp32
+        dq = tl.dot(tl.trans(dst), k) * softmax_scale
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = DQh + offs_m.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :]
+        tl.atomic_add(ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles"])
 def fa3_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc,
     softmax_scale,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -99,10 +108,11 @@ def fa3_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr, GROUP_LOOP: tl.constexpr,
+    CAUSAL: tl.constexpr, WARP_SPEC: tl.constexpr, GROUP_LOOP: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """1-D grid of B * H * cdiv(Nk, BLOCK_N) programs, kv tiles of one head adjacent.  H is the q heads
     (DK, DV indexed by q head: the outputs when ``kv_group == 1``, else fp32 partials) unless
@@ -113,6 +123,7 @@ def fa3_bwd_dkdv_kernel(
     tl.static_assert(BLOCK_M % 16 == 0)
     tl.static_assert(BLOCK_N == 1 << LOG2_BLOCK_N)
     tl.static_assert(not (WARP_SPEC and GROUP_LOOP))  # the specialisation pass takes one loop, not two nested
+    tl.static_assert(not (WARP_SPEC and ATOMIC_DQ))  # nor an atomic in it
     pid = tl.program_id(0)
     bh = pid // num_n_tiles
     tile = pid % num_n_tiles
@@ -153,8 +164,9 @@ def fa3_bwd_dkdv_kernel(
         Deltah = Delta + (off_b * n_heads + off_h0) * seqlen_q
         for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=True):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift, seqlen_q,
-                                scale_log2, BLOCK_M=BLOCK_M, MASKED=CAUSAL)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, DQacc, stride_dqm, start_m, offs_n,
+                                shift, seqlen_q, scale_log2, softmax_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_M=BLOCK_M, MASKED=CAUSAL, ATOMIC_DQ=False)
     else:
         for g in range(0, kv_group if GROUP_LOOP else 1):
             off_h = off_h0 + g
@@ -164,15 +176,18 @@ def fa3_bwd_dkdv_kernel(
                                  HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
             LSEh = LSE + (off_b * n_heads + off_h) * seqlen_q
             Deltah = Delta + (off_b * n_heads + off_h) * seqlen_q
+            DQh = DQacc + off_b * stride_dqb + off_h * stride_dqh
             # the diagonal tiles masked, then the band unmasked
             for start_m in tl.range(lo, full_lo, BLOCK_M):
                 start_m = tl.multiple_of(start_m, BLOCK_M)
-                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift,
-                                    seqlen_q, scale_log2, BLOCK_M=BLOCK_M, MASKED=True)
+                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, DQh, stride_dqm, start_m, offs_n,
+                                    shift, seqlen_q, scale_log2, softmax_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                    BLOCK_M=BLOCK_M, MASKED=True, ATOMIC_DQ=ATOMIC_DQ)
             for start_m in tl.range(full_lo, hi, BLOCK_M):
                 start_m = tl.multiple_of(start_m, BLOCK_M)
-                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, start_m, offs_n, shift,
-                                    seqlen_q, scale_log2, BLOCK_M=BLOCK_M, MASKED=False)
+                dk, dv = _dkdv_step(dk, dv, k, v, q_desc, do_desc, LSEh, Deltah, DQh, stride_dqm, start_m, offs_n,
+                                    shift, seqlen_q, scale_log2, softmax_scale, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                    BLOCK_M=BLOCK_M, MASKED=False, ATOMIC_DQ=ATOMIC_DQ)
 
     dk = dk * softmax_scale
     _store_rows(DK + off_b * stride_dkb + off_out * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,

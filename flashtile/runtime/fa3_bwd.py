@@ -4,9 +4,9 @@
 reduction; D = rowsum(dO o O) comes from FA2's preprocess kernel.  It covers what the kernels
 cover: bf16 / fp16, head dims 8..256 in steps of 8, causal (bottom-right) or not, GQA/MQA,
 ragged Nq / Nk, LSE from either forward; anything else raises ``NotImplementedError`` so that a
-dispatcher falls back to :func:`flashtile.runtime.fa2_bwd.fa2_backward`.  Both kernels are
-deterministic (dQ has one writer per row, GQA partials are summed in a fixed order), so
-``deterministic`` changes nothing.  Not wired into the autograd yet: ``ops.autograd._bwd_impl``
+dispatcher falls back to :func:`flashtile.runtime.fa2_bwd.fa2_backward`.  Deterministic (dQ has
+one writer per row, GQA partials are summed in a fixed order) unless the config asks for atomic dQ
+and the caller passes ``deterministic=False``.  Not wired into the autograd yet: ``ops.autograd._bwd_impl``
 calls it where :func:`prefer_hopper_bwd` says so.
 """
 
@@ -40,6 +40,7 @@ class Fa3BwdConfig:
     dq_num_warps: int
     dq_num_stages: int
     dq_warp_spec: bool
+    atomic_dq: bool = False  # unspecialised dK/dV only, when the caller allows non-determinism: dQ by fp32 atomics
 
 
 def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
@@ -161,9 +162,9 @@ def fa3_backward(
     """Gradients (dq, dk, dv) on (B, H, N, d) views, the contract of
     :func:`flashtile.runtime.fa2_bwd.fa2_backward` for the plain case: q, dout, out (B, Hq, Nq, d),
     k, v (B, Hk, Nk, d), lse (B, Hq, Nq) natural log (-inf rows contribute nothing); results in q's
-    dtype, written into ``dq``, ``dk``, ``dv`` when given (any strides).  Always deterministic
-    (``deterministic`` is accepted for the contract).  ``config`` overrides the table (probes)."""
-    del deterministic  # no atomics anywhere: bitwise reproducible either way
+    dtype, written into ``dq``, ``dk``, ``dv`` when given (any strides).  ``deterministic=False``
+    lets an unspecialised config with ``atomic_dq`` accumulate dQ by fp32 atomics in the dK/dV kernel
+    instead of running the dQ kernel.  ``config`` overrides the table (probes)."""
     _check(q, k, v, dout, out, lse)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -189,12 +190,17 @@ def fa3_backward(
         dk_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
         dv_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
 
+    atomic = cfg.atomic_dq and not cfg.warp_spec and not deterministic
     if dev.type == "cuda":
         _ensure_allocator()
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        dq_acc = torch.zeros((b, hq, nq, d), dtype=torch.float32, device=dev) if atomic else None
         delta = _preprocess(out, dout, b, hq, nq, d)
-        launch_dkdv(q, k, v, dout, lse, delta, dk_buf, dv_buf, scale, causal, cfg, group_loop)
-        launch_dq(q, k, v, dout, lse, delta, dq_buf, scale, causal, cfg)
+        launch_dkdv(q, k, v, dout, lse, delta, dk_buf, dv_buf, scale, causal, cfg, group_loop, dq_acc)
+        if atomic:
+            dq_buf.copy_(dq_acc)
+        else:
+            launch_dq(q, k, v, dout, lse, delta, dq_buf, scale, causal, cfg)
 
     if group > 1 and not group_loop:
         dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
@@ -235,9 +241,10 @@ def _preprocess(out, dout, b, hq, nq, d) -> torch.Tensor:
 
 
 def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, cfg: Fa3BwdConfig,
-                group_loop: bool = False) -> None:
+                group_loop: bool = False, dq_acc: torch.Tensor | None = None) -> None:
     """The dK/dV kernel on checked views; ``dk``, ``dv`` indexed (B, Hk, Nk, d), or (B, Hq, Nk, d) GQA
-    partials unless ``group_loop`` (unspecialised configs: the kernel sweeps each group's q heads)."""
+    partials unless ``group_loop`` (unspecialised configs: the kernel sweeps each group's q heads).
+    ``dq_acc``: a zeroed fp32 (B, Hq, Nq, d) buffer that the kernel adds dQ into (unspecialised only)."""
     from flashtile.kernels.fa3_bwd import fa3_bwd_dkdv_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
@@ -249,12 +256,14 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, c
         raise NotImplementedError(f"B * H * cdiv(Nk, {cfg.block_n}) = {grid[0]} programs exceed the grid's axis 0")
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+        *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)),
         hq, hq // hk, nq, nk, num_n_tiles,
-        # HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC, GROUP_LOOP
+        # HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC, GROUP_LOOP, ATOMIC_DQ
         d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_n, cfg.block_n.bit_length() - 1,
-        bool(causal), cfg.warp_spec, bool(group_loop),
+        bool(causal), cfg.warp_spec, bool(group_loop), dq_acc is not None,
     )
-    run_kernel(fa3_bwd_dkdv_kernel, grid, (q, k, v, dout, lse, delta, dk, dv, float(scale)), static,
+    acc = dq_acc if dq_acc is not None else delta  # unread placeholder without atomics
+    run_kernel(fa3_bwd_dkdv_kernel, grid, (q, k, v, dout, lse, delta, dk, dv, acc, float(scale)), static,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

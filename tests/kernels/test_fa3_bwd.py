@@ -110,6 +110,19 @@ def test_interpreter_matches_oracle(causal, nq, nk, warp_spec):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("causal", [False, True])
+def test_interpreter_atomic_dq(causal):
+    """dQ by fp32 atomics in the unspecialised dK/dV kernel (GQA group loop, ragged tails); with
+    ``deterministic=True`` the same config runs the dQ kernel instead."""
+    cfg = Fa3BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1, False, atomic_dq=True)
+    q, k, v, do = inputs(1, 4, 2, 90, 75, 32, F16, "cpu", seed=3)
+    for deterministic in (False, True):
+        got, ref, visible = run(q, k, v, do, causal=causal, config=cfg, deterministic=deterministic)
+        assert_grads(got, ref)
+        assert_exact_zeros(got, visible)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
 @pytest.mark.parametrize("d", [64, 256])
 def test_interpreter_table_tiles(d):
     """The table's own tiles (128-row kv tiles with specialisation at d = 64, 8-warp 32 x 64 at d = 256),
@@ -183,6 +196,21 @@ def test_gpu_fp16_flash_layout_and_agrees_with_fa2(d):
     fa2 = fa2_backward(do, q, k, v, out.to("cuda", F16), lse.to("cuda", F32), softmax_scale=d ** -0.5, causal=True,
                        deterministic=True)
     assert_grads(got, Ref(*fa2, ref.slack))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_atomic_dq(d, causal):
+    """The unspecialised dK/dV kernel with dQ by atomics (``deterministic=False``), GQA."""
+    cfg = Fa3BwdConfig(64, 128, 8, 2, False, 128, 64, 8, 2, False, atomic_dq=True) if d <= 128 else \
+        Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False, atomic_dq=True)
+    q, k, v, do = inputs(2, 4, 2, 1500, 1300, d, BF16, "cuda", seed=d)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg, deterministic=False)
+    torch.cuda.synchronize()
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
 
 
 @pytest.mark.gpu
