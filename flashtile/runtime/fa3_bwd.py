@@ -84,14 +84,17 @@ def hopper_bwd_wins(d: int, causal: bool, nk: int) -> bool:
 
 
 def prefer_hopper_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, *, causal: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool,
     window: tuple[int, int], plain: bool, capability: tuple[int, int] | None = None,
 ) -> bool:
     """Whether the backward on (B, H, N, d) views runs the Hopper kernels instead of FA2's.
 
     ``plain``: no softcap, ALiBi, bias, dropout or block mask; the window must be unbounded, or
-    causal; every tensor descriptor-ready (``dout`` is the one most likely not to be); then
-    :func:`hopper_bwd_wins` decides."""
+    causal; q, k, v, dout descriptor-ready (``dout`` is the one most likely not to be; O is read by
+    pointers); then :func:`hopper_bwd_wins` decides.  Called from ``ops.autograd._bwd_impl`` as
+    ``prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain)``
+    with ``plain`` as in ``_fwd_impl``, then ``fa3_backward(dob, qb, kb, vb, ob, lse, softmax_scale=...,
+    causal=causal, deterministic=deterministic, dq=..., dk=..., dv=...)`` on the same (B, H, N, d) views."""
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window

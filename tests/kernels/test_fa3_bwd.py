@@ -85,8 +85,8 @@ def test_refuses_what_it_does_not_cover():
 
 def test_prefer_hopper_bwd_off_the_gpu():
     q = torch.zeros(1, 1, 16, 64, dtype=BF16)
-    assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, q, causal=False, window=(-1, -1), plain=True)
-    assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, q, causal=False, window=(-1, -1), plain=True,
+    assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True)
+    assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True,
                                          capability=(9, 0))  # a CPU tensor
     assert not fa3_bwd.hopper_bwd_wins(128, False, 4096)  # no H100 timings yet: FA2's backward everywhere
 
