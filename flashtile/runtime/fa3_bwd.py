@@ -12,6 +12,7 @@ calls it where :func:`prefer_hopper_bwd` says so.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -196,7 +197,7 @@ def fa3_backward(
     atomic = cfg.atomic_dq and not cfg.warp_spec and not deterministic
     if dev.type == "cuda":
         _ensure_allocator()
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         dq_acc = torch.zeros((b, hq, nq, d), dtype=torch.float32, device=dev) if atomic else None
         delta = _preprocess(out, dout, b, hq, nq, d)
         launch_dkdv(q, k, v, dout, lse, delta, dk_buf, dv_buf, scale, causal, cfg, group_loop, dq_acc)
@@ -216,14 +217,6 @@ def fa3_backward(
     if dq_buf is not dq_ret:
         dq_ret.copy_(dq_buf)
     return dq_ret, dk_ret, dv_ret
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _preprocess(out, dout, b, hq, nq, d) -> torch.Tensor:
