@@ -229,9 +229,10 @@ def _preprocess(out, dout, b, hq, nq, d) -> torch.Tensor:
     delta = torch.empty(b, hq, nq, dtype=torch.float32, device=out.device)
     wide = max(nq * out.stride(2), nq * dout.stride(2)) >= 2**31
     run_kernel(
-        _bwd_preprocess, fold_grid(triton.cdiv(nq, block), b * hq), (out, dout, delta),
+        _bwd_preprocess, fold_grid(triton.cdiv(nq, block), b * hq), (out, dout, delta, delta),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, b * hq, nq, d, max(16, triton.next_power_of_2(d)), block, False, wide), num_warps=4, num_stages=1,
+         hq, b * hq, nq, nq, d, max(16, triton.next_power_of_2(d)), block, False, wide, False),
+        num_warps=4, num_stages=1,
     )
     return delta
 
