@@ -205,12 +205,20 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
               softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
     from flashtile.runtime.fa2_bwd import fa2_backward
+    from flashtile.runtime.fa3_bwd import fa3_backward, prefer_hopper_bwd
 
     if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
         dout = dout.contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
+    dob, qb, kb, vb = _bhnd(dout, seq_major), _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
+    if prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain):
+        fa3_backward(dob, qb, kb, vb, _bhnd(out, seq_major), lse, softmax_scale=softmax_scale, causal=causal,
+                     deterministic=deterministic, dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major),
+                     dv=_bhnd(dv, seq_major))
+        return dq, dk, dv
     fa2_backward(
         _bhnd(dout, seq_major), _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major),
         _bhnd(out, seq_major), lse,
