@@ -100,3 +100,18 @@ def test_gpu_tile_sweep_one_point(tmp_path):
     assert all(("us" in c) != ("error" in c) for c in point["configs"])
     assert point["heuristic_us"] is not None and point["best"][0]["us"] <= point["heuristic_us"]
     assert Path(payload["path"]).exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, tokens, rotary", [("rotary", 1, True), ("q_len 4", 4, False)])
+def test_gpu_feature_point_small(name, tokens, rotary):
+    """A feature point at a small size (B 2, 1k cache): our providers are timed (clean L2 and do_bench)
+    with their ratio, and FA3, where importable, agrees with us on the same arguments."""
+    from flashtile.bench.decode import feature_point
+
+    row = feature_point(name, 2, 1024, tokens, rotary)
+    ours = ("flashtile", "flashtile-rotary") if rotary else ("flashtile", "flashtile-1tok")
+    assert all(row["ms_clean_l2"][p] > 0 and row["ms"][p] > 0 for p in ours), row
+    assert ("rotary/plain" if rotary else "4tok/1tok") in row["speedup"]
+    for peer, err in row["err"].items():
+        assert err < 2e-2, (peer, err)
