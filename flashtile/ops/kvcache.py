@@ -234,8 +234,10 @@ def _check_varlen_q(cu_seqlens_q: object, max_seqlen_q: object, q: object) -> tu
             + (str(tuple(cu_seqlens_q.shape)) if isinstance(cu_seqlens_q, torch.Tensor) else type(cu_seqlens_q).__name__)
         )
     _check_index_vector(cu_seqlens_q, "cu_seqlens_q", q, cu_seqlens_q.shape[0], "(batch + 1,)")
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
-        raise ValueError(f"max_seqlen_q must be an int >= 1 with cu_seqlens_q, got {max_seqlen_q!r}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or not 1 <= max_seqlen_q <= max(q.shape[0], 1):
+        raise ValueError(
+            f"max_seqlen_q must be an int in [1, total_q = q.shape[0] = {q.shape[0]}] with cu_seqlens_q, got {max_seqlen_q!r}"
+        )
     return cu_seqlens_q.shape[0] - 1, max_seqlen_q
 
 
@@ -398,6 +400,8 @@ def prepare_call(
     left, right = validate.unbind_window(left, right, dims.seqlen_q, capacity)  # L_b <= capacity
     rotary = _check_rotary(rotary_cos, rotary_sin, q, dims.head_dim, n_new, capacity, rotary_interleaved, local)
     features = KVFeatures(cache_batch_idx is not None, cache_leftpad is not None, varlen, rotary)
+    if features == NO_FEATURES:
+        features = NO_FEATURES  # the per-call path tests identity
     _seqlens_check(cache_seqlens, q, dims.batch)
     if not isinstance(cache_seqlens, torch.Tensor):  # an int or None: checked on the host, for free
         _check_lengths([capacity if cache_seqlens is None else cache_seqlens], n_new, capacity, None, 0, 0)

@@ -255,6 +255,7 @@ BAD = [
     ("cu_seqlens_q", lambda a: {**_varlen(a), "cu_seqlens_q": ints([0, 2, 2], a["q"].device), "debug": True},
      ValueError),
     ("max_seqlen_q", lambda a: {**_varlen(a), "max_seqlen_q": None}, ValueError),
+    ("max_seqlen_q", lambda a: {**_varlen(a), "max_seqlen_q": 3}, ValueError),
     ("max_seqlen_q", lambda a: dict(max_seqlen_q=2), ValueError),
     ("3-D", lambda a: {**_varlen(a), "q": a["q"]}, ValueError),
 ]
@@ -348,3 +349,18 @@ def test_gpu_cuda_graph_rotary_batch_idx_leftpad_varlen():
                            cache_batch_idx=new_rows, cache_leftpad=new_pads, cu_seqlens_q=new_cu, causal=True)
         assert_close(eager, ref[0], dt, dev, "out")
     check_errors()
+
+
+def test_plain_calls_keep_the_plain_path(device):
+    """A call without the optional inputs records the shared NO_FEATURES (the per-call path tests
+    identity to skip gathering their tensors) and binds the kernels with every feature switch off."""
+    from flashtile.ops import kvcache as op
+    from flashtile.runtime.decode import NO_FEATURES
+
+    a = _base(device)
+    plain = dict(q=a["q"], k_cache=a["k_cache"][:2], v_cache=a["v_cache"][:2], cache_seqlens=a["cache_seqlens"])
+    flash_attn_with_kvcache(**plain, causal=True, softcap=1.5)
+    call = next(c for key, c in op._CALLS.items() if key[-7:] == ((None,),) * 5 + (type(None), None) and c.softcap == 1.5)
+    assert call.features is NO_FEATURES
+    static = dict(call.launch.arguments["fused"].static)
+    assert not any(static[n] for n in ("HAS_BATCH_IDX", "HAS_LEFTPAD", "VARLEN_Q", "ROTARY"))
