@@ -36,7 +36,8 @@ decoding step that appends its new tokens, causal, with and without the options 
   ``flashtile-rotary`` (``speedup["rotary/plain"]``: the cost of the fused rotary, target <= 5 %),
   ``fa3`` / ``fa3-rotary``;
 * ``q_len 4``: B 32, 8k cache, 4 query tokens and 4 new keys (speculative step): ``flashtile``,
-  ``fa3``, and our 1-token step on the same cache (``flashtile-1tok``: what packing 4 tokens costs).
+  ``fa3``, and our 1-token step on the same cache (``flashtile-1tok``: what packing 4 tokens costs);
+* ``q_len 16, Hq 64``: B 8, 8k cache, 16 tokens of a GQA group of 8 (128 packed rows, one 128-row tile).
 Throughput is the rate the K/V cache is read, ``2 B L Hk d * 2 bytes / time``,
 compared with a device-to-device copy measured in the same run (bytes read
 + written per second): decoding is a streaming read of the cache, so the copy
@@ -299,8 +300,10 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
     return row
 
 
-# (name, batch, cache, query tokens = new tokens, rotary)
-FEATURE_POINTS = (("rotary", 64, 4096, 1, True), ("q_len 4", 32, 8192, 4, False))
+# (name, batch, cache, query tokens = new tokens, rotary, q heads): Hk 8, d 128 throughout
+FEATURE_POINTS = (
+    ("rotary", 64, 4096, 1, True, HQ), ("q_len 4", 32, 8192, 4, False, HQ), ("q_len 16, Hq 64", 8, 8192, 16, False, 64),
+)
 
 
 def _fa3_kvcache():
@@ -312,14 +315,14 @@ def _fa3_kvcache():
     return fa3.flash_attn_with_kvcache, None
 
 
-def feature_point(name: str, batch: int, cache: int, n_tok: int, rotary: bool) -> dict:
+def feature_point(name: str, batch: int, cache: int, n_tok: int, rotary: bool, hq: int = HQ) -> dict:
     """One :data:`FEATURE_POINTS` entry: do_bench and clean-L2 medians (ms) of each provider, their
     errors against ``flashtile`` with the same arguments, and the ratios."""
     from flashtile.ops.kvcache import flash_attn_with_kvcache
 
     torch.manual_seed(batch + cache + n_tok)
     dt = torch.bfloat16
-    q = torch.randn(batch, n_tok, HQ, D, device="cuda", dtype=dt)
+    q = torch.randn(batch, n_tok, hq, D, device="cuda", dtype=dt)
     k_cache = torch.randn(batch, cache, HK, D, device="cuda", dtype=dt)
     v_cache = torch.randn_like(k_cache)
     k_new = torch.randn(batch, n_tok, HK, D, device="cuda", dtype=dt)
@@ -344,7 +347,7 @@ def feature_point(name: str, batch: int, cache: int, n_tok: int, rotary: bool) -
         fns["fa3"] = lambda: first(fa3(q, k_cache, v_cache, **kw))
         if rotary:
             fns["fa3-rotary"] = lambda: first(fa3(q, k_cache, v_cache, **kw, **rot))
-    row = {"name": name, "batch": batch, "cache": cache, "tokens": n_tok, "rotary": rotary, "ms": {}, "ms_clean_l2": {},
+    row = {"name": name, "batch": batch, "cache": cache, "tokens": n_tok, "rotary": rotary, "heads_q": hq, "ms": {}, "ms_clean_l2": {},
            "err": {}, "unavailable": {} if fa3 is not None else {"fa3": why}}
     outs = {}
     for prov, fn in fns.items():

@@ -534,7 +534,7 @@ def flash_attn_with_kvcache(
     ``cache_leftpad`` int32 (B,): element b's keys start at ``cache_leftpad[b]`` (earlier keys are
     masked; masks and ALiBi are still aligned to the cache end).  Neither combines with
     ``block_table`` (as in flash-attn 2).  Queries of 1-16 tokens run in one kernel (all
-    tokens of a kv head's GQA group packed into one row tile up to 64 rows); ragged queries
+    tokens of a kv head's GQA group packed into one row tile up to 128 rows); ragged queries
     (FA3's extension, keyword-only): ``cu_seqlens_q`` int32 (B + 1,) and ``max_seqlen_q`` with q
     (total_q, Hq, d); out is then (total_q, Hq, d) and lse (Hq, total_q), element b's tokens are
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and the causal mask is aligned to its own count.

@@ -78,7 +78,10 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
 
     BLOCK_M: the packed rows rounded up to a power of two, at least 16 (the
     MMA minimum; Hq 32 / Hk 8 decoding has 4 rows, so 16 is the flat-GEMM
-    tile) and at most 64 (beyond, the row tiles become a grid dimension).
+    tile) and at most 128 (beyond, the row tiles become a grid dimension).
+    65-128 rows (a GQA group of 8 with 9-16 query tokens) take one 128-row tile
+    on 8 warps, so the kv head's K/V are read once, not once per 64-row tile
+    (not yet timed against two 64-row tiles: ``flashtile bench decode --features``).
     BLOCK_N: keys per tile; K/V tiles of ``BLOCK_N * d`` elements are the only
     large loads, so 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per
     operand in flight per stage with 3 stages (on an H100 no tile, warp or
@@ -86,13 +89,15 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
     small test caches span many tiles.
     """
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
     if interpreting(device):
         block_n, warps, stages = 16, 4, 1
     elif d <= 64:
         block_n, warps, stages = 128, 4, 3
     else:
         block_n, warps, stages = 64, 4, 3
+    if block_m > 64 and not interpreting(device):
+        warps = 8  # a 128 x d fp32 accumulator on 4 warps would spill
     if page_size is not None:
         block_n = min(block_n, _lowbit(page_size))
     return block_m, block_n, warps, stages

@@ -191,6 +191,24 @@ def test_multi_token_matches_token_by_token(device):
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
 
 
+def test_gqa8_sixteen_tokens_in_one_tile(device):
+    """A GQA group of 8 with 16 tokens (128 packed rows) runs as one row tile per kv head, causal,
+    with rotary and a window, split in 2."""
+    from flashtile.runtime.decode import decode_plan
+
+    b, n, hq, hk, d, nq = 1, 48, 8, 1, 16, 16
+    assert decode_plan(b, nq, hq, hk, d, None, n, 2, torch.device(device)).row_tiles == 1
+    kc, vc = rand(b, n, hk, d, device=device, seed=90), rand(b, n, hk, d, device=device, seed=91)
+    k, v = rand(b, nq, hk, d, device=device, seed=92), rand(b, nq, hk, d, device=device, seed=93)
+    q = rand(b, nq, hq, d, device=device, seed=94)
+    cos, sin = tables(n, 4, device, seed=95)
+    ref = kvcache_step(q.cpu(), kc.cpu(), vc.cpu(), k.cpu(), v.cpu(), [20], rotary=(cos.cpu(), sin.cpu(), True),
+                       causal=True, window_size=(12, 0))
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, 20, causal=True, window_size=(12, 0), num_splits=2,
+                                       return_lse=True)
+    _check(out, lse, kc, vc, ref, device)
+
+
 # --------------------------------------------------------------------------- #
 # untrusted values, bad arguments
 # --------------------------------------------------------------------------- #
