@@ -333,6 +333,26 @@ def test_gpu_bf16_paged_rotary_multi_token(interleaved):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 1])
+def test_gpu_bf16_gqa8_sixteen_tokens(splits):
+    """bf16, Hq 64 / Hk 8, 16 query tokens: 128 packed rows in one tile on 8 warps; 4k cache, causal,
+    leftpad and batch index, heuristic and single split."""
+    dev, dt = "cuda", torch.bfloat16
+    b, n, hq, hk, d, nq = 3, 4096, 64, 8, 128, 16
+    kc, vc = rand(4, n, hk, d, device=dev, seed=100, dtype=dt), rand(4, n, hk, d, device=dev, seed=101, dtype=dt)
+    k, v = rand(b, nq, hk, d, device=dev, seed=102, dtype=dt), rand(b, nq, hk, d, device=dev, seed=103, dtype=dt)
+    q = rand(b, nq, hq, d, device=dev, seed=104, dtype=dt)
+    lens, rows, pads = ints([0, 2000, n - nq], dev), ints([3, 1, 0], dev), ints([0, 700, 4000], dev)
+    ref = kvcache_step(q.cpu(), kc.cpu(), vc.cpu(), k.cpu(), v.cpu(), lens.tolist(), cache_batch_idx=rows.tolist(),
+                       cache_leftpad=pads.tolist(), causal=True)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=rows, cache_leftpad=pads,
+                                       causal=True, num_splits=splits, return_lse=True)
+    assert_close(out, ref[0], dt, dev, "out")
+    assert_close(lse, ref[1], dt, dev, "lse")
+    check_errors()
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_rotary_batch_idx_leftpad_varlen():
     """One captured step with rotary, cache_batch_idx, cache_leftpad and ragged queries, replayed with
     new cache_seqlens / cache_batch_idx / cache_leftpad / cu_seqlens_q values written in place: each
