@@ -11,6 +11,8 @@ Layers (each importable on its own):
 * :mod:`flashtile.runtime` — their host side: plans, launches bound once per signature, device buffers.
 * :mod:`flashtile.ops` — the PyTorch API re-exported here: flash-attn-compatible functions and an
   SDPA drop-in, differentiable and traceable by ``torch.compile``.
+* :mod:`flashtile.distributed` — context parallelism over ``torch.distributed``: ring attention and
+  all-to-all (Ulysses) head parallelism on sequence shards.
 
 The kernel-backed names are imported on first use: Triton reads ``TRITON_INTERPRET``
 when a kernel module is imported, so a CPU-only program (the CLI, the tests) can
@@ -26,9 +28,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "cascade_attention_with_kvcache": "flashtile.ops.cascade",
     "check_errors": "flashtile.ops.kvcache",
+    "contiguous_shard": "flashtile.distributed.sharding",
+    "contiguous_unshard": "flashtile.distributed.sharding",
     "flash_attn_func": "flashtile.ops.flash_attn",
     "flash_attn_kvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_qkvpacked_func": "flashtile.ops.flash_attn",
+    "flash_attn_varlen_func": "flashtile.ops.flash_attn",
+    "flash_attn_varlen_kvpacked_func": "flashtile.ops.flash_attn",
+    "flash_attn_varlen_qkvpacked_func": "flashtile.ops.flash_attn",
     "flash_attn_with_kvcache": "flashtile.ops.kvcache",
     "hadamard_rotate": "flashtile.fp8",
     "merge_attention_states": "flashtile.ops.cascade",
@@ -36,7 +43,13 @@ _LAZY = {
     "quantize_per_block": "flashtile.fp8",
     "quantize_per_head": "flashtile.fp8",
     "quantize_per_tensor": "flashtile.fp8",
+    "ring_flash_attn_func": "flashtile.distributed.ring",
+    "ring_flash_attn_kvpacked_func": "flashtile.distributed.ring",
+    "ring_flash_attn_qkvpacked_func": "flashtile.distributed.ring",
     "scaled_dot_product_attention": "flashtile.ops.sdpa",
+    "ulysses_flash_attn_func": "flashtile.distributed.ulysses",
+    "zigzag_shard": "flashtile.distributed.sharding",
+    "zigzag_unshard": "flashtile.distributed.sharding",
 }
 
 __all__ = ["BlockMask", *_LAZY]

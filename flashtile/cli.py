@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation|ring|train]`."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         console.print("[red]`flashtile bench attention` needs a CUDA GPU[/red]")
         return 2
+    if getattr(args, "varlen", False):
+        return _bench_attention_varlen(args, console)
     grid = list(ab.default_grid(head_dims=args.head_dims, seqlens=args.seqlens))
     if args.causal != "both":
         grid = [g for g in grid if g[4] == (args.causal == "yes")]
@@ -73,6 +75,34 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
             console.print(f"wrote {png}")
         except ImportError:
             console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
+def _bench_attention_varlen(args: argparse.Namespace, console) -> int:
+    """`flashtile bench attention --varlen`: a packed 64k-token batch (lengths 128..8k)."""
+    from rich.table import Table
+
+    from flashtile.bench import attention as ab
+    from flashtile.bench.common import write_json
+
+    head_dims = args.head_dims if args.head_dims != [64, 128] else [128]
+    causal_modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    payloads = [ab.run_varlen(head_dim=d, heads=2048 // d, modes=args.modes, causal_modes=causal_modes)
+                for d in head_dims]
+    for payload in payloads:
+        fixed = payload["fixed_batch"]
+        table = Table(title=f"packed batch: {len(payload['lengths'])} sequences, {sum(payload['lengths'])} tokens, "
+                            f"d={payload['head_dim']}, H={payload['heads']} (fixed: {fixed['batch']}x{fixed['seqlen']}, "
+                            f"{fixed['flops_ratio']:.2f}x the FLOPs); TFLOP/s on {payload['env']['device']}")
+        for col in ("causal", "mode", *ab.VARLEN_PROVIDERS):
+            table.add_column(col, justify="right")
+        for p in payload["points"]:
+            t = p["tflops"]
+            table.add_row("y" if p["causal"] else "n", p["mode"],
+                          *[f"{t[n]:.0f}" if t.get(n) else "—" for n in ab.VARLEN_PROVIDERS])
+        console.print(table)
+    path = write_json({"env": payloads[0]["env"], "runs": payloads}, args.out, "attention-varlen")
+    console.print(f"wrote {path}")
     return 0
 
 
@@ -287,6 +317,86 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     return 0
 
 
+def ring_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command `flashtile bench ring` runs: one process per GPU, the options passed through."""
+    from flashtile.bench.ring import to_argv
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            "-m", "flashtile.bench.ring", *to_argv(args)]
+
+
+def _cmd_bench_ring(args: argparse.Namespace) -> int:
+    import subprocess
+
+    import torch
+
+    if torch.cuda.device_count() < 2 and args.nproc > 1:
+        print(f"`flashtile bench ring` needs {args.nproc} CUDA GPUs, found {torch.cuda.device_count()}")
+        return 2
+    return subprocess.call(ring_command(args))
+
+
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not torch.cuda.is_available() and not args.quick:
+        console.print("[red]`flashtile bench train` needs a CUDA GPU (or --quick: the tiny CPU smoke run)[/red]")
+        return 2
+    _use_interpreter_without_gpu()
+    from pathlib import Path
+
+    from flashtile.bench.train import plot, run_train_bench
+
+    shape = {k: v for k, v in (("batch", args.batch), ("seqlen", args.seqlen)) if v is not None}
+    try:
+        with console.status("training / inference benchmark") as status:
+            payload = run_train_bench(args.out, size=args.size, quick=args.quick,
+                                      providers=args.providers, progress=lambda what: status.update(str(what)),
+                                      **shape)
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    sh = payload["shape"]
+    table = Table(title=f"{payload['size']} model ({payload['params'] / 1e9:.2f}B params, {payload['dtype']}) "
+                        f"on {payload['env']['device']}: training step")
+    for c in ("layout", "provider", "ms", "k tokens/s", "peak GiB", "loss", "error"):
+        table.add_column(c, justify="right")
+
+    def fmt(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "—"
+
+    for r in payload["train_packed"]:
+        table.add_row(f"packed {sh['batch']}x{sh['seqlen']}", r["provider"], fmt(r.get("ms"), ".1f"),
+                      fmt((r.get("tokens_per_s") or 0) / 1e3 or None, ".1f"), fmt(r.get("peak_gib"), ".1f"),
+                      fmt(r.get("loss"), ".5f"), r.get("error") or "")
+    for r in payload["train_unpadded"]:
+        table.add_row(f"unpadded {r['batch']}x{r['seqlen']}", r["provider"], fmt(r.get("ms"), ".1f"),
+                      fmt((r.get("tokens_per_s") or 0) / 1e3 or None, ".1f"), fmt(r.get("peak_gib"), ".1f"),
+                      fmt(r.get("loss"), ".5f"), r.get("error") or "")
+    console.print(table)
+    inf = Table(title=f"inference: prefill {sh['batch']}x{sh['prompt']}, greedy decoding of {sh['new_tokens']} tokens")
+    for c in ("provider", "prefill ms", "prefill k tokens/s", "decode ms/token", "peak GiB", "error"):
+        inf.add_column(c, justify="right")
+    for r in payload["inference"]:
+        inf.add_row(r["provider"], fmt(r.get("prefill_ms"), ".1f"), fmt((r.get("prefill_tokens_per_s") or 0) / 1e3 or None, ".1f"),
+                    fmt(r.get("decode_ms_per_token"), ".2f"), fmt(r.get("peak_gib"), ".1f"), r.get("error") or "")
+    console.print(inf)
+    console.print("flashtile speed / peer speed: " + str({k: {p: round(x, 3) for p, x in v.items()}
+                                                         for k, v in payload["ratios"].items()}))
+    console.print(f"wrote {payload['path']}")
+    if not args.no_plot:
+        try:
+            png = Path(payload["path"]).with_suffix(".png")
+            plot(payload, png)
+            console.print(f"wrote {png}")
+        except ImportError:
+            console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
 def tune_points(args: argparse.Namespace) -> list:
     """The sweep `flashtile bench tune` runs for parsed ``args`` (``--fwd`` / ``--bwd``; neither: both)."""
     from flashtile.bench.tune import MODES, tune_sweep
@@ -294,6 +404,12 @@ def tune_points(args: argparse.Namespace) -> list:
     modes = [m for m in MODES if getattr(args, m)] or list(MODES)
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     return tune_sweep(modes, args.head_dims, args.seqlens, causal)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--out", default="bench/results")
     att.add_argument("--name", default="attention", help="result file stem (<name>_<device>.json)")
     att.add_argument("--no-plot", action="store_true")
+    att.add_argument("--varlen", action="store_true",
+                     help="instead of the grid: a packed batch of 64k tokens (lengths 128..8k) through "
+                          "flash_attn_varlen_func vs a fixed-length batch of equal FLOPs and FlexAttention "
+                          "with a document mask (d from --head-dims, default 128)")
     att.set_defaults(func=_cmd_bench_attention)
     dec = bsub.add_parser("decode", help="split-KV decoding (contiguous and paged cache) vs SDPA flash/cuDNN")
     dec.add_argument("--out", default="bench/results")
@@ -361,8 +481,28 @@ def build_parser() -> argparse.ArgumentParser:
     fp8.add_argument("--kernels", action="store_true", help="also run our bf16 / FP8 kernels and FA3's FP8 (GPU)")
     fp8.add_argument("--out", default="bench/results")
     fp8.set_defaults(func=_cmd_bench_fp8_error)
+    ring = bsub.add_parser("ring", help="ring / Ulysses context parallelism on P GPUs (torchrun) vs one GPU and "
+                                        "torch's context_parallel (launches torchrun)")
+    from flashtile.bench.ring import add_arguments as ring_arguments
+
+    ring.add_argument("--nproc", type=int, default=max(2, _gpu_count()), help="GPUs (processes) to run on")
+    ring_arguments(ring)
+    ring.set_defaults(func=_cmd_bench_ring)
+    trn = bsub.add_parser("train", help="a ~1B Llama-style model through transformers: training step on packed documents "
+                                        "(flashtile varlen vs SDPA padded vs FlexAttention document mask), unpadded "
+                                        "steps, prefill and decoding")
+    from flashtile.bench.train import PROVIDERS as TRAIN_PROVIDERS, SIZES
+
+    trn.add_argument("--providers", nargs="+", default=list(TRAIN_PROVIDERS), choices=list(TRAIN_PROVIDERS))
+    trn.add_argument("--size", choices=list(SIZES), default=None, help="model shape (default 1b; --quick: tiny)")
+    trn.add_argument("--quick", action="store_true", help="tiny model and shapes: a CPU smoke run through the interpreter")
+    trn.add_argument("--batch", type=int, default=None, help="rows of the packed step and of the inference batch")
+    trn.add_argument("--seqlen", type=int, default=None, help="tokens per packed row (default 8192; --quick: 64)")
+    trn.add_argument("--out", default="bench/results")
+    trn.add_argument("--no-plot", action="store_true")
+    trn.set_defaults(func=_cmd_bench_train)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
-                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot")})
+                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot", "varlen")})
     return p
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "assert_close",
     "attention_ref",
     "attention_ref_grads",
+    "attention_varlen_ref",
+    "attention_varlen_ref_grads",
     "backend",
     "grads_ref",
     "rounding_slack",
@@ -265,6 +267,64 @@ def attention_ref_grads(
     q, k, v = (x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v))
     out, lse = attention_ref(q, k, v, **kwargs)
     dq, dk, dv = grads_ref(out, (q, k, v), dout)
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def _seq_keys(x: torch.Tensor, lo: int, hi: int, b: int, block_table: torch.Tensor | None) -> torch.Tensor:
+    """Rows [lo, hi) of a packed (total, H, d) tensor, or the first hi - lo rows of sequence b's
+    pages (pages, page_size, H, d) under ``block_table`` (B, max_pages)."""
+    if block_table is None:
+        return x[lo:hi]
+    n = hi - lo
+    pages = block_table[b, : -(-n // x.shape[1])].long().to(x.device)
+    return x[pages].reshape(-1, *x.shape[2:])[:n]
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Sequence[int] | torch.Tensor,
+    cu_seqlens_k: Sequence[int] | torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (variable-length) :func:`attention_ref`: q (total_q, Hq, d), k / v (total_k, Hk, d), or
+    paged (pages, page_size, Hk, d) with ``block_table``; sequence b is rows [cu_q[b], cu_q[b + 1]) of q
+    and [cu_k[b], cu_k[b + 1]) of k (paged: keys 0 .. cu_k[b + 1] - cu_k[b] - 1 of its pages), attended
+    on its own with every alignment taken in its own lengths.  ``alibi`` (Hq,) or (B, Hq); ``keep``
+    (B, Hq, >= Lq_b, >= Lk_b), sequence b reading its top-left corner.  Returns (out (total_q, Hq, d),
+    lse (Hq, total_q)) in float64, differentiable in q, k, v."""
+    cu_q = [int(x) for x in torch.as_tensor(cu_seqlens_q).tolist()]
+    cu_k = [int(x) for x in torch.as_tensor(cu_seqlens_k).tolist()]
+    outs, lses = [], []
+    hq, d = q.shape[1], q.shape[2]
+    for b in range(len(cu_q) - 1):
+        qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1).unsqueeze(0)
+        kb = _seq_keys(k, cu_k[b], cu_k[b + 1], b, block_table).transpose(0, 1).unsqueeze(0)
+        vb = _seq_keys(v, cu_k[b], cu_k[b + 1], b, block_table).transpose(0, 1).unsqueeze(0)
+        slopes = alibi if alibi is None or alibi.dim() == 1 else alibi[b : b + 1]
+        kp = None if keep is None else keep[b : b + 1, :, : qb.shape[2], : kb.shape[2]]
+        o, l = attention_ref(qb, kb, vb, alibi=slopes, keep=kp, **kwargs)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    if not outs:
+        return q.new_zeros((0, hq, d), dtype=torch.float64), q.new_zeros((hq, 0), dtype=torch.float64)
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def attention_varlen_ref_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cu_seqlens_q, cu_seqlens_k, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, dq, dk, dv) in float64: :func:`attention_varlen_ref` and its gradients against ``dout``
+    (rows of k / v outside every sequence get gradient 0)."""
+    q, k, v = (x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v))
+    out, lse = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.to(out.device, out.dtype), allow_unused=True)
+    dq, dk, dv = (torch.zeros_like(x) if g is None else g for x, g in ((q, dq), (k, dk), (v, dv)))
     return out.detach(), lse.detach(), dq, dk, dv
 
 

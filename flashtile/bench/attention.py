@@ -330,3 +330,128 @@ def plot(payload: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- #
+# Packed (variable-length) batches: `flashtile bench attention --varlen`
+# --------------------------------------------------------------------------- #
+VARLEN_PROVIDERS = ("flashtile-varlen", "flashtile-fixed", "flex-document")
+
+
+def varlen_lengths(total: int = 65536, lo: int = 128, hi: int = 8192, seed: int = 0) -> list[int]:
+    """Sequence lengths drawn log-uniformly from [lo, hi] until they sum to ``total`` (the last one is
+    cut to fit and dropped if that leaves it shorter than ``lo``, its tokens going to the one before)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        u = float(torch.rand((), generator=gen))
+        lens.append(int(round(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))))
+    lens[-1] -= sum(lens) - total
+    if lens[-1] < lo and len(lens) > 1:
+        last = lens.pop()
+        lens[-1] += last
+    return lens
+
+
+def equal_flops_batch(lens: list[int], multiple: int = 128) -> tuple[int, int]:
+    """(batch, seqlen) of a fixed-length batch with about the attention FLOPs of ``lens``
+    (sum L^2 = B N^2): N the root-mean-square length rounded to ``multiple``, B rounded to match."""
+    sq = sum(n * n for n in lens)
+    n = max(multiple, int(round(math.sqrt(sq / len(lens)) / multiple)) * multiple)
+    return max(1, int(round(sq / (n * n)))), n
+
+
+def _attn_flops(sq_sum: float, heads: int, d: int, causal: bool, mode: str) -> float:
+    f = 4.0 * heads * d * sq_sum / (2 if causal else 1)
+    return f * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def _flex_document_fn(lens: list[int], causal: bool, device):
+    """FlexAttention over the packed batch as one sequence with a document mask (one compiled kernel)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+
+    def document(b, h, q_idx, kv_idx):
+        same = doc[q_idx] == doc[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    total = sum(lens)
+    mask = create_block_mask(document, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v):  # (total, H, d) -> (1, H, total, d) views
+        o = compiled(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask)
+        return o[0].transpose(0, 1)
+
+    return run
+
+
+def run_varlen(
+    providers=VARLEN_PROVIDERS, total: int = 65536, lo: int = 128, hi: int = 8192, head_dim: int = 128,
+    heads: int = 16, modes=("fwd", "fwd_bwd"), causal_modes=(False, True), seed: int = 0, dtype=torch.bfloat16,
+    device: str = "cuda",
+) -> dict:
+    """A packed batch of lengths from ``varlen_lengths`` timed through ``flash_attn_varlen_func`` and
+    FlexAttention with a document mask, and a fixed-length ``flash_attn_func`` batch of the same
+    attention FLOPs (:func:`equal_flops_batch`).  TFLOP/s count only the FLOPs inside each sequence."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("`flashtile bench attention --varlen` needs a CUDA GPU")
+    from flashtile import flash_attn_func, flash_attn_varlen_func
+
+    dev = device
+    lens = varlen_lengths(total, lo, hi, seed)
+    fb, fn_len = equal_flops_batch(lens)
+    sq = float(sum(n * n for n in lens))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(total, heads, head_dim, device=dev, dtype=dtype) for _ in range(3))
+    qf, kf, vf = (torch.randn(fb, fn_len, heads, head_dim, device=dev, dtype=dtype) for _ in range(3))
+    points = []
+    for causal in causal_modes:
+        fns: dict[str, tuple[Callable, tuple, float]] = {}
+        for name in providers:
+            if name == "flashtile-varlen":
+                f = lambda q, k, v, c=causal: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=c)  # noqa: E731
+                fns[name] = (f, (q, k, v), sq)
+            elif name == "flashtile-fixed":
+                fns[name] = (lambda q, k, v, c=causal: flash_attn_func(q, k, v, causal=c), (qf, kf, vf), fb * fn_len**2)
+            elif name == "flex-document":
+                try:
+                    fns[name] = (_flex_document_fn(lens, causal, dev), (q, k, v), sq)
+                except Exception as e:  # an optional peer: reported, not fatal
+                    fns[name] = (None, str(e).splitlines()[0][:120], sq)
+            else:
+                raise ValueError(f"unknown provider {name!r}; choose from {VARLEN_PROVIDERS}")
+        for mode in modes:
+            pt = {"causal": causal, "mode": mode, "ms": {}, "tflops": {}, "err": {}}
+            for name, (fn, inputs, flops_sq) in fns.items():
+                if fn is None:
+                    pt["ms"][name], pt["err"][name] = None, f"unsupported: {inputs}"
+                    continue
+                try:
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            ms = median_ms(lambda: fn(*inputs))
+                    else:
+                        leaves = [x.detach().requires_grad_() for x in inputs]
+                        dout = torch.randn_like(leaves[0])
+                        ms = median_ms(lambda: fn(*leaves).backward(dout), grad_to_none=leaves)
+                except Exception as e:
+                    pt["ms"][name], pt["err"][name] = None, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    continue
+                pt["ms"][name] = ms
+                pt["tflops"][name] = _attn_flops(flops_sq, heads, head_dim, causal, mode) / (ms * 1e-3) / 1e12
+            points.append(pt)
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    return {
+        "env": environment(),
+        "providers": list(providers),
+        "lengths": lens,
+        "fixed_batch": {"batch": fb, "seqlen": fn_len, "flops_ratio": fb * fn_len**2 / sq},
+        "head_dim": head_dim,
+        "heads": heads,
+        "flops_convention": "4*H*d*sum(L_i^2) forward, /2 causal, x3.5 fwd+bwd",
+        "points": points,
+    }

@@ -27,6 +27,7 @@ or 1979 (FP8).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -35,6 +36,7 @@ from flashtile.bench.common import environment, median_ms
 
 __all__ = ["VARIANTS", "NOT_EXPRESSIBLE", "PEAK_TFLOPS", "run_ablation", "plot"]
 
+LOG2E = 1.0 / math.log(2.0)
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
 NOT_EXPRESSIBLE = {
     "ping-pong scheduling": "Triton 3.6's warp_specialize places the consumer warpgroups itself; there is no "
@@ -79,7 +81,6 @@ def default_grid(head_dims=(64, 128, 256), seqlens=(4096, 16384), total_tokens=1
 
 def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
     from flashtile.fp8 import quantize_per_head
-    from flashtile.kernels._common import LOG2E
     from flashtile.runtime import fa3_fwd
     from flashtile.runtime.decode import error_flags
     from flashtile.runtime.fa2_fwd import fa2_forward
@@ -88,7 +89,7 @@ def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     scale = d ** -0.5
     ref, _ = fa2_forward(q, k, v, softmax_scale=scale, causal=causal)
-    fa3_fwd._ensure_allocator()
+    fa3_fwd.ensure_allocator()
     q8, qs = quantize_per_head(q, kv_heads=h)
     k8, ks = quantize_per_head(k)
     v8, vs = quantize_per_head(v)

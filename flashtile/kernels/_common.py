@@ -23,6 +23,14 @@ def unfold_pid():
 
 
 @triton.jit
+def check_tiles(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Compile-time tile invariants of the FA2 kernels (HEAD_DIM: the largest head dim BLOCK_D must hold)."""
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tl.dot tiles: BLOCK_M, BLOCK_N multiples of 16")
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_D >= 16 and (BLOCK_D & (BLOCK_D - 1)) == 0,
+                     "BLOCK_D: a power of two >= 16 holding the head dim")
+
+
+@triton.jit
 def tanh_(x):
     """tanh through exp (portable: also runs in the interpreter); saturates to +-1."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)

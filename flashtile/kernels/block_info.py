@@ -10,6 +10,10 @@ skip the element mask; ``lo <= full_lo <= full_hi <= hi`` (as flash-attn's
 ``BlockInfo.get_n_block_min_max`` / ``get_m_block_min_max``).  The forward, both
 backward kernels and split-KV decoding take their ranges from here.  Divisions
 only see non-negative operands (Triton's integer division truncates toward 0).
+
+:func:`seqlen_info` gives a program its batch element's place in a packed (variable-length)
+batch: the start row and the length of its q and k sequences, read from ``cu_seqlens`` and
+clamped to the tensors (flash-attn's ``BlockInfo`` with ``Is_even_MN = false``).
 """
 
 from __future__ import annotations
@@ -73,3 +77,44 @@ def q_block_range(
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _packed_range(CuSeq, off_b, total, max_len):
+    """(start, length) of sequence ``off_b`` of a packed batch: rows [cu[b], cu[b + 1]) clamped in
+    int64 to [0, total], the length capped at ``max_len`` (the host sized the grid and the 32-bit
+    in-tile offsets for it), so no value of ``cu`` reaches outside the packed tensor."""
+    b64 = off_b.to(tl.int64)
+    start = tl.load(CuSeq + b64).to(tl.int64)
+    end = tl.load(CuSeq + b64 + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.maximum(end, start), total)
+    length = tl.minimum(end - start, max_len).to(tl.int32)
+    return start, length
+
+
+@triton.jit
+def seqlen_info(CuSeqQ, CuSeqK, off_b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN: tl.constexpr):
+    """``(q_start, len_q, k_start, len_k)`` of batch element ``off_b``: with IS_VARLEN the int64 first
+    row and the int32 length of its sequences in the packed q / k (``seqlen_q`` / ``seqlen_k`` being
+    ``max_seqlen_q`` / ``max_seqlen_k``); otherwise ``(0, seqlen_q, 0, seqlen_k)`` and no load."""
+    if IS_VARLEN:
+        q_start, len_q = _packed_range(CuSeqQ, off_b, total_q, seqlen_q)
+        k_start, len_k = _packed_range(CuSeqK, off_b, total_k, seqlen_k)
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+    return q_start, len_q, k_start, len_k
+
+
+@triton.jit
+def seq_base(X, off_b, off_h, start, stride_b, stride_h, stride_m, IS_VARLEN: tl.constexpr):
+    """Pointer to row 0 of (batch element, head) in a (B, H, N, d) view: batch ``off_b``, or with
+    IS_VARLEN row ``start`` (int64) of the packed (1, H, total, d) view; 64-bit offsets."""
+    if IS_VARLEN:
+        base = X + off_h.to(tl.int64) * stride_h + start * stride_m
+    else:
+        base = X + off_b.to(tl.int64) * stride_b + off_h.to(tl.int64) * stride_h
+    return base

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels._common import LOG2E, dropout_keep, mma, philox_state, unfold_pid
-from flashtile.kernels.block_info import kv_block_range, q_block_range
+from flashtile.kernels._common import LOG2E, check_tiles, dropout_keep, mma, philox_state, unfold_pid
+from flashtile.kernels.block_info import kv_block_range, q_block_range, seq_base, seqlen_info
 from flashtile.kernels.mask import allowed, score_mods
 
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
@@ -96,6 +96,17 @@ def _store_rows(
     else:
         mask = (offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     tl.store(ptrs, x.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_stats(X, bh, off_h, q_start, seqlen_q, total_q, IS_VARLEN: tl.constexpr):
+    """Row 0 of this (batch, head)'s per-row statistic (LSE, D): (B, H, Nq) contiguous, or
+    (H, total_q) for a packed batch (flash-attn's varlen softmax_lse layout)."""
+    if IS_VARLEN:
+        base = X + off_h.to(tl.int64) * total_q + q_start
+    else:
+        base = X + bh.to(tl.int64) * seqlen_q
+    return base
 
 
 @triton.jit
@@ -206,30 +217,38 @@ def _grad_scores(p, dp, t, delta, HAS_SOFTCAP: tl.constexpr):
 # Kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q"])  # packed totals change every batch: no recompiles
 def _bwd_preprocess(
-    Out, DOut, Delta,
+    Out, DOut, Delta, CuSeqQ,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    n_heads_q, n_bh, seqlen_q,
+    n_heads_q, n_bh, seqlen_q, total_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
-    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4).  Grid: fold_grid(q tiles, B * Hq)."""
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_D >= 16 and (BLOCK_D & (BLOCK_D - 1)) == 0,
-                     "BLOCK_D: a power of two >= 16 holding the head dim")
+    """D_i = rowsum(dO_i o O_i) in fp32 (Alg. 2 line 4).  Grid: fold_grid(q tiles, B * Hq).
+    IS_VARLEN: packed rows as in the forward kernel, D (H, total_q)."""
+    check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=16, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     if USE_PDL:  # let the dK/dV kernel start its programs (they wait for D before reading it)
         gdc_launch_dependents()
     pid_m, bh = unfold_pid()
     if bh >= n_bh:
         return
-    b = (bh // n_heads_q).to(tl.int64)
-    h = (bh % n_heads_q).to(tl.int64)
+    b = bh // n_heads_q
+    h = bh % n_heads_q
+    q_start, len_q, _, _ = seqlen_info(CuSeqQ, CuSeqQ, b, seqlen_q, seqlen_q, total_q, total_q, IS_VARLEN=IS_VARLEN)
     start_m = pid_m * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= len_q:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(Out + b * stride_ob + h * stride_oh, offs_m, stride_om, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)
-    do = _load_rows(DOut + b * stride_dob + h * stride_doh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)
+    Oh = seq_base(Out, b, h, q_start, stride_ob, stride_oh, stride_om, IS_VARLEN=IS_VARLEN)
+    DOh = seq_base(DOut, b, h, q_start, stride_dob, stride_doh, stride_dom, IS_VARLEN=IS_VARLEN)
+    o = _load_rows(Oh, offs_m, stride_om, len_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)
+    do = _load_rows(DOh, offs_m, stride_dom, len_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    Deltah = _row_stats(Delta, bh, h, q_start, seqlen_q, total_q, IS_VARLEN=IS_VARLEN)
+    tl.store(Deltah + offs_m, delta, mask=offs_m < len_q)
 
 
 
@@ -239,7 +258,7 @@ def _dkdv_inner(
     stride_qm, stride_dom, stride_dqm, stride_bias_m, stride_bias_n,
     offs_n, offs_d, lo, hi, clear_lo, clear_hi, bh, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-    dropout_p, dropout_scale, philox_seed, philox_offset,
+    dropout_p, dropout_scale, philox_seed, philox_offset, drop_nq, drop_nk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASK: tl.constexpr,
@@ -274,7 +293,7 @@ def _dkdv_inner(
         pT_drop = pT
         if HAS_DROPOUT:
             # Z = keep / (1 - p) multiplies P in the forward, hence both P and dP here
-            keepT = _dropout_keep_t(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            keepT = _dropout_keep_t(philox_seed, philox_offset, bh, offs_m, offs_n, drop_nq, drop_nk, dropout_p)
             pT_drop = tl.where(keepT, pT * dropout_scale, 0.0)
             dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
         dv += mma(pT_drop.to(do.dtype), do, None, DOT_PRECISION, UPCAST_DOT)
@@ -291,9 +310,9 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q", "total_k"])  # packed totals change every batch: no recompiles
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Alibi, Bias, BlockCount, BlockIdx, Rng,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, Alibi, Bias, BlockCount, BlockIdx, Rng, CuSeqQ, CuSeqK,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (runtime/launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -307,37 +326,43 @@ def _bwd_dkdv_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
-    n_heads_q, n_heads_k, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    n_heads_q, n_heads_k, n_bh, seqlen_q, seqlen_k, total_q, total_k, mask_block_m, mask_block_n,
     window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_BLOCK_SPARSE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """One kv tile of one KV head (Alg. 2 outer loop, lines 5-7 and 17-18),
     reduced over the GQA group's q heads in registers.  EVEN_M: Nq % BLOCK_M
     == 0, so q-side loads need no row mask; EVEN_N likewise for K_j, V_j.
-    Grid: fold_grid(kv tiles, B * Hk); Rng: the int64 Philox [seed, offset]."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tl.dot tiles: BLOCK_M, BLOCK_N multiples of 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_D >= 16 and (BLOCK_D & (BLOCK_D - 1)) == 0,
-                     "BLOCK_D: a power of two >= 16 holding the head dim")
+    Grid: fold_grid(kv tiles, B * Hk); Rng: the int64 Philox [seed, offset].
+    IS_VARLEN: packed rows, LSE and D (H, total_q), as in the forward kernel."""
+    check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     pid_n, bhk = unfold_pid()
     if bhk >= n_bh:
         return
     b = bhk // n_heads_k
     hk = bhk % n_heads_k
+    q_start, len_q, k_start, len_k = seqlen_info(
+        CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN=IS_VARLEN
+    )
+    start_n = pid_n * BLOCK_N
+    if IS_VARLEN:
+        if start_n >= len_k:  # the grid covers max_seqlen_k keys; this sequence ends earlier
+            return
     group = n_heads_q // n_heads_k
     b64 = b.to(tl.int64)
-    start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     scale_log2 = softmax_scale * _LOG2E
 
-    Kh = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    Vh = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    k = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N, False, WIDE)
-    v = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N, False, WIDE)
+    Kh = seq_base(K, b, hk, k_start, stride_kb, stride_kh, stride_kn, IS_VARLEN=IS_VARLEN)
+    Vh = seq_base(V, b, hk, k_start, stride_vb, stride_vh, stride_vn, IS_VARLEN=IS_VARLEN)
+    k = _load_tile(Kh, offs_n, stride_kn, len_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N, False, WIDE)
+    v = _load_tile(Vh, offs_n, stride_vn, len_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N, False, WIDE)
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
     if USE_PDL:
         # programmatic dependent launch: this grid may start while the preprocess kernel runs
@@ -347,18 +372,18 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, end = q_block_range(
-        start_n, start_n + BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, HAS_LEFT, HAS_RIGHT
+        start_n, start_n + BLOCK_N, len_q, len_k, window_left, window_right, BLOCK_M, HAS_LEFT, HAS_RIGHT
     )
 
     for g in range(0, group):
         h = hk * group + g
         h64 = h.to(tl.int64)
         bh = b * n_heads_q + h
-        Qh = Q + b64 * stride_qb + h64 * stride_qh
-        DOh = DO + b64 * stride_dob + h64 * stride_doh
-        DQh = DQacc + b64 * stride_dqb + h64 * stride_dqh
-        LSEh = LSE + bh.to(tl.int64) * seqlen_q
-        Deltah = Delta + bh.to(tl.int64) * seqlen_q
+        Qh = seq_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm, IS_VARLEN=IS_VARLEN)
+        DOh = seq_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom, IS_VARLEN=IS_VARLEN)
+        DQh = seq_base(DQacc, b, h, q_start, stride_dqb, stride_dqh, stride_dqm, IS_VARLEN=IS_VARLEN)
+        LSEh = _row_stats(LSE, bh, h, q_start, seqlen_q, total_q, IS_VARLEN=IS_VARLEN)
+        Deltah = _row_stats(Delta, bh, h, q_start, seqlen_q, total_q, IS_VARLEN=IS_VARLEN)
         Biash = Bias + b64 * stride_bias_b + h64 * stride_bias_h
         slope = 0.0
         if HAS_ALIBI:
@@ -376,8 +401,8 @@ def _bwd_dkdv_kernel(
                     dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                     stride_qm, stride_dom, stride_dqm, stride_bias_m, stride_bias_n,
                     offs_n, offs_d, blk_lo, blk_hi, full_lo, full_hi, bh, slope,
-                    seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-                    dropout_p, dropout_scale, philox_seed, philox_offset,
+                    len_q, len_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+                    dropout_p, dropout_scale, philox_seed, philox_offset, seqlen_q, seqlen_k,
                     HEAD_DIM, BLOCK_D, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                     HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, True, DOT_PRECISION, UPCAST_DOT, WIDE,
                 )
@@ -388,18 +413,18 @@ def _bwd_dkdv_kernel(
                 dk, dv, k, v, Qh, DOh, LSEh, Deltah, DQh, Biash,
                 stride_qm, stride_dom, stride_dqm, stride_bias_m, stride_bias_n,
                 offs_n, offs_d, lo, end, full_lo, full_hi, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-                dropout_p, dropout_scale, philox_seed, philox_offset,
+                len_q, len_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset, seqlen_q, seqlen_k,
                 HEAD_DIM, BLOCK_D, BLOCK_M, EVEN_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, ATOMIC_DQ, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N),
                 DOT_PRECISION, UPCAST_DOT, WIDE,
             )
 
     dk = dk * softmax_scale
-    _store_rows(DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh, dk, offs_n, stride_dkn, seqlen_k,
-                offs_d, HEAD_DIM, BLOCK_D, WIDE)
-    _store_rows(DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh, dv, offs_n, stride_dvn, seqlen_k,
-                offs_d, HEAD_DIM, BLOCK_D, WIDE)
+    DKh = seq_base(DK, b, hk, k_start, stride_dkb, stride_dkh, stride_dkn, IS_VARLEN=IS_VARLEN)
+    DVh = seq_base(DV, b, hk, k_start, stride_dvb, stride_dvh, stride_dvn, IS_VARLEN=IS_VARLEN)
+    _store_rows(DKh, dk, offs_n, stride_dkn, len_k, offs_d, HEAD_DIM, BLOCK_D, WIDE)
+    _store_rows(DVh, dv, offs_n, stride_dvn, len_k, offs_d, HEAD_DIM, BLOCK_D, WIDE)
 
 
 @triton.jit
@@ -408,7 +433,7 @@ def _dq_inner(
     stride_kn, stride_vn, stride_bias_m, stride_bias_n,
     offs_m, offs_d, lo, hi, clear_lo, clear_hi, bh, slope,
     seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-    dropout_p, dropout_scale, philox_seed, philox_offset,
+    dropout_p, dropout_scale, philox_seed, philox_offset, drop_nq, drop_nk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
@@ -432,16 +457,16 @@ def _dq_inner(
         )
         dp = mma(do, vT, None, DOT_PRECISION, UPCAST_DOT)
         if HAS_DROPOUT:
-            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, drop_nq, drop_nk, dropout_p)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = _grad_scores(p, dp, t, delta[:, None], HAS_SOFTCAP)
         dq += mma(ds.to(kT.dtype), tl.trans(kT), None, DOT_PRECISION, UPCAST_DOT)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_q", "total_k"])  # packed totals change every batch: no recompiles
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, Alibi, Bias, BlockCount, BlockIdx, Rng,
+    Q, K, V, DO, LSE, Delta, DQ, Alibi, Bias, BlockCount, BlockIdx, Rng, CuSeqQ, CuSeqK,
     softmax_scale, softcap, dropout_p, dropout_scale,
     # ints and constexprs: fixed for a problem signature (runtime/launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -453,51 +478,55 @@ def _bwd_dq_kernel(
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
-    n_heads_q, n_heads_k, n_bh, seqlen_q, seqlen_k, mask_block_m, mask_block_n,
+    n_heads_q, n_heads_k, n_bh, seqlen_q, seqlen_k, total_q, total_k, mask_block_m, mask_block_n,
     window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_BLOCK_SPARSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """dQ of one q tile of one q head, accumulated in registers (deterministic).
-    Grid: fold_grid(q tiles, B * Hq)."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tl.dot tiles: BLOCK_M, BLOCK_N multiples of 16")
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_D >= 16 and (BLOCK_D & (BLOCK_D - 1)) == 0,
-                     "BLOCK_D: a power of two >= 16 holding the head dim")
+    Grid: fold_grid(q tiles, B * Hq).  IS_VARLEN: packed rows, as in the forward kernel."""
+    check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     pid_m, bh = unfold_pid()
     if bh >= n_bh:
         return
     b = bh // n_heads_q
     h = bh % n_heads_q
+    q_start, len_q, k_start, len_k = seqlen_info(
+        CuSeqQ, CuSeqK, b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN=IS_VARLEN
+    )
+    start_m = pid_m * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= len_q:
+            return
     hk = h // (n_heads_q // n_heads_k)
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    hk64 = hk.to(tl.int64)
-    start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     scale_log2 = softmax_scale * _LOG2E
 
-    Qh = Q + b64 * stride_qb + h64 * stride_qh
-    DOh = DO + b64 * stride_dob + h64 * stride_doh
-    q = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, False, WIDE)
-    do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, False, WIDE)
+    Qh = seq_base(Q, b, h, q_start, stride_qb, stride_qh, stride_qm, IS_VARLEN=IS_VARLEN)
+    DOh = seq_base(DO, b, h, q_start, stride_dob, stride_doh, stride_dom, IS_VARLEN=IS_VARLEN)
+    q = _load_tile(Qh, offs_m, stride_qm, len_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, False, WIDE)
+    do = _load_tile(DOh, offs_m, stride_dom, len_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, False, WIDE)
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
-    lse2 = _load_lse2(LSE + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
+    lse2 = _load_lse2(_row_stats(LSE, bh, h, q_start, seqlen_q, total_q, IS_VARLEN=IS_VARLEN), offs_m, len_q, EVEN_M)
     if USE_PDL:  # started during the dK/dV kernel: wait for it (and so for D) to finish
         gdc_wait()
-    delta = _load_vec(Delta + bh.to(tl.int64) * seqlen_q, offs_m, seqlen_q, EVEN_M)
-    Kh = K + b64 * stride_kb + hk64 * stride_kh
-    Vh = V + b64 * stride_vb + hk64 * stride_vh
+    delta = _load_vec(_row_stats(Delta, bh, h, q_start, seqlen_q, total_q, IS_VARLEN=IS_VARLEN), offs_m, len_q, EVEN_M)
+    Kh = seq_base(K, b, hk, k_start, stride_kb, stride_kh, stride_kn, IS_VARLEN=IS_VARLEN)
+    Vh = seq_base(V, b, hk, k_start, stride_vb, stride_vh, stride_vn, IS_VARLEN=IS_VARLEN)
     Biash = Bias + b64 * stride_bias_b + h64 * stride_bias_h
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_alibi_b + h64 * stride_alibi_h)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, full_lo, full_hi, end = kv_block_range(
-        start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        start_m, start_m + BLOCK_M, len_q, len_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
 
     if IS_BLOCK_SPARSE:
@@ -511,8 +540,8 @@ def _bwd_dq_kernel(
             dq = _dq_inner(
                 dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bias_m, stride_bias_n,
                 offs_m, offs_d, blk_lo, blk_hi, full_lo, full_hi, bh, slope,
-                seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-                dropout_p, dropout_scale, philox_seed, philox_offset,
+                len_q, len_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+                dropout_p, dropout_scale, philox_seed, philox_offset, seqlen_q, seqlen_k,
                 HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_BIAS, HAS_DROPOUT, True, DOT_PRECISION, UPCAST_DOT, WIDE,
             )
@@ -520,11 +549,12 @@ def _bwd_dq_kernel(
         dq = _dq_inner(
             dq, q, do, lse2, delta, Kh, Vh, Biash, stride_kn, stride_vn, stride_bias_m, stride_bias_n,
             offs_m, offs_d, lo, end, full_lo, full_hi, bh, slope,
-            seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,
-            dropout_p, dropout_scale, philox_seed, philox_offset,
+            len_q, len_k, softmax_scale, scale_log2, softcap, window_left, window_right,
+            dropout_p, dropout_scale, philox_seed, philox_offset, seqlen_q, seqlen_k,
             HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             HAS_BIAS, HAS_DROPOUT, HAS_LEFT or HAS_RIGHT or not (EVEN_M and EVEN_N), DOT_PRECISION, UPCAST_DOT, WIDE,
         )
 
     dq = dq * softmax_scale
-    _store_rows(DQ + b64 * stride_dqb + h64 * stride_dqh, dq, offs_m, stride_dqm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)
+    DQh = seq_base(DQ, b, h, q_start, stride_dqb, stride_dqh, stride_dqm, IS_VARLEN=IS_VARLEN)
+    _store_rows(DQh, dq, offs_m, stride_dqm, len_q, offs_d, HEAD_DIM, BLOCK_D, WIDE)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, dropout_keep, mma, philox_state, unfold_pid
-from flashtile.kernels.block_info import kv_block_range
+from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, philox_state, unfold_pid
+from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_info
 from flashtile.kernels.mask import allowed, score_mods
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -40,15 +40,17 @@ def _fwd_tiles(
     q,  # (BLOCK_M, BLOCK_D) query tile, input dtype
     k_base, v_base,  # K and V of this (batch, kv head): scalar pointers
     stride_kn, stride_vn,
+    bt_row, page_size, n_pages, stride_kpage, stride_vpage,  # PAGED: block-table row of this sequence, pages
     bias_base,  # bias rows of this tile at key 0: (BLOCK_M, 1) pointers (unused without HAS_BIAS)
     stride_bias_n,
     offs_m, offs_d, start, end,  # visit kv tiles starting at start, start + BLOCK_N, ... < end
     clear_lo, clear_hi,  # with MASKED: tiles starting in [clear_lo, clear_hi) skip the elementwise mask
     seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap, slope, window_left, window_right,
-    dropout_p, philox_seed, philox_offset, bh,
+    dropout_p, philox_seed, philox_offset, bh, drop_nq, drop_nk,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # some tiles need the elementwise causal / window / tail mask
+    PAGED: tl.constexpr,  # K/V rows of key j live in page bt_row[j // page_size] (BLOCK_N divides page_size)
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -69,9 +71,19 @@ def _fwd_tiles(
         # tile pointers = scalar 64-bit tile base (key index * row stride can pass
         # 2^31) + small 32-bit in-tile offsets: rebuilt per tile rather than kept
         # live across the loop as 64-bit pointer tensors (registers)
-        n64 = start_n.to(tl.int64)
-        k_ptrs = (k_base + n64 * stride_kn) + (offs_n0[None, :] * stride_kn + offs_d[:, None])
-        v_ptrs = (v_base + n64 * stride_vn) + (offs_n0[:, None] * stride_vn + offs_d[None, :])
+        if PAGED:
+            # a page index outside the pool is clamped into it: no block-table value reaches past K/V
+            page = tl.load(bt_row + start_n // page_size)
+            page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+            r64 = (start_n % page_size).to(tl.int64)
+            k_tile = k_base + page * stride_kpage + r64 * stride_kn
+            v_tile = v_base + page * stride_vpage + r64 * stride_vn
+        else:
+            n64 = start_n.to(tl.int64)
+            k_tile = k_base + n64 * stride_kn
+            v_tile = v_base + n64 * stride_vn
+        k_ptrs = k_tile + (offs_n0[None, :] * stride_kn + offs_d[:, None])
+        v_ptrs = v_tile + (offs_n0[:, None] * stride_vn + offs_d[None, :])
         if MASKED and not EVEN_N:
             kv_ok = offs_n < seqlen_k
             if EVEN_D:
@@ -94,7 +106,7 @@ def _fwd_tiles(
         if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:
             s, _ = score_mods(qk * sm_scale, offs_m, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
             if HAS_BIAS:
-                bias_ptrs = (bias_base + n64 * stride_bias_n) + offs_n0[None, :] * stride_bias_n
+                bias_ptrs = (bias_base + start_n.to(tl.int64) * stride_bias_n) + offs_n0[None, :] * stride_bias_n
                 bias = _load_bias(bias_ptrs, offs_m, offs_n, seqlen_q, seqlen_k, not EVEN_M, MASKED and not EVEN_N)
                 s = s + bias
             s = s * _LOG2E  # natural units -> base 2
@@ -127,7 +139,7 @@ def _fwd_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             # after the row statistics: l and the LSE stay dropout-free
-            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
+            keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, drop_nq, drop_nk, dropout_p)
             p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None]
         # P is rounded to the input dtype for the second GEMM (fp16/bf16 tensor cores)
@@ -138,12 +150,13 @@ def _fwd_tiles(
 
 @triton.jit
 def _fwd_range(
-    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+    bt_row, page_size, n_pages, stride_kpage, stride_vpage, bias_base, stride_bias_n,
     offs_m, offs_d, lo, hi, full_lo, full_hi,
     seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap, slope, window_left, window_right,
-    dropout_p, philox_seed, philox_offset, bh,
-    BLOCK_N: tl.constexpr,
+    dropout_p, philox_seed, philox_offset, bh, drop_nq, drop_nk,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -163,20 +176,22 @@ def _fwd_range(
     b = tl.maximum(tl.minimum(full_hi, hi), a)
     if HAS_LEFT or HAS_RIGHT or not EVEN_N:
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+            bt_row, page_size, n_pages, stride_kpage, stride_vpage, bias_base, stride_bias_n,
             offs_m, offs_d, lo, hi, a, b, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap, slope, window_left, window_right,
-            dropout_p, philox_seed, philox_offset, bh,
-            BLOCK_N, True, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
+            dropout_p, philox_seed, philox_offset, bh, drop_nq, drop_nk,
+            BLOCK_N, True, PAGED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
             HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
         )
     else:  # no mask anywhere: [a, b) = [lo, hi)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+            bt_row, page_size, n_pages, stride_kpage, stride_vpage, bias_base, stride_bias_n,
             offs_m, offs_d, a, b, a, b, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap, slope, window_left, window_right,
-            dropout_p, philox_seed, philox_offset, bh,
-            BLOCK_N, False, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
+            dropout_p, philox_seed, philox_offset, bh, drop_nq, drop_nk,
+            BLOCK_N, False, PAGED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
             HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
         )
     return acc, l_i, m_i
@@ -189,9 +204,9 @@ def _fwd_range(
     }
 )
 # lengths-derived ints that only feed arithmetic: no recompiles when they hit 1 or a multiple of 16
-@triton.jit(do_not_specialize=["tune_nq", "tune_nk", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["tune_nq", "tune_nk", "window_left", "window_right", "total_q", "total_k"])
 def _fa2_fwd_kernel(
-    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng,
+    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng, CuSeqQ, CuSeqK, BlockTable,
     sm_scale, softcap, dropout_p,
     # ints and constexprs: fixed for a problem signature (runtime/launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -203,13 +218,14 @@ def _fa2_fwd_kernel(
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
     n_heads_q, n_bh, kv_group, seqlen_q, seqlen_k, head_dim,
+    total_q, total_k, stride_bt_b, page_size, n_pages,
     window_left, window_right,
     mask_block_m, mask_block_n,
     tune_nq, tune_nk,  # autotune key buckets (Nq // 128, Nk // 128); unused by the body
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_BLOCK_SPARSE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_BLOCK_SPARSE: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
@@ -221,9 +237,15 @@ def _fa2_fwd_kernel(
     to dispatch every head's heaviest causal tile first, measured 10-20% slower
     on an H200).  Within a head, tiles run last-to-first
     so the causal tiles with the most kv work start first.  Rng: the int64
-    Philox [seed, offset] of dropout."""
-    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tl.dot tiles: BLOCK_M, BLOCK_N multiples of 16")
-    tl.static_assert(BLOCK_D >= 16 and (BLOCK_D & (BLOCK_D - 1)) == 0, "BLOCK_D: a power of two >= 16")
+    Philox [seed, offset] of dropout.
+
+    IS_VARLEN (packed batch): q/k/v/out are (1, H, total, d) views, batch element b owns
+    rows ``[cu_seqlens[b], cu_seqlens[b + 1])`` (:func:`seqlen_info`), ``seqlen_q`` /
+    ``seqlen_k`` are ``max_seqlen_q`` / ``max_seqlen_k`` (the grid, and the dropout
+    counters' row and column counts), LSE is (H, total_q).  PAGED: K/V are
+    (pages, H, page_size, d) views (``stride_kb`` is the page stride), key j of
+    batch b in page ``BlockTable[b, j // page_size]``."""
+    check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=16)
     tile, bh = unfold_pid()
     if bh >= n_bh:
         return
@@ -231,18 +253,30 @@ def _fa2_fwd_kernel(
     off_h = bh % n_heads_q
     off_b = bh // n_heads_q
     off_hk = off_h // kv_group  # GQA: q head h reads kv head h // (Hq / Hk)
+    q_start, len_q, k_start, len_k = seqlen_info(
+        CuSeqQ, CuSeqK, off_b, seqlen_q, seqlen_k, total_q, total_k, IS_VARLEN=IS_VARLEN
+    )
+    start_m = pid_m * BLOCK_M
+    if IS_VARLEN:
+        if start_m >= len_q:  # the grid covers max_seqlen_q rows; this sequence ends earlier
+            return
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)
 
-    start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m64 = offs_m.to(tl.int64)
 
-    # batch/head offsets in 64 bits so tensors beyond 2^31 elements address correctly
-    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-    k_base = K + off_b.to(tl.int64) * stride_kb + off_hk.to(tl.int64) * stride_kh
-    v_base = V + off_b.to(tl.int64) * stride_vb + off_hk.to(tl.int64) * stride_vh
-    o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    # batch/head (or packed-row) offsets in 64 bits so tensors beyond 2^31 elements address correctly
+    q_base = seq_base(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qm, IS_VARLEN=IS_VARLEN)
+    o_base = seq_base(Out, off_b, off_h, q_start, stride_ob, stride_oh, stride_om, IS_VARLEN=IS_VARLEN)
+    if PAGED:
+        k_base = K + off_hk.to(tl.int64) * stride_kh
+        v_base = V + off_hk.to(tl.int64) * stride_vh
+        bt_row = BlockTable + off_b.to(tl.int64) * stride_bt_b
+    else:
+        k_base = seq_base(K, off_b, off_hk, k_start, stride_kb, stride_kh, stride_kn, IS_VARLEN=IS_VARLEN)
+        v_base = seq_base(V, off_b, off_hk, k_start, stride_vb, stride_vh, stride_vn, IS_VARLEN=IS_VARLEN)
+        bt_row = BlockTable
 
     q_ptrs = q_base + m64[:, None] * stride_qm + offs_d[None, :]
     bias_base = Bias
@@ -259,9 +293,9 @@ def _fa2_fwd_kernel(
     if EVEN_M and EVEN_D:
         q = tl.load(q_ptrs)
     elif EVEN_D:
-        q = tl.load(q_ptrs, mask=(offs_m < seqlen_q)[:, None], other=0.0)
+        q = tl.load(q_ptrs, mask=(offs_m < len_q)[:, None], other=0.0)
     else:
-        q = tl.load(q_ptrs, mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+        q = tl.load(q_ptrs, mask=(offs_m < len_q)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -270,7 +304,7 @@ def _fa2_fwd_kernel(
 
     # kv tiles any row of this tile may see; those in [full_lo, full_hi) need no element mask
     lo, full_lo, full_hi, hi = kv_block_range(
-        start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        start_m, start_m + BLOCK_M, len_q, len_k, window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
 
     if IS_BLOCK_SPARSE:
@@ -285,22 +319,24 @@ def _fa2_fwd_kernel(
             b_lo = tl.maximum(c * mask_block_n, lo)
             b_hi = tl.minimum(c * mask_block_n + mask_block_n, hi)
             acc, l_i, m_i = _fwd_range(
-                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
+                acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                bt_row, page_size, n_pages, stride_kb, stride_vb, bias_base, stride_bias_n,
                 offs_m, offs_d, b_lo, tl.maximum(b_hi, b_lo), full_lo, full_hi,
-                seqlen_q, seqlen_k, head_dim,
+                len_q, len_k, head_dim,
                 qk_scale, sm_scale, softcap, slope, window_left, window_right,
-                dropout_p, philox_seed, philox_offset, bh,
-                BLOCK_N, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
+                dropout_p, philox_seed, philox_offset, bh, seqlen_q, seqlen_k,
+                BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
             )
     else:
         acc, l_i, m_i = _fwd_range(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_bias_n,
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+            bt_row, page_size, n_pages, stride_kb, stride_vb, bias_base, stride_bias_n,
             offs_m, offs_d, lo, hi, full_lo, full_hi,
-            seqlen_q, seqlen_k, head_dim,
+            len_q, len_k, head_dim,
             qk_scale, sm_scale, softcap, slope, window_left, window_right,
-            dropout_p, philox_seed, philox_offset, bh,
-            BLOCK_N, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
+            dropout_p, philox_seed, philox_offset, bh, seqlen_q, seqlen_k,
+            BLOCK_N, PAGED, HAS_LEFT, HAS_RIGHT, EVEN_M, EVEN_N, EVEN_D,
             HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, UPCAST_DOT,
         )
 
@@ -313,14 +349,17 @@ def _fa2_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
 
     o_ptrs = o_base + m64[:, None] * stride_om + offs_d[None, :]
-    lse_ptrs = LSE + bh.to(tl.int64) * seqlen_q + offs_m
+    if IS_VARLEN:  # LSE (H, total_q), as flash-attn's varlen softmax_lse
+        lse_ptrs = LSE + off_h.to(tl.int64) * total_q + q_start + offs_m
+    else:
+        lse_ptrs = LSE + bh.to(tl.int64) * seqlen_q + offs_m
     if EVEN_M and EVEN_D:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty))
     elif EVEN_D:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None])
     else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < len_q)[:, None] & (offs_d < head_dim)[None, :])
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
-        tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+        tl.store(lse_ptrs, lse, mask=offs_m < len_q)

@@ -42,7 +42,7 @@ __all__ = ["fa3_fwd_kernel", "ERR_DESCALE"]
 
 _LN2 = tl.constexpr(LN2)
 _P_OCTAVES = tl.constexpr(8.0)  # FP8: P~ = 2^8 exp(S - m), see reference/fp8.py's P_SCALE
-ERR_DESCALE = 4  # bit of the device error word (runtime.decode.error_flags): a q*k descale product not in (0, inf)
+ERR_DESCALE = 16  # bit of the device error word (runtime.decode.error_flags): a q*k descale product not in (0, inf)
 _ERR_DESCALE = tl.constexpr(ERR_DESCALE)
 
 

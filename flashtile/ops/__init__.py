@@ -2,6 +2,7 @@
 
 * :func:`flash_attn_func`, :func:`flash_attn_qkvpacked_func`,
   :func:`flash_attn_kvpacked_func`: flash-attn 2.x compatible, (B, N, H, d).
+* :func:`flash_attn_varlen_func` (+ packed variants): packed batches of sequences of different lengths.
 * :func:`scaled_dot_product_attention`: drop-in for torch's SDPA, (B, H, N, d).
 * :func:`next_philox_state`: the dropout (seed, offset) the next call will draw.
 
@@ -10,7 +11,14 @@ All are differentiable through the ``flashtile::flash_attn_fwd`` /
 """
 
 from flashtile.ops.autograd import next_philox_state
-from flashtile.ops.flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.ops.flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from flashtile.ops.kvcache import flash_attn_with_kvcache
 from flashtile.ops.sdpa import scaled_dot_product_attention
 
@@ -18,6 +26,9 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "scaled_dot_product_attention",
     "next_philox_state",
     "flash_attn_with_kvcache",

@@ -38,7 +38,7 @@ import torch
 from flashtile.reference.masks import BlockMask
 from flashtile.runtime.common import on_tensor_device
 
-__all__ = ["flash_attn_fwd", "flash_attn_bwd", "attention", "next_philox_state"]
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "attention", "varlen_attention", "next_philox_state"]
 
 _SEED_MASK = (1 << 62) - 1  # seeds stay positive int64 (they travel in an int64 tensor)
 
@@ -134,14 +134,17 @@ def flash_attn_fwd(
 
 @_on_tensor_device
 def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k, softmax_scale, causal,
-              window_left, window_right, softcap, dropout_p, deterministic, seq_major):
-    """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path)."""
+              window_left, window_right, softcap, dropout_p, deterministic, seq_major, rng_state=None):
+    """Body of ``flashtile::flash_attn_fwd`` (also called directly by the eager path).
+
+    ``rng_state``: dropout's [seed, offset] chosen by the caller (ring attention gives each of its
+    kernel calls its own counter range); None draws one."""
     from flashtile.runtime.fa2_fwd import fa2_forward
     from flashtile.runtime.fa3_fwd import fa3_forward, prefer_hopper
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
-    rng = _philox(q.device) if dropout_p > 0 else None
+    rng = None if dropout_p == 0 else rng_state if rng_state is not None else _philox(q.device)
     out = _out_like(q, seq_major)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     if prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
@@ -306,4 +309,180 @@ def attention(
         q, k, v, bias, alibi_slopes, mask, mask_block_q, mask_block_k,
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]),
         float(softcap), float(dropout_p), bool(deterministic), bool(seq_major),
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Packed (variable-length) batches: flashtile::flash_attn_varlen_fwd / _bwd
+# --------------------------------------------------------------------------- #
+@torch.library.custom_op(
+    "flashtile::flash_attn_varlen_fwd", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def flash_attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed FA2 forward: ``(out, lse, rng_state)``; out (total_q, Hq, d), lse (Hq, total_q) float32."""
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
+
+
+@_on_tensor_device
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic):
+    """Body of ``flashtile::flash_attn_varlen_fwd``, and the one place a packed forward picks its kernel:
+    every packed call runs the FA2 kernel (runtime/fa3_fwd.py's Hopper forward takes no packed batch yet;
+    a ``prefer_hopper``-style test belongs here when it does)."""
+    from flashtile.runtime.fa2_fwd import fa2_forward
+
+    rng = _philox(q.device) if dropout_p > 0 else None
+    out, lse = fa2_forward(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        block_table=block_table,
+    )
+    return out, lse, rng if rng is not None else torch.zeros(2, dtype=torch.int64)
+
+
+@flash_attn_varlen_fwd.register_fake
+def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
+                                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                                deterministic):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    return out, lse, torch.empty(2, dtype=torch.int64, device=q.device if dropout_p > 0 else "cpu")
+
+
+@torch.library.custom_op("flashtile::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rng_state: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed FA2 backward: ``(dq, dk, dv)`` in the shapes and dtype of q, k, v (no paged K/V)."""
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                            dropout_p, deterministic)
+
+
+@_on_tensor_device
+def _varlen_bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                     deterministic):
+    from flashtile.runtime.fa2_bwd import fa2_backward
+
+    if block_table is not None:  # the public functions refuse this before the forward; a direct op call lands here
+        raise ValueError("block_table: the paged forward has no backward (call it under torch.no_grad())")
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    return fa2_backward(
+        dout, q, k, v, out, lse,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state if dropout_p > 0 else None,
+        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+
+
+@flash_attn_varlen_bwd.register_fake
+def _flash_attn_varlen_bwd_fake(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, block_table,
+                                alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                window_right, softcap, dropout_p, deterministic):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, block_table, alibi_slopes = inputs[:7]
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, block_table, alibi_slopes)
+    ctx.options = inputs[7:]
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _varlen_grads(ctx, dout, bwd):
+    dq, dk, dv = bwd(dout, *ctx.saved_tensors, *ctx.options)
+    return (dq, dk, dv) + (None,) * (4 + len(ctx.options))
+
+
+def _varlen_backward(ctx, dout, _dlse, _drng):
+    return _varlen_grads(ctx, dout, flash_attn_varlen_bwd)
+
+
+flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """:class:`_EagerAttention` for packed batches."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _varlen_fwd_impl(*inputs)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _drng):
+        return _varlen_grads(ctx, dout, _varlen_bwd_impl)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    block_table: torch.Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Differentiable packed attention on already-validated arguments: ``(out, lse, rng_state)``."""
+    op = flash_attn_varlen_fwd if torch.compiler.is_compiling() else _EagerVarlenAttention.apply
+    return op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, int(max_seqlen_q), int(max_seqlen_k),
+        float(softmax_scale), bool(causal), int(window[0]), int(window[1]), float(softcap), float(dropout_p),
+        bool(deterministic),
     )

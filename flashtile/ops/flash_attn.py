@@ -28,10 +28,17 @@ from __future__ import annotations
 import torch
 
 from flashtile.ops import validate
-from flashtile.ops.autograd import attention
+from flashtile.ops.autograd import attention, varlen_attention
 from flashtile.reference.masks import BlockMask
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]
 
 
 def _check_flag(x: object, name: str) -> bool:
@@ -209,3 +216,160 @@ def flash_attn_kvpacked_func(
     names = ("q", "kv[:, :, 0]", "kv[:, :, 1]")
     return _run(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
+
+
+# --------------------------------------------------------------------------- #
+# Packed (variable-length) batches
+# --------------------------------------------------------------------------- #
+def _run_varlen(
+    q, k, v, names, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cu_names, dropout_p, softmax_scale,
+    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, return_lse, debug,
+):
+    """Validate a packed call (shapes, dtypes, devices: no value is read unless ``debug``), then run the op."""
+    validate.check_qkv_tensors(names, q, k, v)
+    paged = block_table is not None
+    total_q, hq, hk, total_k, d, page_size = validate.check_varlen_dims(q, k, v, paged=paged, names=names)
+    batch = validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, names=cu_names)
+    max_names = ("max_seqlen_q", "max_seqlen_k") if cu_names[0] == "cu_seqlens_q" else ("max_seqlen", "max_seqlen")
+    max_q = validate.check_max_seqlen(max_seqlen_q, max_names[0])
+    max_k = validate.check_max_seqlen(max_seqlen_k, max_names[1])
+    if paged:
+        validate.check_block_table(block_table, q, batch)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise ValueError(
+                "block_table: the paged (block_table) forward has no backward; call it under torch.no_grad() "
+                "or pass q, k, v that do not require grad"
+            )
+    for flag, name in ((deterministic, "deterministic"), (return_attn_probs, "return_attn_probs"),
+                       (return_lse, "return_lse"), (debug, "debug")):
+        _check_flag(flag, name)
+    if debug:  # the one host read of the call: cu_seqlens (and block_table) values
+        validate.check_cu_seqlens_values(
+            cu_seqlens_q, cu_seqlens_k, total_q, None if paged else total_k, max_q, max_k,
+            block_table=block_table, num_pages=k.shape[0] if paged else 0, page_size=page_size, names=cu_names,
+            max_names=max_names,
+        )
+    # no sequence is longer than its packed tensor (or its block-table row): a larger max only grows the grid
+    max_q = min(max_q, total_q)
+    max_k = min(max_k, block_table.shape[1] * page_size if paged else total_k)
+    window = validate.unbind_window(*validate.check_window(causal, window_size), max_q, max_k)
+    scale = validate.check_softmax_scale(softmax_scale, d)
+    softcap = validate.check_softcap(softcap)
+    dropout_p = validate.check_dropout(dropout_p)
+    if alibi_slopes is not None:
+        validate.check_alibi(alibi_slopes, q, validate.AttnDims(batch, hq, hk, max_q, max_k, d))
+    out, lse, _ = varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale, causal=causal, window=window,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, block_table=block_table,
+        deterministic=deterministic,
+    )
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    return_lse: bool = False,
+    debug: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.x signature).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or paged
+    (num_pages, page_size, nheads_k, headdim) with ``block_table`` (batch, max_pages) int32.
+    ``cu_seqlens_q`` / ``cu_seqlens_k``: int32 (batch + 1,) cumulative lengths on q's device;
+    sequence b is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of q, attending to rows
+    ``cu_seqlens_k[b] ..`` of k / v (paged: its first ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``
+    keys, key j in page ``block_table[b, j // page_size]``).  ``max_seqlen_q`` / ``max_seqlen_k``:
+    ints at least the longest sequence (they size the grid; no host sync reads the lengths).
+    Every option of :func:`flash_attn_func` applies per sequence: causal / window bottom-right
+    aligned to each sequence's own (L_q, L_k), ALiBi (nheads,) or (batch, nheads), softcap,
+    dropout, GQA, deterministic backward.  Zero-length sequences are allowed; a row that sees
+    no key gives out 0 and lse -inf (and zero gradients).
+
+    Returns out (total_q, nheads, headdim); with ``return_lse``, (out, lse) and with
+    ``return_attn_probs`` (out, softmax_lse, None), lse (nheads, total_q) float32 as flash-attn's.
+    ``block_table`` (chunked prefill against a paged cache) is forward only: a ValueError if a
+    gradient is required.  Values are not read on the host: the kernels clamp each sequence to
+    the packed tensors, to max_seqlen and to the page pool, so no value of cu_seqlens or
+    block_table makes them touch memory outside the tensors, but wrong values give wrong rows;
+    ``debug=True`` checks them first (one device-to-host copy): cu_seqlens starts at 0, does not
+    decrease and ends at total (non-paged k), lengths <= max_seqlen, pages inside the pool.
+    """
+    return _run_varlen(q, k, v, ("q", "k", "v"), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       ("cu_seqlens_q", "cu_seqlens_k"), dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, block_table, return_lse, debug)
+
+
+def _unpack_varlen(x: object, name: str, count: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """Views ``x[:, 0]``, ``x[:, 1]``, ...: gradients flow back into the packed tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dim() != 4 or x.shape[1] != count:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
+    return x.unbind(dim=1)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    debug: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim) with one ``cu_seqlens``; the gradient is d(qkv)."""
+    q, k, v = _unpack_varlen(qkv, "qkv", 3, "(total, 3, nheads, headdim)")
+    return _run_varlen(q, k, v, ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"), cu_seqlens, cu_seqlens, max_seqlen,
+                       max_seqlen, ("cu_seqlens", "cu_seqlens"), dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, deterministic, return_attn_probs, None, return_lse, debug)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] | torch.Tensor = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+    debug: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim); gradients are dq and d(kv)."""
+    k, v = _unpack_varlen(kv, "kv", 2, "(total_k, 2, nheads_k, headdim)")
+    return _run_varlen(q, k, v, ("q", "kv[:, 0]", "kv[:, 1]"), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, ("cu_seqlens_q", "cu_seqlens_k"), dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, deterministic, return_attn_probs, None, return_lse, debug)

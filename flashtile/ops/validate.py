@@ -42,6 +42,11 @@ __all__ = [
     "check_alibi",
     "check_block_mask",
     "check_attn_mask",
+    "check_varlen_dims",
+    "check_cu_seqlens",
+    "check_max_seqlen",
+    "check_block_table",
+    "check_cu_seqlens_values",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -264,3 +269,135 @@ def check_attn_mask(mask: object, q: torch.Tensor, dims: AttnDims, query_dim: in
             "attn_mask requires grad, but gradients with respect to attn_mask are not supported: "
             "pass attn_mask.detach()"
         )
+
+
+# --------------------------------------------------------------------------- #
+# Packed (variable-length) batches
+# --------------------------------------------------------------------------- #
+def check_varlen_dims(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, paged: bool, names: Sequence[str] = ("q", "k", "v")
+) -> tuple[int, int, int, int, int, int]:
+    """(total_q, Hq, Hk, total_k, d, page_size) of packed q / k / v; k and v paged when ``paged``."""
+    if q.dim() != 3:
+        raise ValueError(f"{names[0]} must be 3-D (total_q, nheads, head_dim), got shape {tuple(q.shape)}")
+    layout = "(num_pages, page_size, nheads_k, head_dim)" if paged else "(total_k, nheads_k, head_dim)"
+    for name, x in zip(names[1:], (k, v)):
+        if x.dim() != (4 if paged else 3):
+            raise ValueError(f"{name} must be {4 if paged else 3}-D {layout}, got shape {tuple(x.shape)}")
+    total_q, hq, d = q.shape
+    hk = k.shape[-2]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim of {names[0]} must be in 1..{MAX_HEAD_DIM}, got {d}")
+    for name, x in zip(names[1:], (k, v)):
+        if x.shape[-1] != d:
+            raise ValueError(f"head_dim of {name} ({x.shape[-1]}) must equal head_dim of {names[0]} ({d})")
+    if k.shape != v.shape:
+        raise ValueError(f"{names[1]} shape {tuple(k.shape)} must equal {names[2]} shape {tuple(v.shape)}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"number of heads of {names[0]} ({hq}) must be a multiple of the heads of {names[1]}/{names[2]} ({hk})"
+        )
+    page_size = 0
+    if paged:
+        page_size = k.shape[1]
+        if k.shape[0] < 1 or page_size < 16 or page_size % 16:
+            raise ValueError(
+                f"paged {names[1]} must have at least one page and a page_size that is a multiple of 16, "
+                f"got shape {tuple(k.shape)}"
+            )
+    total_k = k.shape[0] * k.shape[1] if paged else k.shape[0]
+    return total_q, hq, hk, total_k, d, page_size
+
+
+def check_cu_seqlens(cu_seqlens_q: object, cu_seqlens_k: object, q: torch.Tensor, names=("cu_seqlens_q", "cu_seqlens_k")) -> int:
+    """Types, shapes and devices of the two cumulative-length tensors (no value is read): int32, 1-D,
+    the same length B + 1 >= 1, on q's device.  Returns B."""
+    for name, cu in zip(names, (cu_seqlens_q, cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the same length (batch + 1), got {cu_seqlens_q.shape[0]} "
+            f"and {cu_seqlens_k.shape[0]}"
+        )
+    return cu_seqlens_q.shape[0] - 1
+
+
+def check_max_seqlen(x: object, name: str) -> int:
+    """A non-negative Python or NumPy int (a tensor would need a host sync)."""
+    if not _is_int(x):
+        raise TypeError(f"{name} must be an int (the longest sequence's length), got {type(x).__name__}")
+    if int(x) < 0 or int(x) >= 2**31:
+        raise ValueError(f"{name} must be in [0, 2^31), got {int(x)}")
+    return int(x)
+
+
+def check_block_table(block_table: object, q: torch.Tensor, batch: int) -> None:
+    """block_table: int32 (batch, max_pages) on q's device."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be an int32 torch.Tensor (batch, max_pages), got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(
+            f"block_table must have shape (batch, max_pages) = ({batch}, >= 1), got {tuple(block_table.shape)}"
+        )
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on the device of q ({q.device}), got {block_table.device}")
+
+
+def check_cu_seqlens_values(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor | None = None,
+    num_pages: int = 0,
+    page_size: int = 0,
+    names: tuple[str, str] = ("cu_seqlens_q", "cu_seqlens_k"),
+    max_names: tuple[str, str] = ("max_seqlen_q", "max_seqlen_k"),
+) -> None:
+    """The values the kernels clamp instead of trusting, checked on the host with one device-to-host copy:
+    each cu_seqlens starts at 0, never decreases and ends at the packed length (``total_k`` None: paged K/V,
+    whose lengths must fit the block table instead), no sequence is longer than its max_seqlen, and every
+    block-table entry a sequence uses names a page of the pool."""
+    parts = [cu_seqlens_q, cu_seqlens_k] + ([block_table.reshape(-1)] if block_table is not None else [])
+    flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).tolist()  # the one sync
+    n = cu_seqlens_q.shape[0]
+    cus = (flat[:n], flat[n : 2 * n])
+    for name, cu, total, max_len, max_name in (
+        (names[0], cus[0], total_q, max_seqlen_q, max_names[0]),
+        (names[1], cus[1], total_k, max_seqlen_k, max_names[1]),
+    ):
+        if cu[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {cu[0]}")
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        if any(length < 0 for length in lens):
+            at = next(i for i, length in enumerate(lens) if length < 0)
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{at}] = {cu[at]} > {name}[{at + 1}] = {cu[at + 1]}")
+        if total is not None and cu[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {cu[-1]}")
+        if lens and max(lens) > max_len:
+            raise ValueError(f"{max_name} ({max_len}) is smaller than the longest sequence in {name} ({max(lens)})")
+    if block_table is not None:
+        table = torch.tensor(flat[2 * n :], dtype=torch.int64).view(block_table.shape)
+        for b, (k0, k1) in enumerate(zip(cus[1], cus[1][1:])):
+            pages = -(-(k1 - k0) // page_size)
+            if pages > table.shape[1]:
+                raise ValueError(
+                    f"sequence {b} has {k1 - k0} keys in cu_seqlens_k: more than block_table's "
+                    f"{table.shape[1]} pages of {page_size} hold"
+                )
+            used = table[b, :pages]
+            bad = ((used < 0) | (used >= num_pages)).nonzero()
+            if bad.numel():
+                j = int(bad[0, 0])
+                raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of the pool (0..{num_pages - 1})")

@@ -187,6 +187,10 @@ def fa2_backward(
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of FlashAttention-2 (Dao 2023, Algorithm 2).  Trusts its caller:
     the arguments are those :mod:`flashtile.ops.validate` accepts (the public ops check them once).
@@ -201,19 +205,39 @@ def fa2_backward(
     Dropout's Philox state: ``rng_state``, an int64 tensor [seed, offset] on
     q's device (read by the kernels, so a CUDA graph replays it with the values
     of each replay), or the ints ``philox_seed`` / ``philox_offset``.
+
+    Packed (variable-length) batch, when ``cu_seqlens_q`` is given: as
+    :func:`flashtile.runtime.fa2_fwd.fa2_forward`'s (q, dout, out (total_q, Hq, d), k, v
+    (total_k, Hk, d), lse (Hq, total_q); no bias, block mask or block table); the
+    kernels clamp every cu_seqlens range to the tensors and to max_seqlen.
     """
     scale, softcap, dropout_p = float(softmax_scale), float(softcap), float(dropout_p)
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    dev = q.device
-    slopes, stride_alibi_b, stride_alibi_h = _slopes(alibi_slopes, b, hq)
-    bias_x = bias.expand(b, hq, nq, nk) if bias is not None else None  # stride 0 on broadcast dims
+    varlen = cu_seqlens_q is not None
     dq_buf, dq_ret = _grad_buffer(dq, q)
     dk_buf, dk_ret = _grad_buffer(dk, k)
     dv_buf, dv_ret = _grad_buffer(dv, v)
+    written = (dq_buf, dk_buf, dv_buf)  # in the caller's layout (the kernels get views of them)
+    if varlen:
+        # the kernels' (batch, heads, rows, d) views: one packed "batch" of total rows
+        total_q, total_k = q.shape[0], k.shape[0]
+        b, nq, nk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+        empty = total_q == 0 or total_k == 0 or b == 0 or nq == 0 or nk == 0
+        q, k, v, dout, out, dq_buf, dk_buf, dv_buf = (
+            x.transpose(0, 1).unsqueeze(0) for x in (q, k, v, dout, out, dq_buf, dk_buf, dv_buf)
+        )
+        _, hq, _, d = q.shape
+        hk = k.shape[1]
+    else:
+        total_q = total_k = 0
+        b, hq, nq, d = q.shape
+        hk, nk = k.shape[1], k.shape[2]
+        empty = b * hq * nq == 0 or nk == 0
+    dev = q.device
+    slopes, stride_alibi_b, stride_alibi_h = _slopes(alibi_slopes, b, hq)
+    bias_x = bias.expand(b, hq, nq, nk) if bias is not None else None  # stride 0 on broadcast dims
 
-    if b * hq * nq == 0 or nk == 0:
+    if empty:
         # nothing to attend to (Nk = 0) or nobody attending (Nq = 0): all gradients vanish
         for ret in (dq_ret, dk_ret, dv_ret):
             ret.zero_()
@@ -230,20 +254,27 @@ def fa2_backward(
     # preprocess -> dK/dV -> dQ run back to back: each later kernel is launched as a programmatic
     # dependent of the one before (Hopper), so its programs start while that one drains
     pdl = pdl_supported(dev)
-    delta = torch.empty(b, hq, nq, dtype=torch.float32, device=dev)
+    delta = torch.empty((hq, total_q) if varlen else (b, hq, nq), dtype=torch.float32, device=dev)
     atomic = not deterministic and cfg.atomic_dq
     qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
     klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None and not atomic else None
     # zeroed before the preprocess kernel, so that nothing runs between it and its dependent
-    dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev) if atomic else delta
+    if not atomic:
+        dq_acc = delta
+    elif varlen:
+        dq_acc = torch.zeros(total_q, hq, d, dtype=torch.float32, device=dev).transpose(0, 1).unsqueeze(0)
+    else:
+        dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev)
     dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
     grids = bwd_grids(b, hq, hk, nq, nk, cfg)
     # some row index x row stride reaches 2^31: the kernels form row offsets in 64 bits (WIDE)
-    wide = _wide(nq, (q, dout, out, dq_buf, dq_acc), nk, (k, v, dk_buf, dv_buf), bias_x)
+    wide = _wide(nq, (q, dout, out, dq_buf) + ((dq_acc,) if atomic else ()), nk, (k, v, dk_buf, dv_buf), bias_x)
+    cu_q = cu_seqlens_q if varlen else delta  # not read without IS_VARLEN
+    cu_k = cu_seqlens_k if varlen else delta
     launch(
-        _bwd_preprocess, grids.preprocess, (out, dout, delta),
+        _bwd_preprocess, grids.preprocess, (out, dout, delta, cu_q),
         (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, b * hq, nq, d, block_d, cfg.dq_block_m, pdl, wide), num_warps=4, num_stages=1,
+         hq, b * hq, nq, total_q, d, block_d, cfg.dq_block_m, pdl, wide, varlen), num_warps=4, num_stages=1,
     )
     rng = check_rng_state(rng_state, philox_seed, philox_offset, dev) if dropout_p > 0 else delta
 
@@ -258,18 +289,20 @@ def fa2_backward(
     dropout_scale = 1.0 / (1.0 - dropout_p)  # dropout_p < 1 (ops.validate.check_dropout)
     mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
     floats = (scale, softcap, dropout_p, dropout_scale)
-    sizes = (hq, hk, nq, nk, mask_bm, mask_bn, left, right)
+    sizes = (hq, hk, nq, nk, total_q, total_k, mask_bm, mask_bn, left, right)
+    def even(n: int, tile: int) -> bool:  # no row of a tile past its sequence (packed lengths vary: never)
+        return not varlen and n % tile == 0
 
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
     cnt, idx, list_strides = _list_args(qlists, delta)
     launch(
         _bwd_dkdv_kernel, grids.dkdv,
-        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, *floats),
+        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, cu_q, cu_k, *floats),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
          *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
          stride_alibi_b, stride_alibi_h, *bias_strides, *list_strides, *sizes[:2], b * hk, *sizes[2:],
-         d, block_d, cfg.block_m, cfg.block_n, nq % cfg.block_m == 0, nk % cfg.block_n == 0,
-         *features, atomic, *precision, pdl, wide),
+         d, block_d, cfg.block_m, cfg.block_n, even(nq, cfg.block_m), even(nk, cfg.block_n),
+         *features, atomic, *precision, pdl, wide, varlen),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
     )
 
@@ -279,15 +312,15 @@ def fa2_backward(
         cnt, idx, list_strides = _list_args(klists, delta)
         launch(
             _bwd_dq_kernel, grids.dq,
-            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, *floats),
+            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, cu_q, cu_k, *floats),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
              stride_alibi_b, stride_alibi_h, *bias_strides, *list_strides, *sizes[:2], b * hq, *sizes[2:],
-             d, block_d, cfg.dq_block_m, cfg.dq_block_n, nq % cfg.dq_block_m == 0, nk % cfg.dq_block_n == 0,
-             *features, *precision, pdl, wide),
+             d, block_d, cfg.dq_block_m, cfg.dq_block_n, even(nq, cfg.dq_block_m), even(nk, cfg.dq_block_n),
+             *features, *precision, pdl, wide, varlen),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
         )
 
-    for buf, ret in ((dq_buf, dq_ret), (dk_buf, dk_ret), (dv_buf, dv_ret)):
+    for buf, ret in zip(written, (dq_ret, dk_ret, dv_ret)):
         if buf is not ret:
             ret.copy_(buf)
     return dq_ret, dk_ret, dv_ret

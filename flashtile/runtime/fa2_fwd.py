@@ -143,13 +143,15 @@ def _lowbit(x: int) -> int:
     return x & -x
 
 
-def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, heavy: bool, block_mask):
+def _tiles(d: int, dtype: torch.dtype, right: int, nq: int, nk: int, device, heavy: bool, block_mask, page_size=0):
     """:func:`fwd_config`, with the tiles shrunk to divide a block mask's (Br, Bc)
-    (both multiples of 16, so the tiles stay >= 16)."""
+    (both multiples of 16, so the tiles stay >= 16), and BLOCK_N to divide a K/V page."""
     block_m, block_n, num_warps, num_stages = fwd_config(d, dtype, right >= 0, nq, nk, device, heavy=heavy)
     if block_mask is not None:
         br, bc = block_mask.block_size
         block_m, block_n = min(block_m, _lowbit(br)), min(block_n, _lowbit(bc))
+    if page_size:
+        block_n = min(block_n, _lowbit(page_size))
     return block_m, block_n, num_warps, num_stages
 
 
@@ -176,6 +178,11 @@ def fa2_forward(
     rng_state: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     out: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 forward: returns ``(out, lse)``.  Trusts its caller: the arguments are
     those :mod:`flashtile.ops.validate` accepts (the public ops check them once).
@@ -191,12 +198,31 @@ def fa2_forward(
     Dropout's Philox state: ``rng_state``, an int64 tensor [seed, offset] on q's
     device (read by the kernel: CUDA-graph safe), or the ints ``philox_seed`` /
     ``philox_offset``.
+
+    Packed (variable-length) batch, when ``cu_seqlens_q`` is given: q (total_q, Hq, d),
+    k, v (total_k, Hk, d) or, with ``block_table`` (B, max_pages) int32, paged
+    (pages, page_size, Hk, d); ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (B + 1,) on q's device,
+    ``max_seqlen_q`` / ``max_seqlen_k`` ints.  Sequence b is rows
+    [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (likewise of k, or keys
+    0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1 of its pages); every option applies per
+    sequence (causal bottom-right aligned per sequence).  Returns out (total_q, Hq, d) and lse
+    (Hq, total_q).  The kernel clamps every cu_seqlens range to the tensors and to max_seqlen
+    and every page index to the pool, so no value reads or writes outside them (values are
+    not checked here: ``flashtile.ops.validate.check_cu_seqlens_values`` does that on the host).
+    Not with ``bias`` or ``block_mask``.
     """
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
     softmax_scale, softcap, dropout_p = float(softmax_scale), float(softcap), float(dropout_p)
+    varlen = cu_seqlens_q is not None
+    device = q.device
+    if varlen:
+        return _varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table, out,
+            softmax_scale=softmax_scale, left=left, right=right, softcap=softcap, alibi_slopes=alibi_slopes,
+            dropout_p=dropout_p, philox_seed=philox_seed, philox_offset=philox_offset, rng_state=rng_state,
+        )
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    device = q.device
     shape = (b, hq, nq, d)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device)
     alibi, s_ab, s_ah = lse, 0, 0
@@ -222,20 +248,14 @@ def fa2_forward(
     if bias is not None and bias_t.stride(3) >= TILE_ROW_STRIDE_MAX:  # the same for the bias's key axis
         bias_t = bias_t.contiguous()
         bias_strides = bias_t.stride()
-    plain = softcap == 0 and alibi_slopes is None and bias is None
-    if plain and softmax_scale <= 0:
-        # the kernel's fast path takes the row max of unscaled scores and multiplies
-        # it by the scale, which needs a scale > 0 (0 * -inf is NaN on masked rows):
-        # (-q)·k |scale| is the same score exactly (negation is exact), and a zero
-        # scale makes every score 0, as zero queries at scale 1 do
-        q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
+    q, softmax_scale = _positive_scale(q, softmax_scale, softcap == 0 and alibi_slopes is None and bias is None)
 
     heavy = dropout_p > 0 or bias is not None
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
     counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
     block_d = max(16, triton.next_power_of_2(d))
     rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
-    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, softmax_scale, softcap, dropout_p)
+    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, softmax_scale, softcap, dropout_p)
     ints = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -243,6 +263,7 @@ def fa2_forward(
         target.stride(0), target.stride(1), target.stride(2),
         *bias_strides, s_ab, s_ah, *cnt_strides, *idx_strides,
         hq, b * hq, hq // hk, nq, nk, d,
+        0, 0, 0, 1, 1,  # total_q, total_k, stride_bt_b, page_size, n_pages: packed / paged batches only
         left, right,
         br, bc, nq // 128, nk // 128,
     )
@@ -250,7 +271,7 @@ def fa2_forward(
         BLOCK_D=block_d,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
         HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None,
-        HAS_DROPOUT=dropout_p > 0, IS_BLOCK_SPARSE=block_mask is not None,
+        HAS_DROPOUT=dropout_p > 0, IS_BLOCK_SPARSE=block_mask is not None, IS_VARLEN=False, PAGED=False,
         EVEN_D=block_d == d,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
@@ -263,12 +284,89 @@ def fa2_forward(
         # here so the kernel can be bound once per signature (the Philox state is a tensor)
         constexprs = (
             block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-            flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"],
+            flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"], False, False,
             nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
         )
         launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, nq, block_m), dynamic, ints + constexprs,
                num_warps=num_warps, num_stages=num_stages)
 
     if result is not target:  # ``out`` had a non-unit stride on d
+        result.copy_(target)
+    return result, lse
+
+
+def _positive_scale(q: torch.Tensor, softmax_scale: float, plain: bool) -> tuple[torch.Tensor, float]:
+    """The kernel's fast path (``plain``: no softcap, ALiBi or bias) takes the row max of unscaled
+    scores and multiplies it by the scale, which needs a scale > 0 (0 * -inf is NaN on masked rows):
+    (-q)·k |scale| is the same score exactly (negation is exact), and a zero scale makes every
+    score 0, as zero queries at scale 1 do."""
+    if plain and softmax_scale <= 0:
+        return (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
+    return q, softmax_scale
+
+
+def _varlen_forward(
+    q, k, v, cu_q, cu_k, max_q, max_k, block_table, out, *, softmax_scale, left, right, softcap, alibi_slopes,
+    dropout_p, philox_seed, philox_offset, rng_state,
+):
+    """:func:`fa2_forward` on a packed batch: the same kernel with IS_VARLEN (and PAGED with a block table)."""
+    total_q, hq, d = q.shape
+    paged = block_table is not None
+    hk = k.shape[-2]
+    b = cu_q.shape[0] - 1
+    device = q.device
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=device)
+    target = out if out is not None and out.stride(-1) == 1 else torch.empty(q.shape, dtype=q.dtype, device=device)
+    result = out if out is not None else target
+    total_k = k.shape[0] * k.shape[1] if paged else k.shape[0]
+    if total_q == 0:
+        return result, lse
+    if b == 0 or max_q == 0 or total_k == 0 or hq == 0:
+        # no program has a row to write (or no key to read): rows left over see no key
+        result.zero_()
+        lse.fill_(float("-inf"))
+        return result, lse
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    q, softmax_scale = _positive_scale(q, softmax_scale, softcap == 0 and alibi_slopes is None)
+    # the kernel's (batch, heads, rows, d) views: one packed "batch" of total rows, or (pages, H, page_size, d)
+    qv, ov = q.transpose(0, 1).unsqueeze(0), target.transpose(0, 1).unsqueeze(0)
+    if paged:
+        kv_, vv = k.transpose(1, 2), v.transpose(1, 2)
+        page_size, n_pages = k.shape[1], k.shape[0]
+        bt, stride_bt = block_table, block_table.stride(0)
+        total_k = 2**31 - 1  # keys are reached through pages: lengths are clamped to max_seqlen_k only
+    else:
+        kv_, vv = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        page_size, n_pages, bt, stride_bt = 0, 1, lse, 0
+    if wide_rows(kv_, vv):  # 32-bit in-tile offsets of the K/V tiles, as in the fixed-length path
+        kv_, vv = kv_.contiguous(), vv.contiguous()
+    alibi, s_ab, s_ah = lse, 0, 0
+    if alibi_slopes is not None:
+        alibi = alibi_slopes
+        s_ab, s_ah = (0, alibi.stride(0)) if alibi.dim() == 1 else alibi.stride()
+    heavy = dropout_p > 0
+    block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, max_q, max_k, device, heavy, None, page_size)
+    block_d = max(16, triton.next_power_of_2(d))
+    rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
+    dynamic = (qv, kv_, vv, ov, lse, lse, alibi, lse, lse, rng, cu_q, cu_k, bt, softmax_scale, softcap, dropout_p)
+    ints = (
+        0, qv.stride(1), qv.stride(2),
+        kv_.stride(0), kv_.stride(1), kv_.stride(2),
+        vv.stride(0), vv.stride(1), vv.stride(2),
+        0, ov.stride(1), ov.stride(2),
+        0, 0, 0, 0, s_ab, s_ah, 0, 0, 0, 0, 0, 0,
+        hq, b * hq, hq // hk, max_q, max_k, d,
+        total_q, total_k, stride_bt, max(page_size, 1), n_pages,
+        left, right,
+        1, 1, max_q // 128, max_k // 128,
+    )
+    constexprs = (
+        block_m, block_n, block_d, left >= 0, right >= 0, softcap > 0, alibi_slopes is not None, False,
+        dropout_p > 0, False, True, paged, False, False, block_d == d, "tf32",
+        q.dtype == torch.bfloat16 and interpreting(device),
+    )
+    launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, max_q, block_m), dynamic, ints + constexprs,
+           num_warps=num_warps, num_stages=num_stages)
+    if result is not target:
         result.copy_(target)
     return result, lse

@@ -19,7 +19,7 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes",
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes", "ensure_allocator",
            "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
@@ -85,7 +85,7 @@ def _allocator(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator() -> None:
+def ensure_allocator() -> None:
     """Install the scratch allocator unless the caller already set one."""
     from triton.runtime import _allocation
 
@@ -187,7 +187,7 @@ def fa3_forward_fp8(
     # V as (B, Hk, d, Nk) rows (fp8 wgmma's B operand is k-major); rows padded to 16 bytes for the descriptor
     vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
     vt[..., :nk].copy_(v.transpose(2, 3))
-    _ensure_allocator()
+    ensure_allocator()
     launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
            descales=descales, err=error_flags(q.device))
     return out, lse
@@ -256,7 +256,7 @@ def fa3_forward(
         # same score exactly, and a zero scale makes every score 0, as zero queries do
         q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
 
-    _ensure_allocator()
+    ensure_allocator()
     with torch.cuda.device(q.device):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse

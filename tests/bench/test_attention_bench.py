@@ -23,3 +23,38 @@ def test_fa3_is_an_optional_peer():
 def test_unknown_provider_is_named():
     with pytest.raises(ValueError, match="'nope'"):
         make_providers(["nope"])
+
+
+def test_varlen_bench_lengths_and_equal_flops_batch():
+    """The packed batch of `bench attention --varlen` sums to its token count with lengths in [lo, hi],
+    and the fixed-length batch it is compared with has its attention FLOPs within 10%."""
+    from flashtile.bench.attention import equal_flops_batch, varlen_lengths
+
+    for seed in range(3):
+        lens = varlen_lengths(65536, 128, 8192, seed)
+        assert sum(lens) == 65536 and all(128 <= n <= 8192 + 128 for n in lens) and len(set(lens)) > 3
+        b, n = equal_flops_batch(lens)
+        assert n % 128 == 0 and abs(b * n * n / sum(x * x for x in lens) - 1) < 0.1
+
+
+def test_varlen_bench_is_a_cli_option():
+    from flashtile.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "attention", "--varlen", "--causal", "yes"])
+    assert args.varlen and args.causal == "yes"
+
+
+def test_varlen_bench_routine_runs(monkeypatch):
+    """The routine end to end on the CPU (interpreter, tiny batch, timing stubbed): every point has a time
+    for each provider, and TFLOP/s count the FLOPs inside the sequences."""
+    from flashtile.bench import attention as ab
+
+    monkeypatch.setattr(ab, "median_ms", lambda fn, grad_to_none=None: (fn(), 1.0)[1])
+    payload = ab.run_varlen(providers=("flashtile-varlen", "flashtile-fixed"), total=96, lo=16, hi=48, head_dim=16,
+                            heads=1, causal_modes=(True,), dtype=torch.float32, device="cpu")
+    assert sum(payload["lengths"]) == 96 and len(payload["points"]) == 2
+    sq = sum(n * n for n in payload["lengths"])
+    for p in payload["points"]:
+        assert set(p["ms"]) == {"flashtile-varlen", "flashtile-fixed"} and all(v == 1.0 for v in p["ms"].values())
+        mult = 3.5 if p["mode"] == "fwd_bwd" else 1.0
+        assert p["tflops"]["flashtile-varlen"] == pytest.approx(4 * 16 * sq / 2 * mult / 1e-3 / 1e12)

@@ -152,6 +152,88 @@ def test_backward_launches_match_kernel_parameters(monkeypatch, deterministic):
             assert a["EVEN_M"] == (NQ % a["BLOCK_M"] == 0) and a["EVEN_N"] == (NK % a["BLOCK_N"] == 0)
 
 
+def _packed(total, h, d, heads_outer, seed):
+    """A (total, h, d) view with padding on d; ``heads_outer`` lays heads out slowest (so every stride differs)."""
+    g = torch.Generator().manual_seed(seed)
+    if heads_outer:
+        return torch.randn(h, total, d + 3, generator=g).permute(1, 0, 2)[..., :d]
+    return torch.randn(total, h, d + 3, generator=g)[..., :d]
+
+
+def _same_view(x, packed):
+    """x is the kernels' (1, H, total, d) view of the packed (total, H, d) tensor."""
+    return x.shape == (1, packed.shape[1], packed.shape[0], packed.shape[2]) and x.data_ptr() == packed.data_ptr()
+
+
+TQ, TK = 40, 56
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_launches_match_kernel_parameters(monkeypatch, deterministic):
+    """Packed batches: cu_seqlens, totals and max lengths in their slots; q/k/v/out as (1, H, total, d) views
+    whose row stride is the packed tensor's token stride; LSE and D (Hq, total_q)."""
+    fwd_calls, bwd_calls = _record(monkeypatch, fwd_runtime), _record(monkeypatch, bwd_runtime)
+    q, k, v = _packed(TQ, HQ, D, False, 1), _packed(TK, HK, D, True, 2), _packed(TK, HK, D, False, 3)
+    cu_q, cu_k = torch.tensor([0, 15, TQ], dtype=torch.int32), torch.tensor([0, 20, TK], dtype=torch.int32)
+    alibi, rng = torch.rand(2, HQ), torch.tensor([5, 7], dtype=torch.int64)
+    common = dict(softmax_scale=0.3, window_size=(9, 4), softcap=2.0, alibi_slopes=alibi, dropout_p=0.2,
+                  rng_state=rng, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=25, max_seqlen_k=36)
+    out, lse = fwd_runtime.fa2_forward(q, k, v, **common)
+    (kernel, dynamic, static), = fwd_calls
+    a = _named(kernel, dynamic, static)
+    assert a["CuSeqQ"] is cu_q and a["CuSeqK"] is cu_k and a["Rng"] is rng and a["Alibi"] is alibi
+    assert _same_view(a["Q"], q) and _same_view(a["K"], k) and _same_view(a["V"], v) and _same_view(a["Out"], out)
+    assert a["LSE"] is lse and lse.shape == (HQ, TQ)
+    for name, t in (("stride_q", q), ("stride_k", k), ("stride_v", v), ("stride_o", out)):
+        last = "m" if name in ("stride_q", "stride_o") else "n"
+        assert (a[name + "h"], a[name + last]) == (t.stride(1), t.stride(0)), name
+    want = dict(n_heads_q=HQ, n_bh=2 * HQ, kv_group=HQ // HK, seqlen_q=25, seqlen_k=36, head_dim=D, total_q=TQ,
+                total_k=TK, window_left=9, window_right=4, IS_VARLEN=True, PAGED=False, IS_BLOCK_SPARSE=False,
+                HAS_BIAS=False, HAS_ALIBI=True, HAS_DROPOUT=True, EVEN_M=False, EVEN_N=False)
+    assert {n: a[n] for n in want} == want
+    assert (a["stride_alibi_b"], a["stride_alibi_h"]) == alibi.stride()
+
+    dout = _packed(TQ, HQ, D, True, 4)
+    dq, dk, dv = bwd_runtime.fa2_backward(dout, q, k, v, out, lse, deterministic=deterministic, **common)
+    pre = _named(*bwd_calls[0])
+    assert _same_view(pre["Out"], out) and _same_view(pre["DOut"], dout) and pre["CuSeqQ"] is cu_q
+    assert (pre["seqlen_q"], pre["total_q"], pre["IS_VARLEN"], pre["stride_dom"]) == (25, TQ, True, dout.stride(0))
+    assert pre["Delta"].shape == (HQ, TQ)
+    for kernel, dynamic, static in bwd_calls[1:]:
+        a = _named(kernel, dynamic, static)
+        assert a["CuSeqQ"] is cu_q and a["CuSeqK"] is cu_k and a["Rng"] is rng
+        assert _same_view(a["Q"], q) and _same_view(a["K"], k) and _same_view(a["V"], v) and _same_view(a["DO"], dout)
+        assert a["LSE"].shape == (HQ, TQ) and a["Delta"].shape == (HQ, TQ)
+        for name, t in (("stride_q", q), ("stride_k", k), ("stride_v", v), ("stride_do", dout)):
+            last = "m" if name in ("stride_q", "stride_do") else "n"
+            assert (a[name + "h"], a[name + last]) == (t.stride(1), t.stride(0)), name
+        want = dict(n_heads_q=HQ, n_heads_k=HK, seqlen_q=25, seqlen_k=36, total_q=TQ, total_k=TK, IS_VARLEN=True,
+                    EVEN_M=False, EVEN_N=False, HAS_DROPOUT=True, HAS_ALIBI=True)
+        assert {n: a[n] for n in want} == want
+        if kernel is _bwd_dkdv_kernel:
+            assert _same_view(a["DK"], dk) and _same_view(a["DV"], dv) and a["n_bh"] == 2 * HK
+            if not deterministic:
+                assert a["DQacc"].shape == (1, HQ, TQ, D) and (a["stride_dqh"], a["stride_dqm"]) == (D, HQ * D)
+        else:
+            assert _same_view(a["DQ"], dq) and a["n_bh"] == 2 * HQ
+
+
+def test_paged_forward_launch_matches_kernel_parameters(monkeypatch):
+    calls = _record(monkeypatch, fwd_runtime)
+    q = _packed(TQ, HQ, D, False, 1)
+    pages = torch.randn(6, 32, HK, D)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 15, TQ], dtype=torch.int32), torch.tensor([0, 70, 90], dtype=torch.int32)
+    fwd_runtime.fa2_forward(q, pages, pages, softmax_scale=0.3, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=25, max_seqlen_k=70, block_table=table)
+    (kernel, dynamic, static), = calls
+    a = _named(kernel, dynamic, static)
+    assert a["BlockTable"] is table and a["K"].shape == (6, HK, 32, D) and a["K"].data_ptr() == pages.data_ptr()
+    assert (a["stride_kb"], a["stride_kh"], a["stride_kn"]) == (pages.stride(0), pages.stride(2), pages.stride(1))
+    want = dict(stride_bt_b=3, page_size=32, n_pages=6, PAGED=True, IS_VARLEN=True, seqlen_k=70)
+    assert {n: a[n] for n in want} == want and 32 % a["BLOCK_N"] == 0
+
+
 class _Recorder:
     """Stands in for a jit kernel: ``kernel[grid](*args, **kw)`` records the call."""
 

@@ -140,3 +140,27 @@ def test_unaligned_caller_tensors_in_every_slot(device):
     assert torch.equal(got, want)
     assert torch.equal(k8.view(torch.uint8), k8b.view(torch.uint8))
     check_errors()
+
+
+def test_error_bits_are_distinct_and_each_is_reported(monkeypatch):
+    """The device error word's bits (decode lengths, block table, cache_batch_idx, cu_seqlens_q, and the FP8
+    forward's descales) are distinct powers of two, and check_errors names each one, alone and together."""
+    from flashtile.kernels.fa3_fwd import ERR_DESCALE
+    from flashtile.ops import kvcache
+    from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQLENS
+
+    named = {ERR_SEQLENS: "cache_seqlens out of range", ERR_BLOCK_TABLE: "block_table entry out of range",
+             ERR_BATCH_IDX: "cache_batch_idx entry out of range", ERR_CU_SEQLENS_Q: "cu_seqlens_q out of range",
+             ERR_DESCALE: "FP8 descales out of range"}
+    assert len(named) == 5 and all(bit > 0 and bit & (bit - 1) == 0 for bit in named)
+    word = 0
+    for bit, name in named.items():
+        word |= bit
+        monkeypatch.setattr(kvcache, "take_errors", lambda bit=bit: [(torch.device("cpu"), bit)])
+        with pytest.raises(ValueError) as err:
+            kvcache.check_errors()
+        assert name in str(err.value) and all(other not in str(err.value) for other in named.values() if other != name)
+    monkeypatch.setattr(kvcache, "take_errors", lambda: [(torch.device("cpu"), word)])
+    with pytest.raises(ValueError) as err:
+        kvcache.check_errors()
+    assert all(name in str(err.value) for name in named.values())

@@ -1,0 +1,361 @@
+"""``attn_implementation="flashtile"`` in Hugging Face transformers models.
+
+Tiny random-weight models built from configs (no downloads).  Each test builds the same weights twice,
+once with flashtile and once with transformers' own attention ("sdpa"; "eager" for Gemma 2, whose
+softcap SDPA does not support), and compares logits, the gradients of one training step and greedy
+generations.  On the CPU the kernels run through Triton's interpreter in fp32 (tolerance: fp32's
+table entry, relative to max|ref|); the GPU tests run bf16 and bound flashtile's error by SDPA's own
+bf16 error against a float64 model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashtile.integrations.transformers as ft  # noqa: E402  (registers "flashtile")
+from tests._oracle import assert_close  # noqa: E402
+
+VOCAB, SEQ = 128, 24
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, attention_dropout=0.0)
+
+
+def _config(kind: str):
+    if kind == "llama":
+        return transformers.LlamaConfig(**COMMON)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**COMMON)
+    if kind == "mistral":  # a window shorter than the sequence, so it masks keys
+        return transformers.MistralConfig(**COMMON, sliding_window=6)
+    if kind == "gemma2":  # softcap that bites at these score sizes, sliding then global layers
+        return transformers.Gemma2Config(**{**COMMON, "head_dim": 32}, sliding_window=7,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                                         query_pre_attn_scalar=32,
+                                         layer_types=["sliding_attention", "full_attention"])
+    raise ValueError(kind)
+
+
+def _reference_impl(kind: str) -> str:
+    return "eager" if kind == "gemma2" else "sdpa"
+
+
+def _models(kind: str, device: str = "cpu", dtype=torch.float32, seed: int = 0):
+    """(flashtile model, reference model) with identical weights; weights drawn large enough that
+    attention scores are O(1) (transformers' 0.02 init leaves every softmax nearly uniform)."""
+    cfg = _config(kind)
+    torch.manual_seed(seed)
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="flashtile")
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.25)
+    theirs = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                           attn_implementation=_reference_impl(kind))
+    theirs.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == "flashtile"
+    return ours.to(device, dtype).eval(), theirs.to(device, dtype).eval()
+
+
+def _ids(batch: int, n: int, seed: int = 1, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, n), generator=g).to(device)
+
+
+def test_registered_on_import():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping["flashtile"] is ft.flashtile_attention_forward
+    assert AttentionMaskInterface._global_mapping["flashtile"] is ft.flashtile_mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2"])
+def test_logits_and_grads_match(kind):
+    """Forward logits, then one training step's parameter gradients (train mode, no dropout)."""
+    ours, theirs = _models(kind)
+    ids = _ids(2, SEQ)
+    for m in (ours, theirs):
+        m.train()
+    out_ours = ours(ids, labels=ids)
+    out_theirs = theirs(ids, labels=ids)
+    assert_close(out_ours.logits, out_theirs.logits, what=f"{kind} logits")
+    out_ours.loss.backward()
+    out_theirs.loss.backward()
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, name
+        assert_close(p.grad, theirs_params[name].grad, what=f"{kind} grad {name}")
+
+
+def test_window_reaches_exactly_sliding_window_keys():
+    """transformers' sliding_window = w: query i sees keys i - w < j <= i (w keys).  Changing the key
+    exactly w positions back must not change row i; changing the one w - 1 back must."""
+    w, n, d = 5, 12, 16
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = (torch.randn(1, 2, n, d, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    base, _ = ft.flashtile_attention_forward(Module(), q, k, v, None, sliding_window=w)
+    i = n - 1
+    for back, changes in ((w, False), (w - 1, True)):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, i - back] += 1.0
+        v2[:, :, i - back] += 1.0
+        out, _ = ft.flashtile_attention_forward(Module(), q, k2, v2, None, sliding_window=w)
+        moved = (out[0, i] - base[0, i]).abs().max().item()
+        assert (moved > 1e-3) == changes, (back, moved)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_greedy_generate_matches(kind):
+    """A prompt longer than the sliding windows, then decoding through the KV cache (q_len 1,
+    bottom-right causal against the cache)."""
+    ours, theirs = _models(kind)
+    ids = _ids(2, 12, seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert got.shape == want.shape == (2, 16)
+    assert torch.equal(got, want)
+
+
+def _padding_mask(side: str, lens: list[int], n: int) -> torch.Tensor:
+    mask = torch.zeros(len(lens), n, dtype=torch.long)
+    for b, length in enumerate(lens):
+        if side == "left":
+            mask[b, n - length:] = 1
+        else:
+            mask[b, :length] = 1
+    return mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches(side):
+    """Padded rows (one unpadded) -> ragged varlen batch -> re-padded: logits at real tokens and
+    gradients equal the reference's (padded positions carry no loss)."""
+    ours, theirs = _models("mistral")
+    n = 16
+    ids = _ids(3, n, seed=4)
+    mask = _padding_mask(side, [16, 11, 5], n)
+    labels = ids.masked_fill(mask == 0, -100)
+    for m in (ours, theirs):
+        m.train()
+    a = ours(ids, attention_mask=mask, labels=labels)
+    b = theirs(ids, attention_mask=mask, labels=labels)
+    real = mask.bool()
+    assert_close(a.logits[real], b.logits[real], what=f"{side}-padded logits")
+    a.loss.backward()
+    b.loss.backward()
+    theirs_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(p.grad, theirs_params[name].grad, what=f"{side}-padded grad {name}")
+
+
+def test_left_padded_generate_matches():
+    ours, theirs = _models("gemma2")
+    ids = _ids(2, 10, seed=5)
+    mask = _padding_mask("left", [10, 6], 10)
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_static_cache_generate_matches():
+    """A static cache holds more key slots than tokens: the padding mask (kept for flash-type
+    implementations under a static cache) is shorter than the keys, whose unused tail is never read."""
+    ours, theirs = _models("llama")
+    ids = _ids(2, 10, seed=5)
+    mask = _padding_mask("left", [10, 6], 10)
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not transformers.__version__.startswith("5"), reason="transformers 5's mask-function signature")
+def test_overlay_mask_functions_get_a_dense_mask():
+    """A model's or-overlay (here: the first 4 tokens see each other) cannot be expressed by causal
+    + padding: the mask function hands the dense mask transformers' SDPA would get."""
+    from transformers.masking_utils import causal_mask_function, or_masks, sdpa_mask
+
+    def prefix(b, h, q, kv):
+        return (q < 4) & (kv < 4)
+
+    kw = dict(batch_size=1, q_length=8, kv_length=8, q_offset=0, kv_offset=0,
+              mask_function=or_masks(causal_mask_function, prefix), attention_mask=None, device="cpu")
+    got = ft.flashtile_mask(**kw, use_vmap=True)
+    want = sdpa_mask(**kw, use_vmap=True, allow_is_causal_skip=False)
+    assert got is not None and got.dim() == 4 and torch.equal(got, want)
+    assert bool(got[0, 0, 0, 3]) and not bool(got[0, 0, 5, 6])
+
+
+def _assert_documents_match(packed: torch.Tensor, ids: torch.Tensor, docs: list[list[int]], theirs) -> None:
+    """Each packed document's logits equal the reference model's on that document alone (transformers
+    < 4.54's SDPA path does not keep packed documents apart, so the reference runs them one by one)."""
+    with torch.no_grad():
+        for r, row in enumerate(docs):
+            start = 0
+            for length in row:
+                doc = ids[r:r + 1, start:start + length]
+                alone = theirs(doc, position_ids=torch.arange(length).unsqueeze(0), use_cache=False).logits
+                assert_close(packed[r:r + 1, start:start + length], alone, what=f"row {r} document at {start}")
+                start += length
+
+
+def test_packed_position_ids_match():
+    """Two rows, each packing documents (position_ids restart at 0)."""
+    ours, theirs = _models("llama")
+    docs = [[7, 9, 8], [13, 11]]
+    ids = _ids(2, 24, seed=6)
+    pos = torch.cat([torch.cat([torch.arange(L) for L in row]).unsqueeze(0) for row in docs])
+    with torch.no_grad():
+        packed = ours(ids, position_ids=pos, use_cache=False).logits
+    _assert_documents_match(packed, ids, docs, theirs)
+
+
+def test_packed_cu_seqlens_kwargs():
+    """transformers' FlashAttentionKwargs (flattened batch of one row) are used as given: the
+    position_ids here do not restart, so only cu_seq_lens can keep the documents apart."""
+    ours, theirs = _models("qwen2")
+    lens = [9, 6, 9]
+    ids = _ids(1, sum(lens), seed=7)
+    cu = torch.tensor([0, 9, 15, 24], dtype=torch.int32)
+    with torch.no_grad():
+        packed = ours(ids, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
+    # rotary positions follow position_ids (0..23 here); the reference gets the same positions per document
+    with torch.no_grad():
+        start = 0
+        for length in lens:
+            alone = theirs(ids[:, start:start + length], position_ids=torch.arange(start, start + length)[None],
+                           use_cache=False).logits
+            assert_close(packed[:, start:start + length], alone, what=f"document at {start}")
+            start += length
+
+
+def test_four_d_mask_runs_dense():
+    """A model-supplied 4-D boolean mask goes through the masked path."""
+    ours, theirs = _models("llama")
+    n = 12
+    ids = _ids(1, n, seed=8)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    mask[6:, :6] = False  # two blocks that do not see each other
+    mask4 = mask[None, None]
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask4).logits
+        b = theirs(ids, attention_mask=mask4).logits
+    assert_close(a, b, what="4-D mask logits")
+
+
+def test_dropout_in_training():
+    """attention_dropout reaches the kernels in train mode only: train-mode logits differ from eval's,
+    are reproducible under the same seed, and eval mode matches the reference."""
+    cfg_models = _models("llama")
+    ours = cfg_models[0]
+    for layer in ours.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids = _ids(1, 16, seed=9)
+    with torch.no_grad():
+        ev = ours.eval()(ids).logits
+        ours.train()
+        torch.manual_seed(0)
+        t1 = ours(ids).logits
+        torch.manual_seed(0)
+        t2 = ours(ids).logits
+    assert torch.isfinite(t1).all()
+    assert torch.equal(t1, t2)
+    assert (t1 - ev).abs().max() > 1e-2
+    assert_close(ev, cfg_models[1](ids).logits.detach(), what="eval logits")
+
+
+def test_bad_masks_raise():
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ft.flashtile_attention_forward(Module(), q, q, q, torch.ones(1, 2, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        ft.flashtile_attention_forward(Module(), q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        ft.flashtile_attention_forward(Module(), q, q, q, None, block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                       k_cache=q, v_cache=q)
+
+
+def test_plans_are_shared_by_the_layers(monkeypatch):
+    """One forward computes the padding plan once (its host reads), not once per layer; an in-place
+    change of the mask computes a new one."""
+    calls = []
+    real = ft._padding_plan
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(ft, "_padding_plan", counting)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    first = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
+    again = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
+    assert again is first and len(calls) == 1
+    mask[1, 0] = 0
+    changed = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
+    assert len(calls) == 2 and changed.cu_k.tolist() == [0, 3, 6]
+
+
+def test_mask_function_passes_padding_only():
+    m = torch.ones(2, 6, dtype=torch.bool)
+    assert ft.flashtile_mask(batch_size=2, attention_mask=m, kv_length=6) is None
+    assert ft.flashtile_mask(batch_size=2, attention_mask=None, kv_length=6) is None
+    m[0, 0] = False
+    assert torch.equal(ft.flashtile_mask(batch_size=2, attention_mask=m, kv_length=6), m)
+    assert ft.flashtile_mask(batch_size=2, attention_mask=m, kv_length=5) is None  # the padded key fell out
+
+
+# --------------------------------------------------------------------------- #
+# GPU: bf16, flashtile's error bounded by SDPA's own bf16 error against a float64 model
+# --------------------------------------------------------------------------- #
+def _bf16_error_bound(kind: str, run):
+    ours, theirs = _models(kind, device="cuda", dtype=torch.bfloat16)
+    _, exact = _models(kind, device="cuda", dtype=torch.float64)  # same seed: the same weights
+    with torch.no_grad():
+        ref = run(exact).double()
+        e_ours = (run(ours).double() - ref)
+        e_theirs = (run(theirs).double() - ref)
+    scale = ref.abs().max().item()
+    assert torch.isfinite(e_ours).all()
+    assert e_ours.abs().max().item() <= 2 * e_theirs.abs().max().item() + 1e-2 * scale, kind
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma2"])
+def test_gpu_bf16_logits(kind):
+    ids = _ids(4, 256, device="cuda")
+    _bf16_error_bound(kind, lambda m: m(ids).logits)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_padded_and_packed():
+    ids = _ids(3, 200, device="cuda")
+    mask = _padding_mask("left", [200, 150, 37], 200).cuda()
+    real = mask.bool()
+    _bf16_error_bound("mistral", lambda m: m(ids, attention_mask=mask).logits[real])
+    pos = torch.cat([torch.arange(L) for L in (64, 100, 36)]).cuda().unsqueeze(0).expand(3, -1)
+    _bf16_error_bound("llama", lambda m: m(ids, position_ids=pos, use_cache=False).logits)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_generate_runs():
+    ours, theirs = _models("gemma2", device="cuda", dtype=torch.bfloat16)
+    ids = _ids(2, 64, device="cuda")
+    with torch.no_grad():
+        got = ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    assert got.shape == (2, 80)
