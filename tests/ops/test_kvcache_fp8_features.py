@@ -164,3 +164,37 @@ def test_error_bits_are_distinct_and_each_is_reported(monkeypatch):
     with pytest.raises(ValueError) as err:
         kvcache.check_errors()
     assert all(name in str(err.value) for name in named.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_fp8_cache_rotary_gqa8_sixteen_tokens(paged):
+    """FP8 cache on the GPU with rotary (NeoX, rotary_dim 64 of 128) and Hq 64 / Hk 8 x 16 query tokens:
+    128 packed rows in one tile on 8 warps, causal, 4k keys (256-key pages when paged), the heuristic's
+    splits; the appended keys are the twin's rotated, quantised bytes (to one e4m3 step) and out / lse
+    match the twin at bf16's tolerance."""
+    dev, dt = "cuda", torch.bfloat16
+    b, n, hq, hk, d, nq, page = 2, 4096, 64, 8, 128, 16, 256
+    k8, kd = quantize_per_head(rand(b, n, hk, d, seed=31, scale=2.0), layout="bnhd")
+    v8, vd = quantize_per_head(rand(b, n, hk, d, seed=32), layout="bnhd")
+    k = rand(b, nq, hk, d, seed=33, scale=2.0).to(dev, dt)
+    v = rand(b, nq, hk, d, seed=34).to(dev, dt)
+    q = rand(b, nq, hq, d, seed=35).to(dev, dt)
+    cos, sin = tables(n, 32, seed=36)
+    lens = [n // 4, n - nq]
+    ref_out, ref_lse, ref_k, _ = kvcache_step(q.cpu(), k8, v8, k.cpu(), v.cpu(), lens, rotary=(cos, sin, False),
+                                              causal=True, descales=(kd, vd))
+    kw = dict(causal=True, rotary_interleaved=False, return_lse=True, k_descale=kd.to(dev), v_descale=vd.to(dev))
+    if paged:  # pages of element b in reverse order
+        table = torch.arange(b * (n // page), dtype=torch.int32).view(b, -1).flip(1).contiguous()
+        k_pool, v_pool = (x.reshape(b * (n // page), page, hk, d)[table.view(-1).argsort()].to(dev) for x in (k8, v8))
+        out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cos.to(dev), sin.to(dev), ints(lens, dev),
+                                           block_table=table.to(dev), **kw)
+        k_after = k_pool.cpu()[table.view(-1).long()].view(b, n, hk, d)
+    else:
+        k_after = k8.to(dev)
+        out, lse = flash_attn_with_kvcache(q, k_after, v8.to(dev), k, v, cos.to(dev), sin.to(dev), ints(lens, dev), **kw)
+    assert_within_one_e4m3_step(k_after, ref_k, "rotated, quantised keys")
+    assert_close(out, ref_out, dt, dev, "out")
+    assert_close(lse, ref_lse, dt, dev, "lse")
+    check_errors()
