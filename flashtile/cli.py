@@ -154,7 +154,9 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
         console.print(f"wrote {payload['path']}")
         return 0
     with console.status("decoding benchmark") as status:
-        payload = run_decode_bench(args.out, progress=lambda what: status.update(str(what)))
+        payload = run_decode_bench(
+            args.out, progress=lambda what: status.update(str(what)), features_only=args.features
+        )
     table = Table(title=f"decode bf16 on {payload['env']['device']}: GB/s of K+V read; × = peer time / our time")
     cols = ("batch", "cache", "ours GB/s", "paged GB/s", "× sdpa-flash: do_bench / clean L2", "× sdpa-cudnn",
             "× gather+sdpa (paged)",
@@ -177,6 +179,16 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
         )
     console.print(table)
     console.print(f"device copy bandwidth: {payload.get('copy_gbps', float('nan')):.0f} GB/s (read + write)")
+    feat = Table(title="decode features (clean-L2 µs; ratios: ours with/without, or t_fa3 / t_ours)")
+    for c in ("point", "batch", "cache", "tokens", "µs by provider", "ratios", "unavailable"):
+        feat.add_column(c, justify="right")
+    for p in payload.get("features", []):
+        us = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in p["ms_clean_l2"].items())
+        ratios = ", ".join(f"{k} {v:.3f}" for k, v in p["speedup"].items() if not k.startswith("do_bench"))
+        feat.add_row(p["name"], str(p["batch"]), str(p["cache"]), str(p["tokens"]), us, ratios,
+                     "; ".join(f"{k}: {v[:60]}" for k, v in p["unavailable"].items()))
+    console.print(feat)
+    console.print(f"wrote {payload['path']}")
     return 0
 
 
@@ -435,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--fp8-cascade", action="store_true",
                      help="instead of the grid: FP8 vs bf16 KV cache (B 1/8, 32k/128k; FA3 if importable) and "
                           "shared-prefix cascade (64 x (32k shared + 1k own)) vs unshared")
+    dec.add_argument("--features", action="store_true",
+                     help="only the feature points: fused rotary (B64, 4k) and 4-token steps (B32, 8k), with FA3 if importable")
     dec.set_defaults(func=_cmd_bench_decode)
     iol = bsub.add_parser("io", help="IO lab: FA1 vs FA2, online vs safe softmax, ncu DRAM bytes vs Theorem 2, roofline")
     iol.add_argument("--out", default="bench/results")

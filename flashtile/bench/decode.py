@@ -26,6 +26,18 @@ hides, and on the host's noise.  Each provider is therefore timed in
 reports the median of its round medians.
 
 (with Nq = 1 the bottom-right causal mask allows every key, so SDPA runs unmasked.)
+
+Feature points (:data:`FEATURE_POINTS`, ``payload["features"]``; ``--features`` runs only these): a
+decoding step that appends its new tokens, causal, with and without the options of
+``flash_attn_with_kvcache``, next to FlashAttention-3's ``flash_attn_with_kvcache``
+(``fa3_fwd_interface``, when importable; never a dependency) with the same arguments:
+
+* ``rotary``: B 64, 4k cache, 1 token, full-width rotary (interleaved): ``flashtile`` vs
+  ``flashtile-rotary`` (``speedup["rotary/plain"]``: the cost of the fused rotary, target <= 5 %),
+  ``fa3`` / ``fa3-rotary``;
+* ``q_len 4``: B 32, 8k cache, 4 query tokens and 4 new keys (speculative step): ``flashtile``,
+  ``fa3``, and our 1-token step on the same cache (``flashtile-1tok``: what packing 4 tokens costs);
+* ``q_len 16, Hq 64``: B 8, 8k cache, 16 tokens of a GQA group of 8 (128 packed rows, one 128-row tile).
 Throughput is the rate the K/V cache is read, ``2 B L Hk d * 2 bytes / time``,
 compared with a device-to-device copy measured in the same run (bytes read
 + written per second): decoding is a streaming read of the cache, so the copy
@@ -62,7 +74,10 @@ import torch
 
 from flashtile.bench.common import environment, median_ms, median_ms_clean_l2, rel_err, write_json
 
-__all__ = ["run_decode_bench", "run_tile_sweep", "run_fp8_cascade_bench", "copy_bandwidth", "forced_decode", "host_us", "PROVIDERS", "GRID"]
+__all__ = [
+    "run_decode_bench", "run_tile_sweep", "run_fp8_cascade_bench", "copy_bandwidth", "forced_decode", "host_us",
+    "PROVIDERS", "GRID", "FEATURE_POINTS", "feature_point",
+]
 
 HQ, HK, D, PAGE = 32, 8, 128, 256
 GRID = {"batch": (1, 8, 64), "cache": (1024, 4096, 32768, 131072)}
@@ -285,14 +300,93 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
     return row
 
 
-def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None) -> dict:
-    """Run the grid on the current GPU, write ``decode_<device>_<date>.json`` to ``out_dir``, return the payload."""
+# (name, batch, cache, query tokens = new tokens, rotary, q heads): Hk 8, d 128 throughout
+FEATURE_POINTS = (
+    ("rotary", 64, 4096, 1, True, HQ), ("q_len 4", 32, 8192, 4, False, HQ), ("q_len 16, Hq 64", 8, 8192, 16, False, 64),
+)
+
+
+def _fa3_kvcache():
+    """FA3's ``flash_attn_with_kvcache`` if ``fa3_fwd_interface`` imports, else None and why not."""
+    try:
+        import fa3_fwd_interface as fa3
+    except ImportError as e:
+        return None, f"fa3_fwd_interface not importable ({e})"
+    return fa3.flash_attn_with_kvcache, None
+
+
+def feature_point(name: str, batch: int, cache: int, n_tok: int, rotary: bool, hq: int = HQ) -> dict:
+    """One :data:`FEATURE_POINTS` entry: do_bench and clean-L2 medians (ms) of each provider, their
+    errors against ``flashtile`` with the same arguments, and the ratios."""
+    from flashtile.ops.kvcache import flash_attn_with_kvcache
+
+    torch.manual_seed(batch + cache + n_tok)
+    dt = torch.bfloat16
+    q = torch.randn(batch, n_tok, hq, D, device="cuda", dtype=dt)
+    k_cache = torch.randn(batch, cache, HK, D, device="cuda", dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(batch, n_tok, HK, D, device="cuda", dtype=dt)
+    v_new = torch.randn_like(k_new)
+    lens = torch.full((batch,), cache - n_tok, dtype=torch.int32, device="cuda")  # the step fills the cache
+    angle = torch.rand(cache, D // 2, device="cuda") * 6.3
+    cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+    rot = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=True)
+    kw = dict(k=k_new, v=v_new, cache_seqlens=lens, causal=True)
+    fns: dict[str, Callable[[], torch.Tensor]] = {
+        "flashtile": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, **kw),
+    }
+    if rotary:
+        fns["flashtile-rotary"] = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, **kw, **rot)
+    else:
+        fns["flashtile-1tok"] = lambda: flash_attn_with_kvcache(
+            q[:, :1], k_cache, v_cache, k=k_new[:, :1], v=v_new[:, :1], cache_seqlens=lens, causal=True
+        )
+    fa3, why = _fa3_kvcache()
+    if fa3 is not None:
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+        fns["fa3"] = lambda: first(fa3(q, k_cache, v_cache, **kw))
+        if rotary:
+            fns["fa3-rotary"] = lambda: first(fa3(q, k_cache, v_cache, **kw, **rot))
+    row = {"name": name, "batch": batch, "cache": cache, "tokens": n_tok, "rotary": rotary, "heads_q": hq, "ms": {}, "ms_clean_l2": {},
+           "err": {}, "unavailable": {} if fa3 is not None else {"fa3": why}}
+    outs = {}
+    for prov, fn in fns.items():
+        try:
+            outs[prov] = fn().float()
+            torch.cuda.synchronize()
+            row["ms"][prov] = median_ms(fn)
+            row["ms_clean_l2"][prov] = median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH)
+        except Exception as e:  # noqa: BLE001 - a peer may reject these arguments: recorded
+            row["unavailable"][prov] = f"{type(e).__name__}: {str(e)[:160]}"
+    # each call appends the same rows again, so every output is that of the same cache contents
+    same_args = {"fa3": "flashtile", "fa3-rotary": "flashtile-rotary"}
+    for prov, base in same_args.items():
+        if prov in outs and base in outs:
+            row["err"][prov] = rel_err(outs[prov], outs[base])
+    t, c = row["ms"], row["ms_clean_l2"]
+    ratios = {}
+    for label, num, den in (("rotary/plain", "flashtile-rotary", "flashtile"), ("fa3", "fa3", "flashtile"),
+                            ("fa3-rotary", "fa3-rotary", "flashtile-rotary"), ("4tok/1tok", "flashtile", "flashtile-1tok")):
+        if num in c and den in c:
+            # rotary/plain and 4tok/1tok: our time with / without (> 1: slower); fa3*: t_fa3 / t_ours (> 1: we are faster)
+            ratios[label] = c[num] / c[den]
+            ratios[f"do_bench: {label}"] = t[num] / t[den]
+    row["speedup"] = ratios
+    del q, k_cache, v_cache, k_new, v_new, outs, fns
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None, *, features_only: bool = False) -> dict:
+    """Run the grid and the :data:`FEATURE_POINTS` on the current GPU (only the latter with
+    ``features_only``), write ``decode_<device>_<date>.json`` (``decode_features_...``) to
+    ``out_dir``, return the payload."""
     if not torch.cuda.is_available():
         raise RuntimeError("`flashtile bench decode` needs a CUDA GPU")
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth()
     points, skipped = [], []
-    for batch in GRID["batch"]:
+    for batch in () if features_only else GRID["batch"]:
         for cache in GRID["cache"]:
             need = 3 * 2 * batch * cache * HK * D * 2
             free = torch.cuda.mem_get_info()[0]
@@ -302,6 +396,11 @@ def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None) -> 
             if progress:
                 progress(f"decode B={batch} L={cache}")
             points.append(_point(batch, cache, copy_gbps))
+    features = []
+    for point in FEATURE_POINTS:
+        if progress:
+            progress(f"decode feature {point[0]} B={point[1]} L={point[2]}")
+        features.append(feature_point(*point))
     payload = {
         "env": environment(),
         "shape": {"dtype": "bfloat16", "heads_q": HQ, "heads_k": HK, "head_dim": D, "seqlen_q": 1, "page_size": PAGE},
@@ -314,8 +413,14 @@ def run_decode_bench(out_dir, progress: Callable[[str], None] | None = None) -> 
         ),
         "points": points,
         "skipped": skipped,
+        "features": features,
+        "features_convention": (
+            "ms: do_bench medians; ms_clean_l2: after a 1 GB read-only flush; speedup[rotary/plain] and [4tok/1tok] "
+            "= our time with / without (clean L2); speedup[fa3*] = t_fa3 / t_ours; err: relative error against "
+            "flashtile with the same arguments"
+        ),
     }
-    payload["path"] = str(write_json(payload, out_dir, "decode"))
+    payload["path"] = str(write_json(payload, out_dir, "decode_features" if features_only else "decode"))
     return payload
 
 

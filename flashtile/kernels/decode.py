@@ -21,6 +21,8 @@ __all__ = [
     "FLAG_OVERFLOW",
     "ERR_SEQLENS",
     "ERR_BLOCK_TABLE",
+    "ERR_BATCH_IDX",
+    "ERR_CU_SEQLENS_Q",
 ]
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -34,6 +36,9 @@ _FLAG_OVERFLOW = tl.constexpr(FLAG_OVERFLOW)
 # bits of the per-device error word: a length outside [0, capacity], a used block-table entry outside [0, num_pages)
 ERR_SEQLENS, ERR_BLOCK_TABLE = 1, 2
 _ERR_SEQLENS, _ERR_BLOCK_TABLE = tl.constexpr(ERR_SEQLENS), tl.constexpr(ERR_BLOCK_TABLE)
+# a cache_batch_idx entry outside [0, cache batch); cu_seqlens_q not monotone within [0, total_q] or a span > max_seqlen_q
+ERR_BATCH_IDX, ERR_CU_SEQLENS_Q = 4, 8
+_ERR_BATCH_IDX, _ERR_CU_SEQLENS_Q = tl.constexpr(ERR_BATCH_IDX), tl.constexpr(ERR_CU_SEQLENS_Q)
 
 
 @triton.jit
@@ -75,6 +80,68 @@ def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity):
 
 
 @triton.jit
+def _cache_row(CacheBatchIdx, off_b, n_cache_batch, HAS_BATCH_IDX: tl.constexpr):
+    """``(row, bad)``: the cache row of batch element ``off_b`` (``cache_batch_idx[b]``, or b) as int64;
+    an entry outside ``[0, n_cache_batch)`` becomes row 0 and ``bad`` (the caller then reads and writes nothing)."""
+    if HAS_BATCH_IDX:
+        raw = tl.load(CacheBatchIdx + off_b.to(tl.int64)).to(tl.int64)
+        bad = (raw < 0) | (raw >= n_cache_batch)
+        row = tl.where(bad, 0, raw)
+    else:
+        row = off_b.to(tl.int64)
+        bad = off_b < 0  # False
+    return row, bad
+
+
+@triton.jit
+def _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q: tl.constexpr):
+    """``(start, n, bad)``: element b's query rows ``[start, start + n)`` (int64 start): with ``VARLEN_Q``
+    from ``cu_seqlens_q[b:b + 2]`` clamped to ``[0, total_q]`` and ``n <= seqlen_q`` (= max_seqlen_q),
+    ``bad`` when clamping changed them; else ``(0, seqlen_q, False)`` (q carries a batch stride)."""
+    if VARLEN_Q:
+        lo = tl.load(CuSeqlensQ + off_b.to(tl.int64)).to(tl.int64)
+        hi = tl.load(CuSeqlensQ + off_b.to(tl.int64) + 1).to(tl.int64)
+        start = tl.minimum(tl.maximum(lo, 0), total_q)
+        n = tl.minimum(tl.minimum(tl.maximum(hi - start, 0), seqlen_q), total_q - start)
+        bad = (start != lo) | (n != hi - lo)
+        n = n.to(tl.int32)
+    else:
+        start = off_b.to(tl.int64) * 0
+        n = seqlen_q
+        bad = off_b < 0  # False
+    return start, n, bad
+
+
+@triton.jit
+def _rotary_load(
+    base, pos, ok, offs_d, d_ok, RotCos, RotSin, rot_half, INTERLEAVED: tl.constexpr,
+):
+    """Rows at ``base`` (pointer (M, 1), or scalar) loaded in fp32 and rotated at positions ``pos``
+    (same shape, in range; ``ok`` an (M, 1) or (1, D) mask tensor) over the first ``2 rot_half`` dims (flash-attn's rotary): pair (x1, x2) becomes
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` with ``cos = RotCos[pos, j]``, pairs ``(2j, 2j + 1)``
+    (``INTERLEAVED``, GPT-J) or ``(j, j + rot_half)`` (GPT-NeoX); the other dims pass through.
+    Each pair's partner is a second load of the same (cached) row."""
+    rot = offs_d < 2 * rot_half
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        j = offs_d // 2
+        first = (offs_d % 2) == 0
+    else:
+        first = offs_d < rot_half
+        partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
+        j = tl.where(first, offs_d, offs_d - rot_half)
+    partner = tl.where(rot, partner, offs_d)
+    j = tl.where(rot, j, 0)
+    x = tl.load(base + offs_d[None, :], mask=ok & d_ok[None, :], other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=ok & (rot & d_ok)[None, :], other=0.0).to(tl.float32)
+    cs = pos.to(tl.int64) * rot_half + j[None, :]
+    cs_ok = ok & rot[None, :]
+    c = tl.load(RotCos + cs, mask=cs_ok, other=1.0).to(tl.float32)
+    s = tl.load(RotSin + cs, mask=cs_ok, other=0.0).to(tl.float32)
+    return x * c + tl.where(first, -1.0, 1.0)[None, :] * xp * s
+
+
+@triton.jit
 def _tile_scores(
     q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
     window_left, window_right,
@@ -104,6 +171,7 @@ def _sweep(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UNIFIED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    key_lo, HAS_LEFTPAD: tl.constexpr,
 ):
     """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag, bad_page)`` in base 2.
 
@@ -112,7 +180,7 @@ def _sweep(
     no max and no rescaling, and ``flag`` marks rows with an allowed score outside
     ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag).  A tile whose
     page is absent (block-table entry outside ``[0, num_pages)``) is neither read nor
-    counted, and sets ``bad_page``."""
+    counted, and sets ``bad_page``.  ``HAS_LEFTPAD``: keys below ``key_lo`` are masked (cache_leftpad)."""
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -148,6 +216,8 @@ def _sweep(
         )
         if PAGED:
             ok = ok & kv_ok[None, :]
+        if HAS_LEFTPAD:
+            ok = ok & (offs_n >= key_lo)[None, :]
         if UNIFIED:
             dev = s - phi2
             ok = ok & row_ok[:, None]
@@ -175,10 +245,28 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def _out_rows(
+    off_b, offs_h, offs_t, q_start, stride_ob, stride_om, stride_oh, n_heads_q, seqlen_q, total_q,
+    VARLEN_Q: tl.constexpr,
+):
+    """64-bit element offsets of rows (b, h, t) in ``Out`` and their indices in ``LSE``: (B, Nq, Hq, d) and
+    (B, Hq, Nq), or with ``VARLEN_Q`` (total_q, Hq, d) and (Hq, total_q) at row ``q_start + t``."""
+    if VARLEN_Q:
+        tok = q_start + offs_t.to(tl.int64)
+        o_off = tok * stride_om + offs_h.to(tl.int64) * stride_oh
+        lse_row = offs_h.to(tl.int64) * total_q + tok
+    else:
+        o_off = off_b.to(tl.int64) * stride_ob + offs_t.to(tl.int64) * stride_om + offs_h.to(tl.int64) * stride_oh
+        lse_row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t
+    return o_off, lse_row
+
+
+@triton.jit
 def _merge_rows(
     Work, FPart, Out, LSE, Flags, off_b, off_hk, r_lo, r_hi,
     stride_ob, stride_om, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
     MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr, UNIFIED: tl.constexpr,
+    CuSeqlensQ, total_q, VARLEN_Q: tl.constexpr,
 ):
     """Merge the S partials of packed rows ``[r_lo, r_hi)`` into ``out`` / ``lse`` (FA1 Algorithm 1, lines 11-12):
 
@@ -188,13 +276,17 @@ def _merge_rows(
     load, one (MERGE_M, MERGE_S, BLOCK_D) tile: the partials are read with wide loads in
     parallel (merging split by split made the call ~1.4x slower at B=1, 1k-4k keys), and chunks of
     splits combine by the same running-max rescaling as the key tiles.  Loads bypass
-    L1 (``.cg``): the partials were written by other SMs during this launch."""
+    L1 (``.cg``): the partials were written by other SMs during this launch.  ``VARLEN_Q``: rows
+    past the element's query count are padding (neither merged nor stored)."""
     offs_d = tl.arange(0, BLOCK_D)
+    q_start, q_len, _bad_span = _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q)
     for r0 in range(r_lo, r_hi, MERGE_M):
         offs_r = r0 + tl.arange(0, MERGE_M)
         r_ok = offs_r < r_hi
         offs_t = offs_r % seqlen_q
         offs_h = off_hk * kv_group + offs_r // seqlen_q
+        if VARLEN_Q:
+            r_ok = r_ok & (offs_t < q_len)
         row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
         prow = row.to(tl.int64) * n_splits
         m = tl.full((MERGE_M,), float("-inf"), dtype=tl.float32)
@@ -223,9 +315,11 @@ def _merge_rows(
         live = tot > 0.0
         tot_safe = tl.where(live, tot, 1.0)
         lse = tl.where(live, tl.where(m == float("-inf"), 0.0, m) + tl.log(tot_safe), float("-inf"))
-        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t.to(tl.int64) * stride_om + offs_h.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
-        tl.store(o_ptrs, (acc / tot_safe[:, None]).to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < head_dim)[None, :])
-        tl.store(LSE + row, lse, mask=r_ok)
+        o_off, lse_row = _out_rows(
+            off_b, offs_h, offs_t, q_start, stride_ob, stride_om, stride_oh, n_heads_q, seqlen_q, total_q, VARLEN_Q,
+        )
+        tl.store(Out + o_off[:, None] + offs_d[None, :], (acc / tot_safe[:, None]).to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < head_dim)[None, :])
+        tl.store(LSE + lse_row, lse, mask=r_ok)
         if UNIFIED:
             tl.store(Flags + row, flag, mask=r_ok)
 
@@ -233,10 +327,13 @@ def _merge_rows(
 @triton.jit
 def _decode_merge_kernel(
     Work, FPart, Out, LSE, Flags,
+    CuSeqlensQ,  # int32 (B + 1,) with VARLEN_Q (else any tensor, unused)
     stride_ob, stride_om, stride_oh,
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, lse_offset, n_bh,
+    total_q,
     BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr,
     UNIFIED: tl.constexpr,
+    VARLEN_Q: tl.constexpr,
 ):
     """Kernel 2 (CUDA-graph capture only): in a ``fold_grid(row tiles, B·Hk)`` grid, program
     (m, b·Hk + h) merges packed rows ``[m BLOCK_M, (m + 1) BLOCK_M)`` of kv head h of batch element
@@ -250,7 +347,7 @@ def _decode_merge_kernel(
         Work, FPart, Out, LSE, Flags, pid_bh // n_heads_k, pid_bh % n_heads_k, r_lo,
         tl.minimum(r_lo + BLOCK_M, kv_group * seqlen_q),
         stride_ob, stride_om, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
-        MERGE_M, MERGE_S, BLOCK_D, UNIFIED,
+        MERGE_M, MERGE_S, BLOCK_D, UNIFIED, CuSeqlensQ, total_q, VARLEN_Q,
     )
 
 
@@ -263,6 +360,9 @@ def _decode_split_kernel(
     Out, LSE, Flags,  # final outputs (Flags: FlashDecoding++ only)
     Err,  # int32 error bits of the device (ERR_SEQLENS, ERR_BLOCK_TABLE), ORed into
     KDescale, VDescale,  # fp32 (B, Hk) descales of a float8_e4m3fn cache (KV_FP8 only)
+    # int32 (B,) cache_batch_idx / cache_leftpad, int32 (B + 1,) cu_seqlens_q, rotary cos / sin (seqlen_ro, rot_half)
+    # (each read only under its constexpr below; otherwise any tensor at hand)
+    CacheBatchIdx, LeftPad, CuSeqlensQ, RotCos, RotSin,
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
     # ints (fixed for a problem signature: runtime/launch.py binds them once)
     stride_qb, stride_qm, stride_qh,
@@ -273,6 +373,7 @@ def _decode_split_kernel(
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, window_left, window_right, lse_offset,
     seqlen_add, capacity, num_pages,
     stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+    n_cache_batch, total_q, rot_half, seqlen_ro,  # k_cache.shape[0]; q rows (VARLEN_Q); rotary_dim / 2; cos rows
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -281,6 +382,8 @@ def _decode_split_kernel(
     EVEN_D: tl.constexpr, WRITE_OUT: tl.constexpr,
     FUSED: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr,
+    ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
 ):
     """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
     with ``FUSED`` the split that finishes last for those rows also merges all their splits.
@@ -291,7 +394,16 @@ def _decode_split_kernel(
 
     Memory safety does not trust the indices: the length ``SeqlensK[b] + seqlen_add`` is
     clamped to ``[0, capacity]`` and absent pages are masked (:func:`_sweep`); either one
-    ORs its bit into ``Err`` (once per (batch element, kv head) program of split 0, row tile 0)."""
+    ORs its bit into ``Err`` (once per (batch element, kv head) program of split 0, row tile 0).
+    So does a ``cache_batch_idx`` entry outside ``[0, n_cache_batch)`` (the element reads no key)
+    and, with ``VARLEN_Q``, a ``cu_seqlens_q`` span outside ``[0, total_q]`` or longer than
+    ``seqlen_q`` (= max_seqlen_q; clamped, :func:`_q_span`).
+
+    ``HAS_LEFTPAD``: keys below ``cache_leftpad[b]`` (clamped to ``[0, L]``) are masked and their
+    tiles skipped.  ``ROTARY``: q is rotated on load (:func:`_rotary_load`) at position
+    ``cache_seqlens[b] + t`` (``ROT_PER_TOKEN``: causal or windowed) or ``cache_seqlens[b]``
+    for every token, clamped to ``[0, seqlen_ro)``."""
+    tl.static_assert(not (PAGED and (HAS_BATCH_IDX or HAS_LEFTPAD)), "batch index / leftpad: contiguous cache only")
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -301,6 +413,20 @@ def _decode_split_kernel(
     reporter = (split == 0) & (pid_m == 0)
     if bad_len & reporter:
         tl.atomic_or(Err, _ERR_SEQLENS)
+    cache_b, bad_row = _cache_row(CacheBatchIdx, off_b, n_cache_batch, HAS_BATCH_IDX)
+    q_start, q_len, bad_span = _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q)
+    if HAS_BATCH_IDX:
+        if bad_row & reporter:
+            tl.atomic_or(Err, _ERR_BATCH_IDX)
+    if VARLEN_Q:
+        if bad_span & reporter:
+            tl.atomic_or(Err, _ERR_CU_SEQLENS_Q)
+    base_len = seqlen_k - seqlen_add  # cache_seqlens[b] (clamped): the first new token's position
+    if HAS_BATCH_IDX:
+        seqlen_k = tl.where(bad_row, 0, seqlen_k)  # an absent cache row: no key is read
+    key_lo = seqlen_k * 0
+    if HAS_LEFTPAD:
+        key_lo = tl.minimum(tl.maximum(tl.load(LeftPad + off_b.to(tl.int64)), 0), seqlen_k)
 
     # packed rows: r -> (q head off_hk * G + r // Nq, token r % Nq)
     n_rows = kv_group * seqlen_q
@@ -308,12 +434,23 @@ def _decode_split_kernel(
     row_ok = offs_r < n_rows
     offs_t = offs_r % seqlen_q
     offs_h = off_hk * kv_group + offs_r // seqlen_q
+    if VARLEN_Q:
+        row_ok = row_ok & (offs_t < q_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     if EVEN_D:
         d_ok = offs_d < BLOCK_D  # all true, and known constant along d
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb) + (offs_t.to(tl.int64) * stride_qm + offs_h.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = (Q + off_b.to(tl.int64) * stride_qb) + ((q_start + offs_t.to(tl.int64)) * stride_qm + offs_h.to(tl.int64) * stride_qh)[:, None]
+    if ROTARY:
+        pos = tl.zeros((BLOCK_M,), dtype=tl.int32) + base_len
+        if ROT_PER_TOKEN:
+            pos = pos + offs_t
+        pos = tl.minimum(tl.maximum(pos, 0), seqlen_ro - 1)
+        q = _rotary_load(
+            q_rows, pos[:, None], row_ok[:, None], offs_d, d_ok, RotCos, RotSin, rot_half, ROT_INTERLEAVED,
+        ).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     slope = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if HAS_ALIBI:
         sl = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h, mask=row_ok, other=0.0)
@@ -321,9 +458,11 @@ def _decode_split_kernel(
 
     # keys any token may see: [L - Nq - left, L - 1 + right] (token 0's left edge, token Nq-1's right edge)
     kv_lo, _kv_full_lo, _kv_full_hi, kv_hi = kv_block_range(
-        0, seqlen_q, seqlen_q, seqlen_k, window_left, window_right,
+        0, q_len, q_len, seqlen_k, window_left, window_right,
         BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
     )
+    if HAS_LEFTPAD:
+        kv_lo = tl.maximum(kv_lo, (key_lo // BLOCK_N) * BLOCK_N)
     n_tiles = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_tiles, n_splits)
     start = kv_lo + split * per_split * BLOCK_N
@@ -333,8 +472,8 @@ def _decode_split_kernel(
     k_head = K + off_hk.to(tl.int64) * stride_kh
     v_head = V + off_hk.to(tl.int64) * stride_vh
     if not PAGED:
-        k_head += off_b.to(tl.int64) * stride_kb
-        v_head += off_b.to(tl.int64) * stride_vb
+        k_head += cache_b * stride_kb
+        v_head += cache_b * stride_vb
     k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
     v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
     if KV_FP8:
@@ -343,10 +482,10 @@ def _decode_split_kernel(
 
     acc, l_i, m_i, flag, bad_page = _sweep(
         q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
-        seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
+        q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
         stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
         BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        UNIFIED, DOT_PRECISION, UPCAST_DOT,
+        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD,
     )
     if PAGED:
         if bad_page & (pid_m == 0):
@@ -361,10 +500,10 @@ def _decode_split_kernel(
             # safe path (its keys are read again; no host round trip, so a CUDA graph can hold it)
             acc, l_i, m_i, _flag_again, _bad_page_again = _sweep(
                 q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
-                seqlen_q, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
+                q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
                 stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
                 BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                False, DOT_PRECISION, UPCAST_DOT,
+                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD,
             )
 
     # normalised partial: O_c = acc / l, LSE_c = (m + log2 l) ln 2 (an empty split or masked row: 0, -inf)
@@ -378,9 +517,11 @@ def _decode_split_kernel(
     row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
     if WRITE_OUT:
         # a single split is already the answer (the merge of one partial is the identity)
-        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + (offs_t.to(tl.int64) * stride_om + offs_h.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
-        tl.store(o_ptrs, o_part.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LSE + row, l_part, mask=row_ok)
+        o_off, lse_row = _out_rows(
+            off_b, offs_h, offs_t, q_start, stride_ob, stride_om, stride_oh, n_heads_q, seqlen_q, total_q, VARLEN_Q,
+        )
+        tl.store(Out + o_off[:, None] + offs_d[None, :], o_part.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + lse_row, l_part, mask=row_ok)
         if UNIFIED:
             tl.store(Flags + row, flag, mask=row_ok)
     else:
@@ -403,7 +544,7 @@ def _decode_split_kernel(
                 _merge_rows(
                     Work, FPart, Out, LSE, Flags, off_b, off_hk, r_lo, tl.minimum(r_lo + BLOCK_M, n_rows),
                     stride_ob, stride_om, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
-                    MERGE_M, MERGE_S, BLOCK_D, UNIFIED,
+                    MERGE_M, MERGE_S, BLOCK_D, UNIFIED, CuSeqlensQ, total_q, VARLEN_Q,
                 )
 
 
@@ -431,19 +572,27 @@ def _quantize_e4m3(x, descale):
 def _append_kernel(
     K, V, KNew, VNew, BlockTable, SeqlensK, Err,
     KDescale, VDescale,  # fp32 (B, Hk) descales of a float8_e4m3fn cache (QUANT only)
+    CacheBatchIdx, RotCos, RotSin,  # int32 (B,) cache rows; rotary tables (seqlen_ro, rot_half); read under their constexprs
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
     stride_bt_b, stride_sl, n_new, capacity, num_pages, head_dim, n_heads_k, n_batch,
     stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
+    n_cache_batch, rot_half,
     BLOCK_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr,
 ):
     """In a ``fold_grid(Nnew·Hk, B)`` grid, program (i·Hk + h, b) stores row (b, i, h) of the new
     keys/values at position ``SeqlensK[b] + i`` of element b's cache (paged: through ``BlockTable``).
 
     Nothing trusts the indices: an element whose ``SeqlensK[b]`` lies outside
     ``[0, capacity - n_new]`` writes nothing and ORs ERR_SEQLENS into ``Err``; a row whose
-    page lies outside ``[0, num_pages)`` is not written and ORs ERR_BLOCK_TABLE."""
+    page lies outside ``[0, num_pages)`` is not written and ORs ERR_BLOCK_TABLE; with ``HAS_BATCH_IDX``
+    the row goes to cache row ``CacheBatchIdx[b]``, and one outside ``[0, n_cache_batch)`` writes nothing
+    and ORs ERR_BATCH_IDX.  ``ROTARY``: the key row is rotated at its position ``SeqlensK[b] + i``
+    before it is stored (the capacity is at most the cos/sin rows, checked on the host).  ``QUANT``: k and v
+    (k after rotary) are quantised to e4m3 with the descales of element b before the store."""
+    tl.static_assert(not (PAGED and HAS_BATCH_IDX), "cache_batch_idx indexes a contiguous cache only")
     t, off_b = unfold_pid()
     if off_b >= n_batch:
         return
@@ -459,22 +608,38 @@ def _append_kernel(
         k_off = page * stride_kb + (pos % PAGE_SIZE) * stride_kn
         v_off = page * stride_vb + (pos % PAGE_SIZE) * stride_vn
     else:
-        page_ok = len_ok
-        k_off = off_b.to(tl.int64) * stride_kb + pos * stride_kn
-        v_off = off_b.to(tl.int64) * stride_vb + pos * stride_vn
+        cache_b, bad_row = _cache_row(CacheBatchIdx, off_b, n_cache_batch, HAS_BATCH_IDX)
+        page_ok = len_ok & (bad_row == 0)
+        k_off = cache_b * stride_kb + pos * stride_kn
+        v_off = cache_b * stride_vb + pos * stride_vn
     ok = len_ok & page_ok
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     src_k = KNew + off_b.to(tl.int64) * stride_knb + i.to(tl.int64) * stride_knn + h.to(tl.int64) * stride_knh
     src_v = VNew + off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnn + h.to(tl.int64) * stride_vnh
-    kn = tl.load(src_k + offs_d, mask=d_ok, other=0.0)
     vn = tl.load(src_v + offs_d, mask=d_ok, other=0.0)
     if QUANT:
-        kn = _quantize_e4m3(kn, tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + h.to(tl.int64) * stride_kds_h))
+        # the (B, Hk) descales belong to q's batch element b (FA3's), also when cache_batch_idx picks the row
+        k_ds = tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + h.to(tl.int64) * stride_kds_h)
         vn = _quantize_e4m3(vn, tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + h.to(tl.int64) * stride_vds_h))
     w_ok = offs_d < tl.where(ok, head_dim, 0)  # nothing of a rejected row is stored
-    tl.store(K + k_off + h.to(tl.int64) * stride_kh + offs_d, kn, mask=w_ok)
+    k_dst = K + k_off + h.to(tl.int64) * stride_kh
+    if ROTARY:
+        ok_row = (offs_d < tl.where(ok, BLOCK_D, 0))[None, :]  # (1, D): a scalar mask does not broadcast in the interpreter
+        kr = _rotary_load(src_k, pos, ok_row, offs_d, d_ok, RotCos, RotSin, rot_half, ROT_INTERLEAVED)
+        if QUANT:
+            kq = _quantize_e4m3(kr, k_ds)  # the rotated fp32 key, rounded once (to e4m3)
+        else:
+            kq = kr.to(K.dtype.element_ty)
+        tl.store(k_dst + offs_d[None, :], kq, mask=w_ok[None, :])
+    else:
+        kn = tl.load(src_k + offs_d, mask=d_ok, other=0.0)
+        if QUANT:
+            kn = _quantize_e4m3(kn, k_ds)
+        tl.store(k_dst + offs_d, kn, mask=w_ok)
     tl.store(V + v_off + h.to(tl.int64) * stride_vh + offs_d, vn, mask=w_ok)
     bits = tl.where(len_ok, tl.where(page_ok, 0, _ERR_BLOCK_TABLE), _ERR_SEQLENS)
+    if HAS_BATCH_IDX:
+        bits = tl.where(len_ok & (bad_row != 0), _ERR_BATCH_IDX, bits)
     if (bits != 0) & (h == 0):
         tl.atomic_or(Err, bits)

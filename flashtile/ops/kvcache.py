@@ -74,6 +74,7 @@ from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
     default_unified_range, run_decode, take_errors,
 )
+from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_CU_SEQLENS_Q, NO_FEATURES, KVFeatures, Rotary
 
 __all__ = ["flash_attn_with_kvcache", "check_errors"]
 
@@ -84,8 +85,17 @@ def _check_flag(x: object, name: str) -> bool:
     return x
 
 
-def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> validate.AttnDims:
-    """q (B, Nq, Hq, d); caches (B, Nk_max, Hk, d) or, paged, (num_pages, page_size, Hk, d)."""
+def _check_layout(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool,
+    varlen: tuple[int, int] | None = None, batch_idx: bool = False,
+) -> validate.AttnDims:
+    """q (B, Nq, Hq, d); caches (B, Nk_max, Hk, d) or, paged, (num_pages, page_size, Hk, d).
+    ``varlen = (B, max_seqlen_q)``: q is (total_q, Hq, d); ``batch_idx``: a contiguous cache
+    may have any number of rows (cache_batch_idx picks them)."""
+    if varlen is not None:
+        if q.dim() != 3:
+            raise ValueError(f"q must be 3-D (total_q, nheads, head_dim) with cu_seqlens_q, got shape {tuple(q.shape)}")
+        q = torch.empty((varlen[0], varlen[1], *q.shape[1:]), device="meta")  # the padded (B, max_seqlen_q) shape
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dim() != 4:
             paged_cache = paged and name != "q"
@@ -109,7 +119,7 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if paged:
         if rows == 0 or rows % 16:
             raise ValueError(f"page_size (dim 1 of a paged k_cache) must be a positive multiple of 16, got {rows}")
-    elif k_cache.shape[0] != b:
+    elif k_cache.shape[0] != b and not batch_idx:
         raise ValueError(
             f"batch of k_cache ({k_cache.shape[0]}) must equal batch of q ({b}); "
             "pass block_table for a paged cache of shape (num_pages, page_size, nheads_k, head_dim)"
@@ -258,6 +268,97 @@ def _check_lengths(
         )
 
 
+def _check_index_vector(x: object, name: str, q: torch.Tensor, n: int, what: str) -> None:
+    """An int32 tensor of shape (n,) on q's device (cache_batch_idx, cache_leftpad, cu_seqlens_q)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape {what} or None, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
+    if tuple(x.shape) != (n,):
+        raise ValueError(f"{name} must have shape {what} = ({n},), got {tuple(x.shape)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+
+
+def _check_varlen_q(cu_seqlens_q: object, max_seqlen_q: object, q: object) -> tuple[int, int] | None:
+    """``(B, max_seqlen_q)`` for varlen queries (FA3's kvcache extension), or None without them."""
+    if cu_seqlens_q is None:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q is only used with cu_seqlens_q (pass both, or neither)")
+        return None
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(
+            "cu_seqlens_q must be an int32 torch.Tensor of shape (batch + 1,), batch >= 1, got "
+            + (str(tuple(cu_seqlens_q.shape)) if isinstance(cu_seqlens_q, torch.Tensor) else type(cu_seqlens_q).__name__)
+        )
+    _check_index_vector(cu_seqlens_q, "cu_seqlens_q", q, cu_seqlens_q.shape[0], "(batch + 1,)")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or not 1 <= max_seqlen_q <= max(q.shape[0], 1):
+        raise ValueError(
+            f"max_seqlen_q must be an int in [1, total_q = q.shape[0] = {q.shape[0]}] with cu_seqlens_q, got {max_seqlen_q!r}"
+        )
+    return cu_seqlens_q.shape[0] - 1, max_seqlen_q
+
+
+def _check_rotary(
+    cos: object, sin: object, q: torch.Tensor, head_dim: int, n_new: int, capacity: int, interleaved: bool,
+    per_token: bool,
+) -> Rotary | None:
+    """cos / sin (seqlen_ro, rotary_dim / 2) in q's dtype or float32, rotary_dim even and <= head_dim,
+    seqlen_ro >= the cache capacity (flash-attn's rule), applied only with new keys."""
+    if cos is None and sin is None:
+        return None
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or both be None)")
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+        if x.dtype not in (q.dtype, torch.float32):
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}) or torch.float32, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] < 1:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(
+            f"rotary_cos ({tuple(cos.shape)}, {cos.dtype}) and rotary_sin ({tuple(sin.shape)}, {sin.dtype}) "
+            "must have the same shape and dtype"
+        )
+    seqlen_ro, half = cos.shape
+    if 2 * half > head_dim:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {half} = {2 * half} must be <= head_dim ({head_dim})")
+    if seqlen_ro < capacity:
+        raise ValueError(
+            f"rotary_cos: seqlen_ro = {seqlen_ro} rows must cover the cache capacity ({capacity} positions)"
+        )
+    if n_new == 0:
+        raise ValueError("rotary_cos / rotary_sin need the new keys k and v (rotary is applied to the appended k and to q)")
+    return Rotary(half, seqlen_ro, cos.dtype, interleaved, per_token)
+
+
+def _check_extras(
+    host_lens: list[int], n_new: int, cache_batch_idx: torch.Tensor | None, n_cache: int,
+    cache_leftpad: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int, total_q: int,
+) -> None:
+    """``debug=True``: the values of cache_batch_idx, cache_leftpad and cu_seqlens_q (one device sync)."""
+    if cache_batch_idx is not None:
+        for b, row in enumerate(cache_batch_idx.tolist()):
+            if not 0 <= row < n_cache:
+                raise ValueError(f"cache_batch_idx[{b}] = {row} is out of range: must lie in [0, k_cache.shape[0]) = [0, {n_cache})")
+    if cache_leftpad is not None:
+        for b, (pad, length) in enumerate(zip(cache_leftpad.tolist(), host_lens)):
+            if not 0 <= pad <= length:
+                raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}]] = [0, {length}]")
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.tolist()
+        if cu[0] != 0 or cu[-1] != total_q:
+            raise ValueError(f"cu_seqlens_q must start at 0 and end at total_q = {total_q}, got {cu[0]} .. {cu[-1]}")
+        for b in range(len(cu) - 1):
+            if not 0 <= cu[b + 1] - cu[b] <= max_seqlen_q:
+                raise ValueError(
+                    f"cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}] = {cu[b + 1] - cu[b]} must lie in [0, max_seqlen_q] = [0, {max_seqlen_q}]"
+                )
+
+
 def check_errors() -> None:
     """Raise ``ValueError`` if a decode or append kernel has seen an out-of-range ``cache_seqlens``
     or ``block_table`` entry, or the FP8 forward a bad descale, since the last call, and clear the record.
@@ -287,6 +388,16 @@ def check_errors() -> None:
                 f"block_table entry out of range on {device}: a used entry lies outside [0, num_pages) "
                 "(num_pages = k_cache.shape[0]); the page was treated as absent (not read, not written)"
             )
+        if bits & ERR_BATCH_IDX:
+            msgs.append(
+                f"cache_batch_idx entry out of range on {device}: an entry lies outside [0, k_cache.shape[0]); "
+                "that element read no key and appended nothing"
+            )
+        if bits & ERR_CU_SEQLENS_Q:
+            msgs.append(
+                f"cu_seqlens_q out of range on {device}: a span [cu_seqlens_q[b], cu_seqlens_q[b + 1]) left "
+                "[0, total_q] or was longer than max_seqlen_q; it was clamped"
+            )
     raise ValueError("; ".join(msgs) + " (flashtile.check_errors)")
 
 
@@ -307,22 +418,31 @@ class _Call(NamedTuple):
     launch: DecodeLaunch  # the kernel's bound launch (q with unit last stride)
     append: AppendLaunch | None  # the append's bound launch (k, v with unit last stride), with Nnew > 0
     fp8: bool = False  # float8_e4m3fn caches with (k_descale, v_descale)
-
-
-_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad")
+    features: KVFeatures = NO_FEATURES  # cache_batch_idx / cache_leftpad / cu_seqlens_q / rotary in use
 
 
 def prepare_call(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
     k_descale=None, v_descale=None,
+    rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None,
 ) -> _Call:
-    """Every check of the arguments except the contents of tensor cache_seqlens / block_table;
-    raises on bad input.  Also the checks of :func:`flashtile.runtime.decode.flash_decode`."""
+    """Every check of the arguments except the contents of tensor cache_seqlens / block_table
+    (and of cache_batch_idx / cache_leftpad / cu_seqlens_q and the descales); raises on bad input.
+    Also the checks of :func:`flashtile.runtime.decode.flash_decode`."""
     fp8 = _check_cache_dtypes(q, k_cache, v_cache)
     paged = block_table is not None
-    dims = _check_layout(q, k_cache, v_cache, paged)
+    varlen = _check_varlen_q(cu_seqlens_q, max_seqlen_q, q)
+    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None and paged:
+            raise ValueError(f"{name} cannot be combined with block_table (a paged cache), as in flash-attn")
+    dims = _check_layout(q, k_cache, v_cache, paged, varlen, cache_batch_idx is not None)
+    # (batch, nheads_k) descales index q's batch element (FA3's), also with cache_batch_idx
     descales = _check_descales(k_descale, v_descale, fp8, q, dims)
+    if cache_batch_idx is not None:
+        _check_index_vector(cache_batch_idx, "cache_batch_idx", q, dims.batch, "(batch,)")
+    if cache_leftpad is not None:
+        _check_index_vector(cache_leftpad, "cache_leftpad", q, dims.batch, "(batch,)")
     if paged:
         _check_block_table(block_table, q, dims.batch)
     n_new = _check_new_kv(k, v, k_cache, dims, q.dtype if fp8 else k_cache.dtype)
@@ -343,7 +463,12 @@ def prepare_call(
     capacity = block_table.shape[1] * page_size if paged else page_size
     if capacity >= 2**31:
         raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
-    left, right = validate.unbind_window(left, right, q.shape[1], capacity)  # L_b <= capacity
+    local = left >= 0 or right >= 0  # flash-attn: causal or local puts q token t at cache_seqlens + t
+    left, right = validate.unbind_window(left, right, dims.seqlen_q, capacity)  # L_b <= capacity
+    rotary = _check_rotary(rotary_cos, rotary_sin, q, dims.head_dim, n_new, capacity, rotary_interleaved, local)
+    features = KVFeatures(cache_batch_idx is not None, cache_leftpad is not None, varlen, rotary)
+    if features == NO_FEATURES:
+        features = NO_FEATURES  # the per-call path tests identity
     _seqlens_check(cache_seqlens, q, dims.batch)
     if not isinstance(cache_seqlens, torch.Tensor):  # an int or None: checked on the host, for free
         _check_lengths([capacity if cache_seqlens is None else cache_seqlens], n_new, capacity, None, 0, 0)
@@ -353,14 +478,17 @@ def prepare_call(
     launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
-        seqlens_k=lens, seqlen_add=n_new, descales=descales,
+        seqlens_k=lens, seqlen_add=n_new, descales=descales, features=features,
     )[1]
     append = None
     if n_new:
         lens_like = lens if lens is not None else torch.empty(dims.batch, dtype=torch.int32, device=q.device)
-        append = append_launch(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, bt, descales)
+        append = append_launch(
+            k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, bt, descales, features,
+        )
     return _Call(
         dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
+        features,
     )
 
 
@@ -375,6 +503,7 @@ def _call_key(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
     k_descale=None, v_descale=None,
+    rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None,
 ) -> tuple | None:
     """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
 
@@ -399,6 +528,8 @@ def _call_key(
             type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
             type(return_lse), return_lse, type(unified_max), unified_max, type(debug), debug,
             _tensor_key(k_descale), _tensor_key(v_descale),
+            _tensor_key(rotary_cos), _tensor_key(rotary_sin), _tensor_key(cache_batch_idx), _tensor_key(cache_leftpad),
+            _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
         )
         hash(key)
     except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
@@ -418,12 +549,6 @@ def _remember(key: tuple, call: _Call) -> None:
         if key not in _CALLS and len(_CALLS) >= _CALLS_MAX:
             _CALLS.pop(next(iter(_CALLS)))
         _CALLS[key] = call
-
-
-def _unsupported(**given: object) -> None:
-    for name, value in given.items():
-        if value is not None:
-            raise NotImplementedError(f"flash_attn_with_kvcache: {name} is not supported yet (pass None)")
 
 
 def flash_attn_with_kvcache(
@@ -450,6 +575,8 @@ def flash_attn_with_kvcache(
     unified_max: float | None = None,
     return_lse: bool = False,
     debug: bool = False,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -468,15 +595,30 @@ def flash_attn_with_kvcache(
     (B, Nq, Hq, d) in q's dtype, and with ``return_softmax_lse`` (or its alias
     ``return_lse``) also ``lse`` (B, Hq, Nq) float32 (natural log; -inf on
     rows with no allowed key).  ``num_splits = 0`` picks the split count from
-    the SM count, B * Hk and the cache capacity.  Not supported yet (raise
-    ``NotImplementedError`` unless None): ``rotary_cos``, ``rotary_sin``,
-    ``cache_batch_idx``, ``cache_leftpad``; ``rotary_interleaved`` is then unused.
+    the SM count, B * Hk and the cache capacity.
+
+    Rotary (flash-attn's): ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2),
+    in q's dtype or float32, rotary_dim even and <= d, seqlen_ro >= the capacity, with k and
+    v given: new key i of element b is rotated at position ``cache_seqlens[b] + i`` as it is
+    appended, and q token t at ``cache_seqlens[b] + t`` when ``causal`` or a window is set,
+    else every token at ``cache_seqlens[b]``; ``rotary_interleaved`` pairs dims (2j, 2j + 1)
+    (GPT-J), else (j, j + rotary_dim / 2) (GPT-NeoX).  Positions are cache indices (with
+    ``cache_leftpad`` too, as in flash-attn's tests).  ``cache_batch_idx`` int32 (B,): element
+    b uses row ``cache_batch_idx[b]`` of a contiguous cache of any batch size.
+    ``cache_leftpad`` int32 (B,): element b's keys start at ``cache_leftpad[b]`` (earlier keys are
+    masked; masks and ALiBi are still aligned to the cache end).  Neither combines with
+    ``block_table`` (as in flash-attn 2).  Queries of 1-16 tokens run in one kernel (all
+    tokens of a kv head's GQA group packed into one row tile up to 128 rows); ragged queries
+    (FA3's extension, keyword-only): ``cu_seqlens_q`` int32 (B + 1,) and ``max_seqlen_q`` with q
+    (total_q, Hq, d); out is then (total_q, Hq, d) and lse (Hq, total_q), element b's tokens are
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and the causal mask is aligned to its own count.
 
     flashtile extras (keyword-only): ``unified_max`` switches to
     FlashDecoding++'s asynchronous softmax with that fixed max (exact: flagged
     rows are recomputed); ``debug=True`` reads a tensor ``cache_seqlens`` and
     the block table on the host (one device sync) and raises ``ValueError``
-    for an out-of-range value before anything is written.
+    for an out-of-range value before anything is written (also of ``cache_batch_idx``,
+    ``cache_leftpad`` and ``cu_seqlens_q``).
 
     FP8 cache (keyword-only ``k_descale``, ``v_descale``, FA3's names and shapes):
     ``k_cache`` / ``v_cache`` of dtype ``torch.float8_e4m3fn`` hold ``x / descale`` rounded
@@ -487,7 +629,9 @@ def flash_attn_with_kvcache(
     partial output by ``v_descale`` once.  New k, v are quantised on the append with the
     same descales: ``(x / descale)`` in fp32, saturated to ±448, rounded to nearest even.
     The descales' values are not read on the host (they must be finite and > 0; ``debug``
-    checks them).  Both are required with an FP8 cache and rejected with any other.
+    checks them).  Both are required with an FP8 cache and rejected with any other.  They
+    combine with every option above: a rotated new key is quantised after its rotation, and
+    with ``cache_batch_idx`` the descales stay indexed by q's batch element (FA3's).
 
     Bad shapes, dtypes, devices and Python values raise before the cache is
     written, and so does an out-of-range int ``cache_seqlens``.  Out-of-range
@@ -496,13 +640,11 @@ def flash_attn_with_kvcache(
     reported by :func:`check_errors` (``flashtile.check_errors()``), not by
     this call (see the module docstring).
     """
-    if rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None:
-        _unsupported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                     cache_leftpad=cache_leftpad)
     args = (
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
         k_descale, v_descale,
+        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q,
     )
     key = _call_key(*args)
     call = _CALLS.get(key) if key is not None else None
@@ -512,16 +654,22 @@ def flash_attn_with_kvcache(
             _remember(key, call)
     elif type(cache_seqlens) is int:
         _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
+    extra = None
+    if call.features is not NO_FEATURES:
+        extra = tuple(
+            x if x is None or x.is_contiguous() else x.contiguous()
+            for x in (cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin)
+        )
     return _run(
         q, call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
-        (k_descale, v_descale) if call.fp8 else None,
+        (k_descale, v_descale) if call.fp8 else None, extra,
     )
 
 
 @on_tensor_device
 def _run(
     q, call: _Call, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, num_splits, debug,
-    descales=None,
+    descales=None, extra=None,
 ):
     """The launches of one checked call: the append (if any), then the attention."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -533,16 +681,26 @@ def _run(
         )
     if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    if debug and isinstance(cache_seqlens, torch.Tensor) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if debug and isinstance(cache_seqlens, torch.Tensor) and not capturing:
         _check_lengths(lens.tolist(), call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
-    if debug and descales is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if debug and descales is not None and not capturing:
         _check_descale_values(descales)
+    idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
+    if debug and extra is not None and not capturing:
+        _check_extras(
+            lens.tolist(), call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
+        )
     if call.n_new:
-        call.append(k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens, block_table, descales)
+        call.append(
+            k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens, block_table, descales,
+            batch_idx=idx, cos=cos, sin=sin,
+        )
     out, lse, _ = run_decode(
         unit_last_stride(q), k_cache, v_cache, lens, block_table,
         alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         scale=call.scale, softcap=call.softcap, left=call.left, right=call.right, num_splits=num_splits,
         unified=call.unified, launch=call.launch, seqlen_add=call.n_new, descales=descales,
+        features=call.features, extra=extra,
     )
     return (out, lse) if call.return_lse else out

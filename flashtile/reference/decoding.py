@@ -106,6 +106,8 @@ __all__ = [
     "quantize_cache_rows",
     "fp8_cache_decoding",
     "cascade_decoding",
+    "apply_rotary",
+    "kvcache_step",
 ]
 
 # Headroom factor of the default safe range: 16 = 2^4 (see default_safe_range).
@@ -730,3 +732,141 @@ def cascade_decoding(
     counts = pre.counts + own.counts
     out, lse = merge_partials(torch.stack([own.out, o_p]), torch.stack([own.lse, l_p]), counts=counts)
     return AttnResult(out, lse, counts)
+
+
+# ---------------------------------------------------------------------------
+# a whole flash_attn_with_kvcache step: gather, rotary, append, leftpad, ragged queries
+# ---------------------------------------------------------------------------
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *, interleaved: bool
+) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34) as flash-attn applies it, in float64.
+
+    ``x`` (..., n, H, d), ``positions`` (..., n) integer row indices into ``cos`` / ``sin``
+    (seqlen_ro, r) with ``2 r <= d``.  Pair p of the first ``2 r`` dims, ``(2p, 2p + 1)``
+    (``interleaved``, GPT-J) or ``(p, p + r)`` (GPT-NeoX), becomes
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` at angle row ``positions``; the other dims pass through."""
+    r = cos.shape[-1]
+    x = x.to(torch.float64)
+    c = cos.to(torch.float64)[positions.long()].unsqueeze(-2)  # (..., n, 1, r)
+    s = sin.to(torch.float64)[positions.long()].unsqueeze(-2)
+    rot, rest = x[..., : 2 * r], x[..., 2 * r :]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :r], rot[..., r:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((out, rest), dim=-1)
+
+
+def kvcache_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: Sequence[int],
+    *,
+    rotary: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+    cache_batch_idx: Sequence[int] | None = None,
+    cache_leftpad: Sequence[int] | None = None,
+    cu_seqlens_q: Sequence[int] | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 twin of one ``flash_attn_with_kvcache`` call (flash-attn 2.x semantics, FA3's ragged q).
+
+    Layouts are the op's: q (B, Nq, Hq, d), or (total_q, Hq, d) with ``cu_seqlens_q``; a
+    contiguous cache (B_cache, Nk, Hk, d); k, v (B, Nnew, Hk, d) or None.  Per element b, with
+    row ``c = cache_batch_idx[b]`` (default b), ``n = cache_seqlens[b]`` and ``p = cache_leftpad[b]``:
+
+    1. new key i is rotated at position ``n + i`` (``rotary = (cos, sin, interleaved)``) and
+       written with v at row ``n + i`` of cache row c;
+    2. q token t is rotated at ``n + t`` if causal or windowed, else at ``n`` (at most the last
+       row of the tables, as the kernel clamps it);
+    3. the token attends to keys ``[p, L)``, ``L = n + Nnew``, masks bottom-right aligned to L
+       and to its own query count (:func:`flashtile.reference.masks.allowed_mask`, ALiBi's
+       distance likewise), an empty row giving 0 and LSE -inf.
+
+    FP8 cache (``descales = (k_descale, v_descale)``, (B, Hk) float32): the caches hold e4m3
+    values (``float8_e4m3fn`` or their float64 values); the new rows of step 1 (k after its
+    rotation) are stored as :func:`quantize_cache_rows` with element b's descales, and step 3
+    attends to the dequantised rows ``descale[b, h] * cache[c, j, h]`` (as :func:`fp8_cache_decoding`;
+    the descales belong to q's element b, also when ``cache_batch_idx`` picks row c).
+
+    Returns ``(out, lse, k_cache_after, v_cache_after)`` in float64: out in q's layout, lse
+    (B, Hq, Nq) or (Hq, total_q); the caches are updated copies (the inputs are not written;
+    FP8: the e4m3 values, not dequantised)."""
+    kc, vc = k_cache.to(torch.float64).clone(), v_cache.to(torch.float64).clone()
+    batch = len(cache_seqlens)
+    rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx]
+    pads = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad]
+    n_new = 0 if k is None else k.shape[1]
+    left, right = normalize_window(bool(causal), window_size)
+    local = left >= 0 or right >= 0
+    hq, d = q.shape[-2], q.shape[-1]
+    hk = kc.shape[2]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens_q is None:
+        spans = [(b, 0, q.shape[1]) for b in range(batch)]
+    else:
+        cu = [int(x) for x in cu_seqlens_q]
+        spans = [(None, cu[b], cu[b + 1] - cu[b]) for b in range(batch)]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((batch, hq, q.shape[1]) if cu_seqlens_q is None else (hq, q.shape[0]), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        n, row, pad = int(cache_seqlens[b]), rows[b], pads[b]
+        if n_new:
+            kn = k[b].to(torch.float64)
+            if rotary is not None:
+                kn = apply_rotary(kn, rotary[0], rotary[1], torch.arange(n, n + n_new), interleaved=rotary[2])
+            vn = v[b].to(torch.float64)
+            if descales is not None:  # rows (Nnew, Hk, d) quantised as the (1, Hk, Nnew, d) of quantize_cache_rows
+                kn, vn = (
+                    quantize_cache_rows(x.transpose(0, 1)[None], ds[b][None])[0].transpose(0, 1)
+                    for x, ds in ((kn, descales[0]), (vn, descales[1]))
+                )
+            kc[row, n : n + n_new] = kn
+            vc[row, n : n + n_new] = vn
+        length = n + n_new
+        _, start, nq = spans[b]
+        qb = q[b] if cu_seqlens_q is None else q[start : start + nq]
+        qb = qb.to(torch.float64)
+        if rotary is not None:
+            pos = torch.arange(n, n + nq) if local else torch.full((nq,), n)
+            pos = pos.clamp(max=rotary[0].shape[0] - 1)  # tokens past the table (Nq > Nnew at a full cache) take its last row
+            qb = apply_rotary(qb, rotary[0], rotary[1], pos, interleaved=rotary[2])
+        kb, vb = kc[row, :length], vc[row, :length]  # (L, Hk, d)
+        if descales is not None:
+            kb = kb * descales[0][b].to(torch.float64)[None, :, None]
+            vb = vb * descales[1][b].to(torch.float64)[None, :, None]
+        keys = expand_kv(kb.transpose(0, 1).unsqueeze(0), hq)[0]  # (Hq, L, d)
+        vals = expand_kv(vb.transpose(0, 1).unsqueeze(0), hq)[0]
+        s = scale * (qb.transpose(0, 1) @ keys.transpose(-1, -2))  # (Hq, nq, L)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]).to(torch.float64)[None]
+        s = apply_score_mods(s.unsqueeze(0), softcap=softcap, alibi_slopes=slopes, nq=nq, nk=length)[0]
+        ok = allowed_mask(nq, length, causal=causal, window_size=window_size)
+        ok &= torch.arange(length).unsqueeze(0) >= pad
+        s = torch.where(ok, s, -math.inf)
+        live = ok.any(-1)  # (nq,)
+        m = torch.where(live, s.amax(-1), 0.0)
+        p = torch.exp(s - m[..., None])
+        tot = p.sum(-1)
+        o = torch.where(live[:, None], (p @ vals) / torch.where(live, tot, 1.0)[..., None], 0.0)  # (Hq, nq, d)
+        l = torch.where(live, m + torch.log(torch.where(live, tot, 1.0)), -math.inf)
+        if cu_seqlens_q is None:
+            out[b] = o.transpose(0, 1)
+            lse[b] = l
+        else:
+            out[start : start + nq] = o.transpose(0, 1)
+            lse[:, start : start + nq] = l
+    return out, lse, kc, vc

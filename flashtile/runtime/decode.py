@@ -19,6 +19,7 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.kernels.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW,
+    ERR_BATCH_IDX, ERR_CU_SEQLENS_Q,
     _append_kernel, _decode_merge_kernel, _decode_split_kernel,
 )
 from flashtile.reference.decoding import default_safe_range
@@ -48,6 +49,11 @@ __all__ = [
     "FLAG_OVERFLOW",
     "ERR_SEQLENS",
     "ERR_BLOCK_TABLE",
+    "ERR_BATCH_IDX",
+    "ERR_CU_SEQLENS_Q",
+    "KVFeatures",
+    "NO_FEATURES",
+    "Rotary",
 ]
 
 MAX_SPLITS = 128  # workspace rows per output row; also the merge tile's width bound
@@ -72,27 +78,30 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
 
     BLOCK_M: the packed rows rounded up to a power of two, at least 16 (the
     MMA minimum; Hq 32 / Hk 8 decoding has 4 rows, so 16 is the flat-GEMM
-    tile) and at most 64 (beyond, the row tiles become a grid dimension).
+    tile) and at most 128 (beyond, the row tiles become a grid dimension).
+    65-128 rows (a GQA group of 8 with 9-16 query tokens) take one 128-row tile
+    on 8 warps, so the kv head's K/V are read once, not once per 64-row tile
+    (not yet timed against two 64-row tiles: ``flashtile bench decode --features``).
     BLOCK_N: keys per tile; K/V tiles of ``BLOCK_N * d`` elements are the only
     large loads, so 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per
     operand in flight per stage with 3 stages (on an H100 no tile, warp or
     stage count swept beat this by more than noise).  It is shrunk to divide
     ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
-    small test caches span many tiles.  64-row tiles run on 8 warps (register spills at 4).
+    small test caches span many tiles.  64- and 128-row tiles run on 8 warps (register spills at 4).
     """
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
     if interpreting(device):
         block_n, warps, stages = 16, 4, 1
     elif d <= 64:
         block_n, warps, stages = 128, 4, 3
     else:
         block_n, warps, stages = 64, 4, 3
+    if block_m >= 64 and not interpreting(device):
+        # 64- and 128-row tiles (many query tokens, or a cascade's shared prefix) on 8 warps: at 4, ptxas
+        # (sm_90a, d = 128) spills 1.2 KB a thread for 64 rows (2 KB paged), none at 8 (0.3 KB paged)
+        warps = 8
     if page_size is not None:
         block_n = min(block_n, _lowbit(page_size))
-    if block_m == 64 and not interpreting(device):
-        # 64-row tiles (more than 32 packed rows: many query tokens, or a cascade's shared prefix): ptxas
-        # (sm_90a, d = 128) spills 1.2 KB a thread at 4 warps (2 KB paged), none at 8 (0.3 KB paged)
-        warps = 8
     return block_m, block_n, warps, stages
 
 
@@ -302,13 +311,51 @@ class KernelArgs(NamedTuple):
 SPLIT_DYNAMIC = (
     "Q", "K", "V", "BlockTable", "SeqlensK", "Alibi", "Work", "FPart", "Count", "Out", "LSE", "Flags", "Err",
     "KDescale", "VDescale",
+    "CacheBatchIdx", "LeftPad", "CuSeqlensQ", "RotCos", "RotSin",
     "sm_scale", "softcap", "phi2", "lo2", "hi2",
 )
-MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags")
-APPEND_DYNAMIC = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err", "KDescale", "VDescale")
-# positions of an FP8 cache's descales among the dynamic arguments (the caller's tensors: their alignment is keyed)
-_DESCALE_SLOTS = (SPLIT_DYNAMIC.index("KDescale"), SPLIT_DYNAMIC.index("VDescale"))
-_APPEND_DESCALE_SLOTS = (APPEND_DYNAMIC.index("KDescale"), APPEND_DYNAMIC.index("VDescale"))
+MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags", "CuSeqlensQ")
+APPEND_DYNAMIC = (
+    "K", "V", "KNew", "VNew", "BlockTable", "SeqlensK", "Err", "KDescale", "VDescale", "CacheBatchIdx", "RotCos", "RotSin",
+)
+# the caller's tensors always passed (their 16-byte alignment may vary per call, so it is keyed)
+_CALLER_TENSORS = ("Q", "K", "V", "BlockTable", "SeqlensK", "Alibi")
+_APPEND_CALLER_TENSORS = ("K", "V", "KNew", "VNew", "BlockTable", "SeqlensK")
+
+
+def _check_slots(dynamic: tuple[str, ...], always: tuple[str, ...], optional: dict[str, bool]) -> tuple[int, ...]:
+    """Positions in ``dynamic`` of the caller's tensors whose alignment is keyed: ``always``, and the
+    ``optional`` ones in use (an unused slot gets one of our aligned allocations, never checked)."""
+    return tuple(dynamic.index(n) for n in (*always, *(n for n, used in optional.items() if used)))
+
+
+class Rotary(NamedTuple):
+    """Rotary embedding fused into the append (k) and the q load: ``rotary_dim / 2`` columns of the
+    (seqlen_ro, rotary_dim / 2) cos / sin tables (contiguous), their dtype, GPT-J pairs (``interleaved``)
+    or GPT-NeoX halves, and whether q token t sits at ``cache_seqlens + t`` (causal or windowed) or
+    every token at ``cache_seqlens`` (flash-attn's rule)."""
+
+    rot_half: int
+    seqlen_ro: int
+    dtype: torch.dtype
+    interleaved: bool
+    per_token: bool
+
+
+class KVFeatures(NamedTuple):
+    """The optional inputs of one call signature (hashable, part of the launch keys).
+
+    ``batch_idx``: cache_batch_idx is given (contiguous cache; ``k_cache.shape[0]`` rows);
+    ``leftpad``: cache_leftpad is given; ``varlen_q``: ``(batch, max_seqlen_q)`` when q is
+    (total_q, Hq, d) with cu_seqlens_q; ``rotary``: a :class:`Rotary` or None."""
+
+    batch_idx: bool = False
+    leftpad: bool = False
+    varlen_q: tuple[int, int] | None = None
+    rotary: Rotary | None = None
+
+
+NO_FEATURES = KVFeatures()
 
 
 class DecodeLaunch:
@@ -345,6 +392,7 @@ class DecodeLaunch:
         left: int, right: int, has_softcap: bool, unified: bool,
         sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
         device: torch.device, descale_strides: tuple[int, int, int, int] | None = None,
+        features: KVFeatures = NO_FEATURES, total_q: int = 0,
     ) -> None:
         s = plan.n_splits
         self.err = error_flags(device)
@@ -354,7 +402,18 @@ class DecodeLaunch:
         self.counters = b * hk * plan.row_tiles  # one per program tile (batch element, kv head, row tile)
         self.unified = unified
         out_strides = (
-            ("stride_ob", nq * hq * d), ("stride_om", hq * d), ("stride_oh", d),  # the output is allocated contiguous
+            # the output is allocated contiguous: (B, Nq, Hq, d), or (total_q, Hq, d) for varlen q
+            ("stride_ob", 0 if features.varlen_q else nq * hq * d), ("stride_om", hq * d), ("stride_oh", d),
+        )
+        rot = features.rotary
+        feature_ints = (
+            ("n_cache_batch", num_pages), ("total_q", total_q),
+            ("rot_half", rot.rot_half if rot else 0), ("seqlen_ro", rot.seqlen_ro if rot else 0),
+        )
+        feature_flags = (
+            ("HAS_BATCH_IDX", features.batch_idx), ("HAS_LEFTPAD", features.leftpad),
+            ("VARLEN_Q", features.varlen_q is not None), ("ROTARY", rot is not None),
+            ("ROT_INTERLEAVED", bool(rot and rot.interleaved)), ("ROT_PER_TOKEN", bool(rot and rot.per_token)),
         )
         shape = (
             ("n_heads_q", hq), ("n_heads_k", hk), ("kv_group", hq // hk), ("seqlen_q", nq), ("head_dim", d),
@@ -370,6 +429,7 @@ class DecodeLaunch:
             ("window_left", left), ("window_right", right), ("lse_offset", self.lse_offset),
             ("seqlen_add", seqlen_add), ("capacity", capacity), ("num_pages", num_pages),
             *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
+            *feature_ints,
             ("BLOCK_M", plan.block_m), ("BLOCK_N", plan.block_n), ("BLOCK_D", plan.block_d),
             ("PAGED", page_size is not None), ("PAGE_SIZE", page_size or 1),
             ("HAS_LEFT", left >= 0), ("HAS_RIGHT", right >= 0),
@@ -383,40 +443,48 @@ class DecodeLaunch:
         grid = (b * hk, s, plan.row_tiles)
         # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
         # flags and outputs are aligned allocations
-        fp8 = (("KV_FP8", descale_strides is not None),)
-        # the caller's tensors: q, caches, block table, lengths, slopes, and an FP8 cache's descales
-        check = (*range(6), *_DESCALE_SLOTS) if descale_strides is not None else range(6)
-        fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge, *fp8))
+        fp8 = descale_strides is not None
+        flags = (("KV_FP8", fp8), *feature_flags)
+        check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
+            "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
+            "CuSeqlensQ": features.varlen_q is not None, "RotCos": rot is not None, "RotSin": rot is not None,
+        })
+        fused = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", not self.write_out), *merge, *flags))
         self.arguments = {"fused": fused}
         self.fused = fused.bind(grid, options, check=check)
         self.split = self.merge = None
         if not self.write_out:
-            split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge, *fp8))
+            split = KernelArgs(_decode_split_kernel, SPLIT_DYNAMIC, (*static, ("FUSED", False), *merge, *flags))
             # one packed row a program, on one warp (two at 8K merge-tile elements): of 1/2/4 rows a
             # program on 1/2/4 warps, the fastest in a graph (B=1: 0.7-1.6 us less than one row tile a program)
             warps = max(1, min(4, 2 * plan.merge_s * plan.block_d // 4096))
             merge_args = KernelArgs(_decode_merge_kernel, MERGE_DYNAMIC, (
-                *out_strides, *shape, ("lse_offset", self.lse_offset), ("n_bh", b * hk),
+                *out_strides, *shape, ("lse_offset", self.lse_offset), ("n_bh", b * hk), ("total_q", total_q),
                 ("BLOCK_M", 1), ("MERGE_M", 2), ("MERGE_S", plan.merge_s), ("BLOCK_D", plan.block_d),
-                ("UNIFIED", unified),
+                ("UNIFIED", unified), ("VARLEN_Q", features.varlen_q is not None),
             ))
             self.arguments.update(split=split, merge=merge_args)
             self.split = split.bind(grid, options, check=check)
-            self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=())
+            merge_check = _check_slots(MERGE_DYNAMIC, (), {"CuSeqlensQ": features.varlen_q is not None})
+            self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=merge_check)
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
         block_table: torch.Tensor | None, alibi: torch.Tensor | None,
         out: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor | None,
         scale: float, softcap: float, unified: tuple[float, float, float] | None,
-        descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        descales: tuple[torch.Tensor, torch.Tensor] | None = None, extra: tuple | None = None,
     ) -> None:
         """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
         errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
         hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
         this signature's dtype and stride.  ``descales``: the fp32 (k_descale, v_descale) of an
-        FP8 cache, of this signature's strides."""
+        FP8 cache, of this signature's strides.  ``extra``: the contiguous tensors (cache_batch_idx,
+        cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin) of this signature's
+        :class:`KVFeatures`, None where absent (or ``extra`` None: all absent).  Absent tensors'
+        slots get ``lse`` (an aligned allocation, so their alignment is not checked per call)."""
         flags = lse if flags is None else flags
+        idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
         if self.write_out:
             work = f_part = count = lse
         else:
@@ -429,13 +497,15 @@ class DecodeLaunch:
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
             seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
             *(descales if descales is not None else (lse, lse)),
+            lse if idx is None else idx, lse if pad is None else pad, lse if cu is None else cu,
+            lse if cos is None else cos, lse if sin is None else sin,
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
         )
         if self.write_out or not graph:
             self.fused(*args)
         else:
             self.split(*args)
-            self.merge(work, f_part, out, lse, flags)  # MERGE_DYNAMIC
+            self.merge(work, f_part, out, lse, flags, lse if cu is None else cu)  # MERGE_DYNAMIC
 
 
 @functools.lru_cache(maxsize=256)  # thread-safe; keyed by device among the rest of the signature
@@ -447,7 +517,7 @@ def decode_launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
     num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
-    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None, features: KVFeatures = NO_FEATURES,
 ) -> tuple[DecodePlan, DecodeLaunch]:
     """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
 
@@ -458,8 +528,18 @@ def decode_launch(
 
     With one query token a right window bound allows every key before the cache's end
     (token Nq - 1 sees keys ``j <= L - 1 + right``), so it is dropped: causal single-token
-    decoding runs the unmasked kernel, as SDPA does (2 % less device time at B=1, 32k keys)."""
-    b, nq, hq, d = q.shape
+    decoding runs the unmasked kernel, as SDPA does (2 % less device time at B=1, 32k keys).
+
+    ``features``: the optional inputs (:class:`KVFeatures`); with ``varlen_q`` q is
+    (total_q, Hq, d), attended as ``varlen_q = (batch, max_seqlen_q)`` padded elements."""
+    total_q = 0
+    if features.varlen_q is not None:
+        total_q, hq, d = q.shape
+        b, nq = features.varlen_q
+        q_strides = (0, *q.stride())
+    else:
+        b, nq, hq, d = q.shape
+        q_strides = q.stride()
     if nq == 1 and right >= 0:
         right = -1
     hk = k_cache.shape[2]
@@ -469,10 +549,10 @@ def decode_launch(
     plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device)
     sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
     launch = _decode_launch(
-        plan, b, nq, hq, hk, d, q.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
+        plan, b, nq, hq, hk, d, q.dtype, q_strides, k_cache.stride(), v_cache.stride(),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
-        *sl, seqlen_add, capacity, k_cache.shape[0], q.device, _descale_strides(descales),
+        *sl, seqlen_add, capacity, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q,
     )
     return plan, launch
 
@@ -491,6 +571,7 @@ class AppendLaunch:
         kn_strides: tuple[int, ...], vn_strides: tuple[int, ...], bt_stride: int | None, page_size: int | None,
         sl_stride: int, capacity: int, num_pages: int, device: torch.device,
         descale_strides: tuple[int, int, int, int] | None = None,
+        batch_idx: bool = False, rotary: Rotary | None = None,
     ) -> None:
         self.err = error_flags(device)
         self.arguments = KernelArgs(_append_kernel, APPEND_DYNAMIC, (
@@ -502,22 +583,33 @@ class AppendLaunch:
             ("n_new", n_new), ("capacity", capacity), ("num_pages", num_pages), ("head_dim", d),
             ("n_heads_k", hk), ("n_batch", b),
             *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
+            ("n_cache_batch", num_pages), ("rot_half", rotary.rot_half if rotary else 0),
             ("BLOCK_D", max(16, triton.next_power_of_2(d))), ("PAGED", page_size is not None),
             ("PAGE_SIZE", page_size or 1), ("QUANT", descale_strides is not None),
+            ("HAS_BATCH_IDX", batch_idx), ("ROTARY", rotary is not None),
+            ("ROT_INTERLEAVED", bool(rotary and rotary.interleaved)),
         ))
+        quant = descale_strides is not None
+        check = _check_slots(APPEND_DYNAMIC, _APPEND_CALLER_TENSORS, {
+            "KDescale": quant, "VDescale": quant, "CacheBatchIdx": batch_idx,
+            "RotCos": rotary is not None, "RotSin": rotary is not None,
+        })
         # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there)
-        check = (*range(6), *_APPEND_DESCALE_SLOTS) if descale_strides is not None else range(6)
         self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=check)
 
     def __call__(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
         descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        batch_idx: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
     ) -> None:
-        # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale)
+        # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale); absent tensors' slots get the
+        # error word (an aligned allocation, so their alignment is not checked per call)
+        err = self.err
         self.launcher(
-            k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, self.err,
-            *(descales if descales is not None else (seqlens_k, seqlens_k)),
+            k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, err,
+            *(descales if descales is not None else (err, err)),
+            err if batch_idx is None else batch_idx, err if cos is None else cos, err if sin is None else sin,
         )
 
 
@@ -529,11 +621,12 @@ def _append_launch(*signature) -> AppendLaunch:
 def append_launch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
-    descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None, features: KVFeatures = NO_FEATURES,
 ) -> AppendLaunch:
     """The memoised :class:`AppendLaunch` writing k, v (B, Nnew, Hk, d) into the caches at
     positions ``seqlens_k[b] + i`` (validated shapes; the values are not trusted).  With
-    ``descales`` (an FP8 cache's (k_descale, v_descale)) the rows are quantised on the way in."""
+    ``descales`` (an FP8 cache's (k_descale, v_descale)) the rows are quantised on the way in
+    (after rotary); ``features``: its ``batch_idx`` and ``rotary`` apply to the append."""
     b, n_new, hk, d = k.shape
     paged = block_table is not None
     rows = k_cache.shape[1]
@@ -541,7 +634,7 @@ def append_launch(
         b, n_new, hk, d, k_cache.stride(), v_cache.stride(), k.stride(), v.stride(),
         block_table.stride(0) if paged else None, rows if paged else None, seqlens_k.stride(0),
         block_table.shape[1] * rows if paged else rows, k_cache.shape[0], k_cache.device,
-        _descale_strides(descales),
+        _descale_strides(descales), features.batch_idx, features.rotary,
         k_cache.dtype, k.dtype, seqlens_k.dtype, block_table is not None,  # dtypes: one launcher per dtype
     )
 
@@ -564,6 +657,8 @@ def run_decode(
     launch: DecodeLaunch | None = None,
     seqlen_add: int = 0,
     descales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    features: KVFeatures = NO_FEATURES,
+    extra: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decode launch for validated arguments: ``(out, lse, flags)``.  No checks here.
 
@@ -578,17 +673,26 @@ def run_decode(
     the :func:`decode_launch` of these arguments, when the caller kept it.  ``descales``:
     (k_descale, v_descale) fp32 (B, Hk) of float8_e4m3fn caches (q fp16/bf16).
     No host synchronisation: FlashDecoding++'s fallback happens in the kernel.
+    ``features`` / ``extra``: the optional inputs (:class:`KVFeatures`, and the tensors of
+    :meth:`DecodeLaunch.__call__`); with ``varlen_q`` q, ``out`` are (total_q, Hq, d) and
+    ``lse`` (Hq, total_q).
     """
-    b, nq, hq, d = q.shape
     dev = q.device
+    if features.varlen_q is not None:
+        total_q, hq, d = q.shape
+        b, nq = features.varlen_q
+        out = torch.empty((total_q, hq, d), dtype=q.dtype, device=dev)
+        lse = torch.empty((hq, total_q), dtype=torch.float32, device=dev)
+    else:
+        b, nq, hq, d = q.shape
+        out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
+        lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
     if launch is None:
         launch = decode_launch(
             q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
             left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
-            descales=descales,
+            descales=descales, features=features,
         )[1]
-    out = torch.empty((b, nq, hq, d), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=dev)
     flags = None
     if unified is not None:
         flags = torch.empty((b, hq, nq), dtype=torch.int32, device=dev)  # the kernel writes every row
@@ -597,7 +701,7 @@ def run_decode(
     if out.numel() == 0:
         return out, lse, flags
     launch(q, k_cache, v_cache, seqlens_k, block_table, alibi[0] if alibi is not None else None,
-           out, lse, flags, scale, softcap, unified, descales)
+           out, lse, flags, scale, softcap, unified, descales, extra)
     return out, lse, flags
 
 

@@ -120,3 +120,18 @@ def test_gpu_fp8_cascade_bench_small(tmp_path, monkeypatch):
     for name in ("cascade", "cascade-graph", "unshared", "unshared-paged-shared-pages"):
         assert c["ms"][name] > 0, (name, c["err"][name])
         assert c["err"][name] < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, tokens, rotary", [("rotary", 1, True), ("q_len 4", 4, False)])
+def test_gpu_feature_point_small(name, tokens, rotary):
+    """A feature point at a small size (B 2, 1k cache): our providers are timed (clean L2 and do_bench)
+    with their ratio, and FA3, where importable, agrees with us on the same arguments."""
+    from flashtile.bench.decode import feature_point
+
+    row = feature_point(name, 2, 1024, tokens, rotary)
+    ours = ("flashtile", "flashtile-rotary") if rotary else ("flashtile", "flashtile-1tok")
+    assert all(row["ms_clean_l2"][p] > 0 and row["ms"][p] > 0 for p in ours), row
+    assert ("rotary/plain" if rotary else "4tok/1tok") in row["speedup"]
+    for peer, err in row["err"].items():
+        assert err < 2e-2, (peer, err)

@@ -578,3 +578,45 @@ def test_append_and_merge_grids_within_cuda_limits(monkeypatch):
     grid = decode_module.append_launch(k_cache, k_cache, k, k, lens, None).launcher._grid
     assert grid[0] == 70000 and max(grid[1:]) <= 65535
     assert decode_module.fold_grid(8 * 9000, 70000)[1:] == (65535, 2)
+
+
+def test_feature_arguments_sit_in_their_named_slots(monkeypatch):
+    """With every optional input on (ragged q, batch index, leftpad, rotary), the bound launches name
+    the kernels' parameters in order, the feature values bound once sit under their names, and the
+    per-call tensors (cache_batch_idx, cache_leftpad, cu_seqlens_q, cos, sin) reach their slots in the
+    split, merge and append launches.  CPU, nothing is launched."""
+    b, max_q, hq, hk, d = 3, 4, 4, 2, 16
+    q = torch.randn(7, hq, d)  # ragged: total_q 7
+    k = torch.randn(5, 40, hk, d)
+    lens = torch.zeros(b, dtype=torch.int32)
+    rot = decode_module.Rotary(4, 64, torch.float32, False, True)
+    feats = decode_module.KVFeatures(batch_idx=True, leftpad=True, varlen_q=(b, max_q), rotary=rot)
+    plan, launch = decode_module.decode_launch(q, k, k, None, None, left=-1, right=0, softcap=0.0, unified=False,
+                                               num_splits=2, seqlens_k=lens, seqlen_add=1, features=feats)
+    for label, args in launch.arguments.items():
+        assert args.names() == _kernel_params(args.kernel), label
+    static = dict(launch.arguments["fused"].static)
+    want = dict(stride_qb=0, stride_qm=q.stride(0), stride_qh=q.stride(1), stride_ob=0, stride_om=hq * d, seqlen_q=max_q,
+                n_cache_batch=5, total_q=7, rot_half=4, seqlen_ro=64, HAS_BATCH_IDX=True, HAS_LEFTPAD=True,
+                VARLEN_Q=True, ROTARY=True, ROT_INTERLEAVED=False, ROT_PER_TOKEN=True)
+    assert {name: static[name] for name in want} == want
+    assert dict(launch.arguments["merge"].static)["VARLEN_Q"] and dict(launch.arguments["merge"].static)["total_q"] == 7
+    extra = tuple(torch.zeros(n, dtype=torch.int32) for n in (b, b, b + 1)) + (torch.rand(64, 4), torch.rand(64, 4))
+    recorded = {}
+    for label in ("fused", "split", "merge"):
+        monkeypatch.setattr(launch, label, lambda *a, label=label: recorded.__setitem__(label, a))
+    out, lse = torch.empty(7, hq, d), torch.empty(hq, 7)
+    monkeypatch.setattr(decode_module, "_capturing", lambda dev: True)
+    launch(q, k, k, lens, None, None, out, lse, None, 0.25, 0.0, None, extra=extra)
+    dyn = dict(zip(decode_module.SPLIT_DYNAMIC, recorded["split"]))
+    names = ("CacheBatchIdx", "LeftPad", "CuSeqlensQ", "RotCos", "RotSin")
+    assert all(dyn[n] is t for n, t in zip(names, extra))
+    assert dict(zip(decode_module.MERGE_DYNAMIC, recorded["merge"]))["CuSeqlensQ"] is extra[2]
+    app = decode_module.append_launch(k, k, k[:b, :1], k[:b, :1], lens, None, features=feats)
+    assert app.arguments.names() == _kernel_params(app.arguments.kernel)
+    got = []
+    monkeypatch.setattr(app, "launcher", lambda *a: got.append(a))
+    app(k, k, k[:b, :1], k[:b, :1], lens, None, batch_idx=extra[0], cos=extra[3], sin=extra[4])
+    named = dict(zip(decode_module.APPEND_DYNAMIC, got[0]))
+    assert named["CacheBatchIdx"] is extra[0] and named["RotCos"] is extra[3] and named["RotSin"] is extra[4]
+    assert dict(app.arguments.static)["HAS_BATCH_IDX"] and dict(app.arguments.static)["rot_half"] == 4

@@ -172,10 +172,8 @@ BAD = [
                             debug=True), ValueError),
     ("cache too small", lambda a: dict(cache_seqlens=2**32 + 5, k=None, v=None), ValueError),
     ("cache_seqlens", lambda a: dict(cache_seqlens=a["cache_seqlens"][:, None].expand(2, 2)), ValueError),
-    ("rotary_cos", lambda a: dict(rotary_cos=torch.ones(1)), NotImplementedError),
-    ("rotary_sin", lambda a: dict(rotary_sin=torch.ones(1)), NotImplementedError),
-    ("cache_batch_idx", lambda a: dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), NotImplementedError),
-    ("cache_leftpad", lambda a: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError),
+    ("cache_batch_idx", lambda a: dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError),  # + block_table
+    ("cache_leftpad", lambda a: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), ValueError),  # + block_table
     ("rotary_interleaved", lambda a: dict(rotary_interleaved=1), TypeError),
     ("return_softmax_lse", lambda a: dict(return_softmax_lse=None), TypeError),
     ("debug", lambda a: dict(debug="yes"), TypeError),
