@@ -506,21 +506,6 @@ CASCADE_POINT = {"batch": 64, "prefix": 32768, "own": 1024}
 CASCADE_PREFIX_SPLITS = (0, 8, 16, 32)  # prefix_num_splits of the cascade's prefix launch (0: heuristic)
 
 
-def _fa3_kvcache():
-    """FA3's ``flash_attn_with_kvcache`` (``fa3_fwd_interface`` or ``flash_attn_interface``), or a reason it is absent."""
-    for name in ("fa3_fwd_interface", "flash_attn_interface"):
-        try:
-            mod = __import__(name)
-        except ImportError as e:
-            reason = f"{name} not importable ({e})"
-            continue
-        fn = getattr(mod, "flash_attn_with_kvcache", None)
-        if fn is not None:
-            return fn
-        reason = f"{name} has no flash_attn_with_kvcache"
-    return reason
-
-
 def _timed(fns: dict, ref: torch.Tensor | None, kv_bytes_of: dict) -> dict:
     """Clean-L2 device ms of every provider (after one checked call), GB/s of its cache bytes, and its
     error against ``ref``; a provider that raises is recorded with its reason."""
@@ -557,7 +542,7 @@ def _fp8_point(batch: int, cache: int) -> dict:
     k8p.view(torch.uint8)[table.flatten().long()] = k8.view(torch.uint8).view(-1, PAGE, HK, D)
     v8p.view(torch.uint8)[table.flatten().long()] = v8.view(torch.uint8).view(-1, PAGE, HK, D)
     flash = _sdpa(SDPBackend.FLASH_ATTENTION)
-    fa3 = _fa3_kvcache()
+    fa3, fa3_missing = _fa3_kvcache()
     fp8 = lambda: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, causal=True, k_descale=kd, v_descale=vd)  # noqa: E731
     fns = {
         "flashtile-bf16": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True),
@@ -567,7 +552,7 @@ def _fp8_point(batch: int, cache: int) -> dict:
         "flashtile-fp8-graph": _graphed(fp8),
         "sdpa-flash": lambda: flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2),
     }
-    if callable(fa3):
+    if fa3 is not None:
         q8, qd = quantize_per_head(q, layout="bnhd", kv_heads=HK)  # FA3's FP8 kernel takes e4m3 q too
         fns["fa3-bf16"] = lambda: _first(fa3(q, k, v, cache_seqlens=lens, causal=True))
         fns["fa3-fp8"] = lambda: _first(fa3(q8, k8, v8, cache_seqlens=lens, causal=True,
@@ -576,9 +561,9 @@ def _fp8_point(batch: int, cache: int) -> dict:
     kv_bytes = {name: bytes16 // 2 if "fp8" in name else bytes16 for name in fns}
     ref = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
     row = {"batch": batch, "cache": cache, **_timed(fns, ref, kv_bytes)}
-    if not callable(fa3):
+    if fa3 is None:
         row["ms"]["fa3-bf16"] = row["ms"]["fa3-fp8"] = None
-        row["err"]["fa3-bf16"] = row["err"]["fa3-fp8"] = fa3
+        row["err"]["fa3-bf16"] = row["err"]["fa3-fp8"] = fa3_missing
     ms = row["ms"]
     row["speedup"] = {
         name: ms[name] / ms["flashtile-fp8"] for name in ms if ms.get(name) and ms.get("flashtile-fp8") and name != "flashtile-fp8"
