@@ -1,6 +1,6 @@
 """Offline sm_90a compile of fa3_gluon_kernel with Triton 3.6 (no GPU): registers, spills, shared memory.
 
-usage: python3 scratch/cc_gluon.py d,block_n,stages,causal,intra,pingpong,consumer_regs,producer_regs[,num_wg,skip_mask0,o_store] ..."""
+usage: python3 scratch/cc_gluon.py d,block_n,stages,causal,intra,pingpong,consumer_regs,producer_regs[,num_wg,skip_mask0,o_store,lpt_group] ..."""
 import os, re, subprocess, sys, tempfile, time
 sys.path.insert(0, "/tmp/t36"); sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton
@@ -11,14 +11,14 @@ from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 
 
-def build(d, bn, stages, causal, intra, pingpong, creg, preg, nwg=2, skip0=1, ostore=0, dt="bf16"):
+def build(d, bn, stages, causal, intra, pingpong, creg, preg, nwg=2, skip0=1, ostore=0, lpt=0, dt="bf16"):
     sig = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "Out": f"*{dt}", "LSE": "*fp32", "qk_scale": "fp32"}
     for n in ("stride_qb stride_qh stride_qm stride_kb stride_kh stride_kn stride_vb stride_vh stride_vn "
               "stride_ob stride_oh stride_om n_heads kv_group seqlen_q seqlen_k num_m_tiles").split():
         sig[n] = "i32"
     ce = dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), NUM_WG=nwg, BLOCK_N=bn, NUM_STAGES=stages,
               CAUSAL=causal, INTRA=intra, PINGPONG=pingpong, CONSUMER_REGS=creg, PRODUCER_REGS=preg,
-              SKIP_MASK0=bool(skip0), O_STORE=ostore)
+              SKIP_MASK0=bool(skip0), O_STORE=ostore, LPT_GROUP=lpt)
     for k in ce:
         sig[k] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}

@@ -46,15 +46,15 @@ def candidates(d):
              "3wg-intra": GluonConfig(128, 3, pingpong=False, num_wg=3),
              "3wg-intra-s4": GluonConfig(128, 4, pingpong=False, num_wg=3),
              "3wg-both": GluonConfig(128, 3, num_wg=3),
-             "coalesced": replace(base, o_coalesced=True)}
+             "coalesced": replace(base, o_coalesced=True), "lpt16": replace(base, lpt_group=16)}
     elif bd == 128:
         c = {"default": base, "neither": replace(base, intra=False, pingpong=False),
-             "intra": replace(base, pingpong=False), "tma-store": replace(base, o_tma=True),
+             "lpt8": replace(base, lpt_group=8), "tma-store": replace(base, o_tma=True),
              "coalesced-s2": replace(base, num_stages=2, o_coalesced=True), "2-stage": replace(base, num_stages=2),
              "mask-tile-0": replace(base, skip_mask0=False)}
     else:
         c = {"default": base, "bn32-s4": replace(base, block_n=32, num_stages=4),
-             "neither": replace(base, intra=False, pingpong=False), "intra": replace(base, pingpong=False),
+             "neither": replace(base, intra=False, pingpong=False), "lpt8": replace(base, lpt_group=8),
              "tma-store": replace(base, o_tma=True), "coalesced": replace(base, o_coalesced=True)}
     return {k: v for k, v in c.items() if smem_bytes(v, d) <= G.SMEM_LIMIT}
 

@@ -265,9 +265,11 @@ def fa3_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
+    LPT_GROUP: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, the query tiles of one head adjacent (they share
-    its K and V in L2); causal runs each head's tiles last-first, the longest rows first.  Launch with
+    its K and V in L2); causal runs each head's tiles last-first, the longest rows first, or with
+    ``LPT_GROUP`` > 0 the longest tiles of each group of that many heads first.  Launch with
     ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d, ``BLOCK_D`` the power of
     two >= max(d, 16) every tile is wide (the columns past d are zero in Q, K, V and never stored)."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
@@ -283,7 +285,17 @@ def fa3_gluon_kernel(
     bh = pid // num_m_tiles
     tile = pid % num_m_tiles
     if CAUSAL:
-        tile = num_m_tiles - 1 - tile
+        if LPT_GROUP > 0:
+            # groups of LPT_GROUP heads; inside a group the longest tiles of all its heads first, so the
+            # CTAs in flight share a few heads' K and V in L2 and the short tiles fill the tail
+            per_group = LPT_GROUP * num_m_tiles
+            group = pid // per_group
+            r = pid % per_group
+            heads = gl.minimum(LPT_GROUP, gl.num_programs(0) // num_m_tiles - group * LPT_GROUP)
+            bh = group * LPT_GROUP + r % heads
+            tile = num_m_tiles - 1 - r // heads
+        else:
+            tile = num_m_tiles - 1 - tile
     off_b = (bh // n_heads).to(gl.int64)
     off_h = (bh % n_heads).to(gl.int64)
     off_hk = off_h // kv_group

@@ -46,6 +46,7 @@ class GluonConfig:
     num_wg: int = 2  # consumer warpgroups of 64 query rows each (2 or 3; FA3 runs 3 at d = 64)
     skip_mask0: bool = True  # tile 0 unmasked when every row of the program sees all of it
     o_coalesced: bool = False  # plain stores through a row-contiguous layout (16 B per thread), not o_tma
+    lpt_group: int = 0  # causal: longest tiles first across groups of this many heads (0: per head)
 
     @property
     def block_m(self) -> int:
@@ -99,6 +100,8 @@ def _check_config(cfg) -> None:
         # a consumer frees ring slot j - 1 only after waiting for K_j: one slot would deadlock; the masks'
         # aranges need a power of two
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
+    if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
+        raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
         raise ValueError(f"config: num_wg must be 2 or 3, got {cfg}")
     if not 24 <= cfg.producer_regs <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer_regs % 8:
@@ -181,7 +184,7 @@ def fa3_gluon_forward(
         hq, hq // hk, nq, nk, num_m_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
-        cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(),
+        cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(), cfg.lpt_group,
     )
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

@@ -86,7 +86,7 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, num_wg=3, consumer_regs=240))
 
 
-@pytest.mark.parametrize("d,cfg", [(40, GluonConfig(128, 3, num_wg=3, o_coalesced=True)), (192, None)])
+@pytest.mark.parametrize("d,cfg", [(40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None)])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
     runtime.launch passes them): a mismatch would only show on a GPU."""
@@ -119,8 +119,8 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
         d, block_d(d), cfg.num_wg, cfg.block_n, cfg.num_stages)
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
         True, cfg.intra, cfg.pingpong, cfg.skip_mask0)
-    assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"]) == (
-        cfg.regs(), cfg.producer_regs, cfg.o_store())
+    assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
+        cfg.regs(), cfg.producer_regs, cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
 
 
@@ -132,6 +132,7 @@ SCHEDULES = {
     "neither": dict(intra=False, pingpong=False), "both+tma-store": dict(o_tma=True),
     "coalesced-store": dict(o_coalesced=True), "mask-tile-0": dict(skip_mask0=False),
     "3wg-intra": dict(num_wg=3, pingpong=False), "3wg-both": dict(num_wg=3),
+    "lpt-3-heads": dict(lpt_group=3),  # 2 x 4 heads: groups of 3, 3 and 2
 }
 
 
