@@ -65,7 +65,11 @@ def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty
     has_work = n_tiles > 0  # consumers never wait for Q when there is no tile; no copy may outlive them
     mbarrier.expect(q_bar, q_bytes, pred=has_work)
     for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(q_desc, [start_m + w * 64, 0], q_bar, q_smem.index(w), pred=has_work)
+        # a box wholly past Nq (the last tile's upper warpgroups) re-reads the tile's first rows instead:
+        # those rows' outputs are never stored, and no box lies wholly out of bounds
+        q_row = start_m + w * 64
+        q_row = gl.where(q_row < seqlen_q, q_row, start_m)
+        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(w), pred=has_work)
     for j in range(n_tiles):
         slot = j % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
@@ -230,11 +234,12 @@ def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empt
         # Nq and columns past HEAD_DIM
         o_desc = tma.make_tensor_descriptor(Out, [seqlen_q, HEAD_DIM], [stride_om, 1], [M, BLOCK_D],
                                             gl.NVMMASharedLayout.get_default_for([M, BLOCK_D], dtype))
-        o_stage = q_smem.index(WG)
-        o_stage.store(out)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [row0, 0], o_stage)
-        tma.store_wait(0)
+        if row0 < seqlen_q:  # no box wholly out of bounds (the last tile's upper warpgroups)
+            o_stage = q_smem.index(WG)
+            o_stage.store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [row0, 0], o_stage)
+            tma.store_wait(0)
     else:
         if O_STORE == 1:
             # 16 bytes per thread, a row's threads adjacent: full 128-byte lines per warp store
