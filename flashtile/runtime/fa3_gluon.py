@@ -3,8 +3,10 @@
 
 ``fa3_gluon_forward`` has :func:`flashtile.runtime.fa3_fwd.fa3_forward`'s contract on what it covers:
 bf16 / fp16 (B, H, N, d) views, GQA / MQA, causal (bottom-right) or not, ragged Nq / Nk, ``(out, lse)``
-with LSE in natural log, -inf and a zero output on rows that see no key.  Head dims 64, 128 and 256 only
-(the kernel's aranges and wgmma N need a power of two >= 64); anything else raises ``NotImplementedError``.
+with LSE in natural log, -inf and a zero output on rows that see no key.  Head dims: every multiple of 8 up
+to 256 (tiles are ``block_d(d)`` wide, the next power of two >= 16; TMA zero-fills the columns past d).
+Launches are bound once per problem signature (:func:`flashtile.runtime.launch.launch`); ``BIND_LAUNCH =
+False`` sends every call through Triton's own ``kernel[grid]`` path instead.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ import triton
 
 from flashtile.kernels._common import LOG2E
 
-__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "GLUON_HEAD_DIMS", "BLOCK_M"]
+__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "GLUON_HEAD_DIMS", "BLOCK_M", "block_d"]
 
-GLUON_HEAD_DIMS = (64, 128, 256)
-BLOCK_M = 128  # two consumer warpgroups of 64 query rows
+GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
+BLOCK_M = 128  # query rows of the default two consumer warpgroups (64 each); GluonConfig.block_m in general
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
+BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's kernel[grid] on every call
+
+
+def block_d(d: int) -> int:
+    """Width of every tile at head dim ``d``: the next power of two, at least 16 (wgmma K step)."""
+    return max(16, triton.next_power_of_2(d))
 
 
 @dataclass(frozen=True)
@@ -32,24 +40,51 @@ class GluonConfig:
     num_stages: int
     intra: bool = True
     pingpong: bool = True
-    consumer_regs: int = 240  # setmaxnreg of the worker consumer warpgroup (the default one gets the rest)
+    consumer_regs: int = 0  # setmaxnreg of the worker consumers (the default one gets the rest); 0: regs()
     producer_regs: int = 24
     o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
+    num_wg: int = 2  # consumer warpgroups of 64 query rows each (2 or 3; FA3 runs 3 at d = 64)
+    skip_mask0: bool = True  # tile 0 unmasked when every row of the program sees all of it
+    o_coalesced: bool = False  # plain stores through a row-contiguous layout (16 B per thread), not o_tma
+    lpt_group: int = 0  # causal: longest tiles first across groups of this many heads (0: per head)
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.num_wg
+
+    def regs(self) -> int:
+        """Worker consumers' registers: ``consumer_regs``, or 240 with 2 warpgroups and 160 with 3 (the
+        most that 64K registers allow next to a 24-register producer, FA3's split)."""
+        return self.consumer_regs or (240 if self.num_wg == 2 else 160)
+
+    def o_store(self) -> int:
+        """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
+        return 2 if self.o_tma else 1 if self.o_coalesced else 0
 
 
 def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of a config: the Q tile, ``num_stages`` K and V tiles and under 1 KB of mbarriers
-    (the sm_90a compile reports 164144 bytes for d = 128, 128 x 128, 2 stages: 160 KB + 48 B)."""
-    return BLOCK_M * d * esize + cfg.num_stages * 2 * cfg.block_n * d * esize + 1024
+    """Shared memory of a config: the Q tile, ``num_stages`` K and V tiles (all ``block_d(d)`` wide), under
+    1 KB of mbarriers, and with ``o_coalesced`` the layout conversion's scratch, per consumer warpgroup
+    max(8 KB, half its O tile) (sm_90a compiles: +16288 B at d = 128 x 2 warpgroups, +24824 B at d = 64 x 3,
+    +32672 B at d = 192; 164144 bytes in all for d = 128, 128 x 128, 2 stages, plain stores)."""
+    bd = block_d(d)
+    tile = 64 * bd * esize
+    conv = cfg.num_wg * min(tile, max(8192, tile // 2)) if cfg.o_coalesced and not cfg.o_tma else 0
+    return cfg.block_m * bd * esize + cfg.num_stages * 2 * cfg.block_n * bd * esize + 1024 + conv
 
 
 def gluon_config(d: int, causal: bool) -> GluonConfig:
-    """The config for head dim ``d`` (a table, CPU-testable): 128-key tiles at d <= 128 with the deepest
-    ring that fits 227 KB (3 stages), 64-key tiles at d = 256 with 2 stages (Q alone is 64 KB)."""
+    """The config for head dim ``d`` (a table per ``block_d(d)`` bucket, CPU-testable), from the first H100
+    probe (bf16, 4k-16k tokens): d <= 64 no schedule at all (pingpong + intra ran 10 % slower there),
+    128-key tiles, 3 stages; d <= 128 both schedules, 128-key tiles, 3 stages (229728 B); d <= 256 both
+    schedules, 64-key tiles, 2 stages (Q alone is 64 KB)."""
     del causal  # one table for both until the H100 sweep says otherwise
     if d not in GLUON_HEAD_DIMS:
-        raise NotImplementedError(f"the Gluon forward covers head dims {GLUON_HEAD_DIMS}, got {d}")
-    if d <= 128:
+        raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
+    bd = block_d(d)
+    if bd <= 64:
+        cfg = GluonConfig(block_n=128, num_stages=3, intra=False, pingpong=False)
+    elif bd == 128:
         cfg = GluonConfig(block_n=128, num_stages=3)
     else:
         cfg = GluonConfig(block_n=64, num_stages=2)
@@ -61,9 +96,20 @@ def gluon_config(d: int, causal: bool) -> GluonConfig:
 def _check_config(cfg) -> None:
     if not isinstance(cfg, GluonConfig):
         raise TypeError(f"config must be a GluonConfig, got {type(cfg).__name__}")
-    if cfg.block_n % 16 or not 16 <= cfg.block_n <= 256 or cfg.num_stages < 2:
-        # a consumer frees ring slot j - 1 only after waiting for K_j: one slot would deadlock
-        raise ValueError(f"config: block_n must be a multiple of 16 in [16, 256] and num_stages >= 2, got {cfg}")
+    if cfg.block_n not in (16, 32, 64, 128, 256) or cfg.num_stages < 2:
+        # a consumer frees ring slot j - 1 only after waiting for K_j: one slot would deadlock; the masks'
+        # aranges need a power of two
+        raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
+    if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
+        raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
+    if cfg.num_wg not in (2, 3):
+        raise ValueError(f"config: num_wg must be 2 or 3, got {cfg}")
+    if not 24 <= cfg.producer_regs <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer_regs % 8:
+        raise ValueError(f"config: consumer_regs / producer_regs must be multiples of 8 in [24, 256], got {cfg}")
+    # setmaxnreg: num_wg + 1 partitions of 128 threads (the producer padded to 4 warps) share 64K registers;
+    # the default consumer gets what the workers leave, at least consumer_regs
+    if cfg.num_wg * cfg.regs() + cfg.producer_regs > 512:
+        raise ValueError(f"config: num_wg x consumer_regs + producer_regs must be <= 512, got {cfg}")
 
 
 def _check(q, k, v, out) -> None:
@@ -72,7 +118,7 @@ def _check(q, k, v, out) -> None:
     check_fa3(q, k, v, out)  # types, dtypes, shapes, GQA, sm_90, descriptor-ready strides
     d = q.shape[3]
     if d not in GLUON_HEAD_DIMS:
-        raise NotImplementedError(f"the Gluon forward covers head dims {GLUON_HEAD_DIMS}, got {d}")
+        raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
 
 
 def fa3_gluon_forward(
@@ -96,6 +142,9 @@ def fa3_gluon_forward(
         _check_config(config)
     _check(q, k, v, out)
     cfg = config if config is not None else gluon_config(q.shape[3], causal)
+    if cfg.num_wg == 3 and block_d(q.shape[3]) > 64:
+        # 160 registers per consumer thread: ptxas spills 1.3-1.7 KB at d = 128 (scratch/cc_gluon.py)
+        raise ValueError(f"config: num_wg = 3 covers head dims up to 64, got d = {q.shape[3]}")
     if config is not None and smem_bytes(cfg, q.shape[3], q.element_size()) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, q.shape[3], q.element_size())} bytes of shared "
                          f"memory at d = {q.shape[3]}, over {SMEM_LIMIT}")
@@ -116,24 +165,28 @@ def fa3_gluon_forward(
         # the kernel scales the row max of raw scores, which needs a scale > 0: (-q)·k |scale| is the
         # same score exactly, and a zero scale makes every score 0, as zero queries do
         q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
-    num_m_tiles = triton.cdiv(nq, BLOCK_M)
+    bm = cfg.block_m
+    num_m_tiles = triton.cdiv(nq, bm)
     grid = (b * hq * num_m_tiles,)
     if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * H * cdiv(Nq, {BLOCK_M}) = {grid[0]} programs exceed the grid's axis 0")
+        raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {grid[0]} programs exceed the grid's axis 0")
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
     from flashtile.runtime.fa3_fwd import ensure_allocator
+    from flashtile.runtime.launch import launch as run_kernel
 
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+    dynamic = (q, k, v, out, lse, softmax_scale * LOG2E)
+    static = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hk, nq, nk, num_m_tiles,
+        # constexprs, in the kernel's order
+        d, block_d(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
+        cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(), cfg.lpt_group,
+    )
     with torch.cuda.device(q.device):
-        fa3_gluon_kernel[grid](
-            q, k, v, out, lse, softmax_scale * LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hk, nq, nk, num_m_tiles,
-            HEAD_DIM=d, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, CAUSAL=bool(causal),
-            INTRA=cfg.intra, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
-            PRODUCER_REGS=cfg.producer_regs, O_TMA=cfg.o_tma, num_warps=4,
-        )
+        # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
+        run_kernel(fa3_gluon_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
     return out, lse
