@@ -11,7 +11,7 @@ The public ops call it where :func:`prefer_hopper` says it beats the FA2 kernel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -103,9 +103,10 @@ GLUON = True
 def use_gluon(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
     producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop).
-    H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Gluon forward"), d = 128 with O through TMA against
-    the Triton kernel: 629 vs 590 TFLOP/s at 16k, 661 vs 545 causal; 588 vs 514 at 4k, 478 vs 402 causal.
-    At d = 64 the Triton kernel is faster; d = 256 is not measured yet."""
+    H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Gluon forward"), d = 128, its default config
+    against the Triton kernel: 646 vs 618 TFLOP/s at 16k, 616 vs 529 causal; 622 vs 585 at 4k, 527 vs 503
+    causal.  Other head dims stay on the Triton kernel until their Gluon configs pass the GPU suite (d = 64
+    with three consumer warpgroups measured 1.05x FA3 at 16k, but sibling configs crashed)."""
     del causal
     return GLUON and d == 128
 
@@ -253,8 +254,8 @@ def fa3_forward(
     if use_gluon(d, causal):
         from flashtile.runtime.fa3_gluon import fa3_gluon_forward, gluon_config
 
-        cfg = replace(gluon_config(d, causal), o_tma=True)
-        return fa3_gluon_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, config=cfg)
+        return fa3_gluon_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out,
+                                 config=gluon_config(d, causal))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
