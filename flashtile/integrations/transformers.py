@@ -91,12 +91,21 @@ def _cumulative(lens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
 
 
-def _padding_plan(mask: torch.Tensor, nq: int, nk: int) -> _Ragged:
-    """Plan for a (B, L) padding mask (nonzero = real token) over nk cached keys and the last nq queries."""
+def _padding_plan(mask: torch.Tensor, nq: int, nk: int, causal: bool = True) -> _Ragged:
+    """Plan for a (B, L) padding mask (nonzero = real token) over nk cached keys and the last nq queries.
+
+    Not causal (an encoder, or cross-attention, where the mask is the *keys'* and the queries are
+    another sequence): the mask selects keys only and every query row is kept, as SDPA does."""
     mask = mask.bool()
     if mask.shape[1] > nk:  # the mask covers more than this layer keeps (a sliding cache): its last nk columns
         mask = mask[:, -nk:]
     keys = mask.shape[1]  # a static cache's slots past the mask are unused
+    if not causal:
+        k_lens = mask.sum(1, dtype=torch.int32)
+        q_lens = torch.full_like(k_lens, nq)
+        max_k = int(k_lens.max())
+        return _Ragged(None, mask.flatten().nonzero().squeeze(1), keys, _cumulative(q_lens), _cumulative(k_lens),
+                       nq, max_k)
     if nq > keys:
         raise ValueError(
             f"attention_mask covers {keys} keys but there are {nq} queries: the mask must cover every query token"
@@ -208,7 +217,8 @@ def flashtile_attention_forward(
         if attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be a 2-D (batch, keys) padding mask or a 4-D mask, "
                              f"got shape {tuple(attention_mask.shape)}")
-        plan = _memo("pad", attention_mask, nq, nk, lambda: _padding_plan(attention_mask, nq, nk))
+        plan = _memo("pad" if causal else "pad-keys", attention_mask, nq, nk,
+                     lambda: _padding_plan(attention_mask, nq, nk, causal))
     else:
         plan = _given_plan(kwargs, nk)
         position_ids = kwargs.get("position_ids")

@@ -121,7 +121,8 @@ def flash_attn_fwd(
     deterministic: bool,
     seq_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FA2 forward: ``(out, lse, rng_state)``.
+    """Attention forward (the FA2 kernel, or a Hopper kernel where ``runtime.fa3_fwd.prefer_hopper`` says):
+    ``(out, lse, rng_state)``.
 
     out: q's shape and dtype in (B, N, H, d) storage; lse: (B, Hq, Nq) float32, natural
     log, -inf on rows with no allowed key; rng_state: int64 [seed, offset] on
@@ -191,7 +192,8 @@ def flash_attn_bwd(
     deterministic: bool,
     seq_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FA2 backward: ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
+    """Attention backward (FA2's kernels, or the Hopper ones where ``runtime.fa3_bwd.prefer_hopper_bwd`` says):
+    ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
 
     Replays the forward's dropout from ``rng_state`` (read on the device); ``deterministic=True``
     asks the kernel for a fixed accumulation order (bitwise-reproducible dQ).

@@ -115,6 +115,16 @@ def _fp8_impl(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, softmax_sc
             softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap,
             alibi_slopes=alibi_slopes, dropout_p=0.0, block_mask=None, deterministic=False,
         )
+    # the Hopper kernel's descale rule, with device ops (no sync): a bad head outputs 0 and is recorded
+    from flashtile.kernels.fa3_fwd import ERR_DESCALE
+    from flashtile.runtime.decode import error_flags
+
+    qk = q_descale * k_descale
+    ok = (qk > 0) & torch.isfinite(qk) & torch.isfinite(v_descale)  # (B, Hk)
+    ok_heads = ok.repeat_interleave(q.shape[2] // ok.shape[1], dim=1)  # (B, Hq)
+    out = torch.where(ok_heads[:, None, :, None], out, 0.0)
+    lse = torch.where(ok_heads[:, :, None], lse, float("-inf"))
+    error_flags(q.device, "flash_attn_func")[1:].bitwise_or_((~ok).any().to(torch.int32) * ERR_DESCALE)
     return out.to(torch.bfloat16), lse
 
 

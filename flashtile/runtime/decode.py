@@ -250,9 +250,12 @@ def _device_key(device: torch.device) -> tuple[str, int | None]:
     return (device.type, _device_index(device) if device.type == "cuda" else device.index)
 
 
-def error_flags(device: torch.device) -> torch.Tensor:
-    """The int32 error word (shape (1,)) of ``device`` that the decode and append kernels OR
-    :data:`ERR_SEQLENS` / :data:`ERR_BLOCK_TABLE` into; created zeroed on first use."""
+def error_flags(device: torch.device, caller: str = "flash_attn_with_kvcache") -> torch.Tensor:
+    """The int32 error words (shape (2,)) of ``device``, created zeroed on first use: word 0 is ORed
+    atomically by the decode and append kernels (:data:`ERR_SEQLENS`, :data:`ERR_BLOCK_TABLE`, ...),
+    word 1 (``error_flags(d)[1:]``) by kernels that can only store, the FP8 forward's ``ERR_DESCALE``
+    (a plain read-modify-write there cannot drop a decode kernel's bit from word 0).  ``caller``
+    names the function in the error raised when the first use falls inside a CUDA-graph capture."""
     key = _device_key(device)
     buf = _ERRORS.get(key)
     if buf is None:
@@ -261,12 +264,12 @@ def error_flags(device: torch.device) -> torch.Tensor:
             if buf is None:
                 if _capturing(device):  # its zero-fill would be recorded into the graph, not run now
                     raise RuntimeError(
-                        "flash_attn_with_kvcache: call it once on this device outside CUDA-graph capture "
+                        f"{caller}: call it once on this device outside CUDA-graph capture "
                         "(a warm-up) before capturing it"
                     )
                 # a normal tensor even under inference_mode, so check_errors can clear it anywhere
                 with torch.inference_mode(False):
-                    buf = _ERRORS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+                    buf = _ERRORS[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return buf
 
 
@@ -277,7 +280,8 @@ def take_errors() -> list[tuple[torch.device, int]]:
     for buf in list(_ERRORS.values()):
         if buf.is_cuda:  # kernels on any stream of the device may still be ORing bits in
             torch.cuda.synchronize(buf.device)
-        bits = int(buf.item())
+        word0, word1 = buf.tolist()
+        bits = word0 | word1
         if bits:
             with torch.inference_mode(False):
                 buf.zero_()

@@ -6,8 +6,8 @@ cover: bf16 / fp16, head dims 8..256 in steps of 8, causal (bottom-right) or not
 ragged Nq / Nk, LSE from either forward; anything else raises ``NotImplementedError`` so that a
 dispatcher falls back to :func:`flashtile.runtime.fa2_bwd.fa2_backward`.  Deterministic (dQ has
 one writer per row, GQA partials are summed in a fixed order) unless the config asks for atomic dQ
-and the caller passes ``deterministic=False``.  Not wired into the autograd yet: ``ops.autograd._bwd_impl``
-calls it where :func:`prefer_hopper_bwd` says so.
+and the caller passes ``deterministic=False``.  ``ops.autograd._bwd_impl`` calls it where
+:func:`prefer_hopper_bwd` says so (head dims above 128, :func:`hopper_bwd_wins`).
 """
 
 from __future__ import annotations

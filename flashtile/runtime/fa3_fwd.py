@@ -191,6 +191,10 @@ def fa3_forward_fp8(
     hk, nk = k.shape[1], k.shape[2]
     if out is None:
         out = torch.empty((b, hq, nq, d), dtype=torch.bfloat16, device=q.device)
+    elif (tuple(out.shape) != (b, hq, nq, d) or out.dtype != torch.bfloat16 or out.device != q.device
+          or not _tma_ready(out)):
+        raise ValueError(f"out must be a descriptor-ready bfloat16 view of q's shape, got {tuple(out.shape)}, "
+                         f"{out.dtype}")
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     if b * hq * nq == 0:
         return out, lse
@@ -202,8 +206,9 @@ def fa3_forward_fp8(
     vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
     vt[..., :nk].copy_(v.transpose(2, 3))
     ensure_allocator()
-    launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
-           descales=descales, err=error_flags(q.device))
+    with torch.cuda.device(q.device):
+        launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
+               descales=descales, err=error_flags(q.device, "flash_attn_func")[1:])
     return out, lse
 
 

@@ -359,3 +359,24 @@ def test_gpu_bf16_generate_runs():
     with torch.no_grad():
         got = ours.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
     assert got.shape == (2, 80)
+
+
+def test_cross_attention_padding_mask_selects_keys_only():
+    """Not causal with a (B, keys) mask and fewer or more queries than keys (cross-attention: BART and
+    Whisper pass the encoder's padding mask): every query row attends to the unpadded keys, as SDPA does."""
+    class Module(torch.nn.Module):
+        is_causal = False
+
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 12, 16, generator=g)
+    v = torch.randn(2, 2, 12, 16, generator=g)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[0, 8:] = False  # the first encoder row is right-padded
+    mask[1, :3] = False  # the second left-padded
+    for nq in (4, 12, 16):
+        q = torch.randn(2, 2, nq, 16, generator=g)
+        out, _ = ft.flashtile_attention_forward(Module(), q, k, v, mask, is_causal=False)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask[:, None, None, :]).transpose(1, 2)
+        assert out.shape == ref.shape
+        assert_close(out, ref, what=f"cross-attention, {nq} queries")

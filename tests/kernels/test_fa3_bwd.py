@@ -88,7 +88,8 @@ def test_prefer_hopper_bwd_off_the_gpu():
     assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True)
     assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True,
                                          capability=(9, 0))  # a CPU tensor
-    assert not fa3_bwd.hopper_bwd_wins(128, False, 4096)  # no H100 timings yet: FA2's backward everywhere
+    assert not fa3_bwd.hopper_bwd_wins(128, False, 4096)  # H100: FA2's backward wins at d <= 128
+    assert fa3_bwd.hopper_bwd_wins(256, True, 4096)
 
 
 # --------------------------------------------------------------------------- #

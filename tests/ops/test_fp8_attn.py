@@ -104,7 +104,8 @@ def test_interpreter_bad_descale_flags_and_zeroes_its_head():
         lse = torch.full((b, hq, nq), float("nan"))
         flashtile.check_errors()  # clear the record
         fa3_fwd.launch(q8.transpose(1, 2), k8.transpose(1, 2), vt, out, lse, d ** -0.5 * LOG2E, False,
-                       Fa3Config(64, 32, 4, 1, False), descales=(qs, ks_bad, vs), err=error_flags(torch.device("cpu")))
+                       Fa3Config(64, 32, 4, 1, False), descales=(qs, ks_bad, vs),
+                       err=error_flags(torch.device("cpu"))[1:])
         assert (out[:, 1] == 0).all() and torch.isneginf(lse[:, 1]).all()
         ref = twin(q8, k8, v8, qs, ks, vs, False, block_sizes=(64, 32))
         assert_close(out[:, 0], ref.out[:, 0], torch.bfloat16, "cpu", "the other head")
@@ -177,7 +178,10 @@ def test_api_fp8_is_forward_only():
 @hopper
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_kernel_matches_twin(d, causal):
+def test_gpu_kernel_matches_twin(d, causal, monkeypatch):
+    calls = []
+    real = fa3_fwd.fa3_forward_fp8
+    monkeypatch.setattr(fa3_fwd, "fa3_forward_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for nq, nk in ((1, 1), (1, 300), (333, 517), (517, 200), (1024, 1024)):
         q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq + nk)
         out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
@@ -188,6 +192,7 @@ def test_gpu_kernel_matches_twin(d, causal):
         assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
         # scores move by the tensor cores' FP8 accumulation (module docstring): LSE within 2e-3
         assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+    assert len(calls) == 5, "every shape must run the FP8 kernel, not the dequantised fallback"
 
 
 @pytest.mark.gpu
@@ -255,3 +260,20 @@ def test_gpu_fallback_head_dims_and_features():
     out = flashtile.flash_attn_func(q8, k8, v8, softcap=5.0, q_descale=qs, k_descale=ks, v_descale=vs)
     ref, _ = attention_ref(dequantised(q8, qs), dequantised(k8, ks), dequantised(v8, vs), softcap=5.0)
     assert_close(out.transpose(1, 2), ref, torch.bfloat16, "cuda", "softcap")
+
+
+def test_api_fallback_flags_bad_descales_like_the_kernel():
+    """The dequantised path applies the Hopper kernel's descale rule: a q*k descale not in (0, inf) or a
+    non-finite v descale zeroes that kv head's q heads (LSE -inf), leaves the others exact, and is reported."""
+    q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, 12, 12, 16, DEV, seed=6)
+    good = flashtile.flash_attn_func(q8, k8, v8, causal=True, q_descale=qs, k_descale=ks, v_descale=vs)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        flashtile.check_errors()
+        qs_bad = qs.clone()
+        qs_bad[1, 0] = bad
+        out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=True, q_descale=qs_bad, k_descale=ks, v_descale=vs,
+                                             return_lse=True)
+        assert (out[1, :, :2] == 0).all() and torch.isneginf(lse[1, :2]).all()
+        assert torch.equal(out[0], good[0]) and torch.equal(out[1, :, 2:], good[1, :, 2:])
+        with pytest.raises(ValueError, match="q_descale"):
+            flashtile.check_errors()
