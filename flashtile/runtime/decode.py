@@ -250,9 +250,10 @@ def _device_key(device: torch.device) -> tuple[str, int | None]:
     return (device.type, _device_index(device) if device.type == "cuda" else device.index)
 
 
-def error_flags(device: torch.device) -> torch.Tensor:
+def error_flags(device: torch.device, caller: str = "flash_attn_with_kvcache") -> torch.Tensor:
     """The int32 error word (shape (1,)) of ``device`` that the decode and append kernels OR
-    :data:`ERR_SEQLENS` / :data:`ERR_BLOCK_TABLE` into; created zeroed on first use."""
+    :data:`ERR_SEQLENS` / :data:`ERR_BLOCK_TABLE` into (and the packed and FP8 forwards their bits);
+    created zeroed on first use, which ``caller`` (named in the error) must not make under CUDA-graph capture."""
     key = _device_key(device)
     buf = _ERRORS.get(key)
     if buf is None:
@@ -261,7 +262,7 @@ def error_flags(device: torch.device) -> torch.Tensor:
             if buf is None:
                 if _capturing(device):  # its zero-fill would be recorded into the graph, not run now
                     raise RuntimeError(
-                        "flash_attn_with_kvcache: call it once on this device outside CUDA-graph capture "
+                        f"{caller}: call it once on this device outside CUDA-graph capture "
                         "(a warm-up) before capturing it"
                     )
                 # a normal tensor even under inference_mode, so check_errors can clear it anywhere
