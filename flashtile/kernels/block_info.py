@@ -13,7 +13,8 @@ only see non-negative operands (Triton's integer division truncates toward 0).
 
 :func:`seqlen_info` gives a program its batch element's place in a packed (variable-length)
 batch: the start row and the length of its q and k sequences, read from ``cu_seqlens`` and
-clamped to the tensors (flash-attn's ``BlockInfo`` with ``Is_even_MN = false``).
+clamped to the tensors (flash-attn's ``BlockInfo`` with ``Is_even_MN = false``);
+:func:`seqlen_errors` says whether the stored values break the packed-batch contract.
 """
 
 from __future__ import annotations
@@ -80,13 +81,34 @@ def q_block_range(
 
 
 @triton.jit
+def _raw_range(CuSeq, off_b):
+    """``(cu[b], cu[b + 1])`` as stored, in int64."""
+    b64 = off_b.to(tl.int64)
+    start = tl.load(CuSeq + b64).to(tl.int64)
+    end = tl.load(CuSeq + b64 + 1).to(tl.int64)
+    return start, end
+
+
+@triton.jit
+def _packed_range_bad(CuSeq, off_b, last_b, total, max_len, ENDS_AT_TOTAL: tl.constexpr):
+    """Whether sequence ``off_b``'s stored range breaks the packed-batch contract that
+    :func:`_packed_range` otherwise clamps silently: start outside [0, total], end below start or past
+    total, length above ``max_len``; and cu[0] != 0, or (ENDS_AT_TOTAL) cu[B] != total, which would leave
+    rows outside every sequence."""
+    start, end = _raw_range(CuSeq, off_b)
+    bad = (start < 0) | (start > total) | (end < start) | (end > total) | (end - start > max_len)
+    bad = bad | ((off_b == 0) & (start != 0))
+    if ENDS_AT_TOTAL:
+        bad = bad | ((off_b == last_b) & (end != total))
+    return bad
+
+
+@triton.jit
 def _packed_range(CuSeq, off_b, total, max_len):
     """(start, length) of sequence ``off_b`` of a packed batch: rows [cu[b], cu[b + 1]) clamped in
     int64 to [0, total], the length capped at ``max_len`` (the host sized the grid and the 32-bit
     in-tile offsets for it), so no value of ``cu`` reaches outside the packed tensor."""
-    b64 = off_b.to(tl.int64)
-    start = tl.load(CuSeq + b64).to(tl.int64)
-    end = tl.load(CuSeq + b64 + 1).to(tl.int64)
+    start, end = _raw_range(CuSeq, off_b)
     start = tl.minimum(tl.maximum(start, 0), total)
     end = tl.minimum(tl.maximum(end, start), total)
     length = tl.minimum(end - start, max_len).to(tl.int32)
@@ -107,6 +129,17 @@ def seqlen_info(CuSeqQ, CuSeqK, off_b, seqlen_q, seqlen_k, total_q, total_k, IS_
         k_start = 0
         len_k = seqlen_k
     return q_start, len_q, k_start, len_k
+
+
+@triton.jit
+def seqlen_errors(CuSeqQ, CuSeqK, off_b, n_batch, seqlen_q, seqlen_k, total_q, total_k, K_ENDS_AT_TOTAL: tl.constexpr):
+    """``(q_bad, k_bad)``: whether batch element ``off_b`` of ``n_batch`` has q / k values that
+    :func:`seqlen_info` (IS_VARLEN, same arguments) clamps, or that leave packed rows outside every
+    sequence (``K_ENDS_AT_TOTAL`` False: k lives in pages, so cu_seqlens_k may end anywhere); two more
+    loads each, for the one program that reports them."""
+    q_bad = _packed_range_bad(CuSeqQ, off_b, n_batch - 1, total_q, seqlen_q, ENDS_AT_TOTAL=True)
+    k_bad = _packed_range_bad(CuSeqK, off_b, n_batch - 1, total_k, seqlen_k, ENDS_AT_TOTAL=K_ENDS_AT_TOTAL)
+    return q_bad, k_bad
 
 
 @triton.jit

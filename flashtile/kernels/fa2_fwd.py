@@ -12,11 +12,19 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, philox_state, unfold_pid
-from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_info
+from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_errors, seqlen_info
 from flashtile.kernels.mask import allowed, score_mods
+
+__all__ = ["ERR_CU_SEQLENS", "ERR_VARLEN_BLOCK_TABLE"]
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
+
+# bits of the device error word (runtime.decode.error_flags) the packed (IS_VARLEN) forward sets:
+# cu_seqlens_q / cu_seqlens_k values that break the packed contract, a visited block_table page outside the pool
+ERR_CU_SEQLENS, ERR_VARLEN_BLOCK_TABLE = 32, 64
+_ERR_CU_SEQLENS, _ERR_VARLEN_BLOCK_TABLE = tl.constexpr(ERR_CU_SEQLENS), tl.constexpr(ERR_VARLEN_BLOCK_TABLE)
+_PAGE_CHUNK = tl.constexpr(64)  # block-table entries checked per step by _bad_pages
 
 
 @triton.jit
@@ -32,6 +40,41 @@ def _load_bias(ptrs, offs_m, offs_n, seqlen_q, seqlen_k, CHECK_M: tl.constexpr, 
     else:
         b = tl.load(ptrs)
     return b.to(tl.float32)
+
+
+@triton.jit
+def _bad_pages(bt_row, len_q, len_k, page_size, n_pages, window_left, window_right,
+               BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Whether a page some query tile of the sequence visits (``_fwd_tiles``, PAGED) lies outside
+    [0, n_pages), i.e. is clamped there: the pages of the key tiles every row together may see."""
+    lo, _full_lo, _full_hi, hi = kv_block_range(
+        0, len_q, len_q, len_k, window_left, window_right, BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT
+    )
+    p_lo = lo // page_size
+    p_hi = tl.where(len_q > 0, tl.cdiv(hi, page_size), p_lo)
+    n_bad = 0
+    for p0 in range(p_lo, p_hi, _PAGE_CHUNK):
+        offs = p0 + tl.arange(0, _PAGE_CHUNK)
+        page = tl.load(bt_row + offs, mask=offs < p_hi, other=0)
+        n_bad += tl.sum(((page < 0) | (page >= n_pages)).to(tl.int32), 0)
+    return n_bad > 0
+
+
+@triton.jit
+def _varlen_errors(CuSeqQ, CuSeqK, bt_row, off_b, n_batch, len_q, len_k, seqlen_q, seqlen_k, total_q, total_k,
+                   page_size, n_pages, window_left, window_right,
+                   BLOCK_N: tl.constexpr, PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Error-word bits of batch element ``off_b``: ERR_CU_SEQLENS when its q or k range breaks the packed
+    contract (:func:`seqlen_errors`), with PAGED ERR_VARLEN_BLOCK_TABLE when a page it visits is outside the pool."""
+    q_bad, k_bad = seqlen_errors(
+        CuSeqQ, CuSeqK, off_b, n_batch, seqlen_q, seqlen_k, total_q, total_k, K_ENDS_AT_TOTAL=not PAGED
+    )
+    bits = tl.where(q_bad | k_bad, _ERR_CU_SEQLENS, 0)
+    if PAGED:
+        pages_bad = _bad_pages(bt_row, len_q, len_k, page_size, n_pages, window_left, window_right,
+                               BLOCK_N=BLOCK_N, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT)
+        bits = bits | tl.where(pages_bad, _ERR_VARLEN_BLOCK_TABLE, 0)
+    return bits
 
 
 @triton.jit
@@ -206,7 +249,7 @@ def _fwd_range(
 # lengths-derived ints that only feed arithmetic: no recompiles when they hit 1 or a multiple of 16
 @triton.jit(do_not_specialize=["tune_nq", "tune_nk", "window_left", "window_right", "total_q", "total_k"])
 def _fa2_fwd_kernel(
-    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng, CuSeqQ, CuSeqK, BlockTable,
+    Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng, CuSeqQ, CuSeqK, BlockTable, Err,
     sm_scale, softcap, dropout_p,
     # ints and constexprs: fixed for a problem signature (runtime/launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
@@ -244,7 +287,8 @@ def _fa2_fwd_kernel(
     ``seqlen_k`` are ``max_seqlen_q`` / ``max_seqlen_k`` (the grid, and the dropout
     counters' row and column counts), LSE is (H, total_q).  PAGED: K/V are
     (pages, H, page_size, d) views (``stride_kb`` is the page stride), key j of
-    batch b in page ``BlockTable[b, j // page_size]``."""
+    batch b in page ``BlockTable[b, j // page_size]``.  Err (IS_VARLEN only): the int32 error word; the
+    program of query tile 0, head 0 of each batch element ORs in :func:`_varlen_errors`' bits."""
     check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=16)
     tile, bh = unfold_pid()
     if bh >= n_bh:
@@ -258,6 +302,14 @@ def _fa2_fwd_kernel(
     )
     start_m = pid_m * BLOCK_M
     if IS_VARLEN:
+        if (pid_m == 0) & (off_h == 0):  # one reporter per batch element: rare atomics
+            bits = _varlen_errors(
+                CuSeqQ, CuSeqK, BlockTable + off_b.to(tl.int64) * stride_bt_b, off_b, n_bh // n_heads_q, len_q, len_k,
+                seqlen_q, seqlen_k, total_q, total_k, page_size, n_pages, window_left, window_right,
+                BLOCK_N=BLOCK_N, PAGED=PAGED, HAS_LEFT=HAS_LEFT, HAS_RIGHT=HAS_RIGHT,
+            )
+            if bits != 0:
+                tl.atomic_or(Err, bits)
         if start_m >= len_q:  # the grid covers max_seqlen_q rows; this sequence ends earlier
             return
     philox_seed, philox_offset = philox_state(Rng, HAS_DROPOUT)

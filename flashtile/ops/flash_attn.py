@@ -233,6 +233,10 @@ def _run_varlen(
     max_names = ("max_seqlen_q", "max_seqlen_k") if cu_names[0] == "cu_seqlens_q" else ("max_seqlen", "max_seqlen")
     max_q = validate.check_max_seqlen(max_seqlen_q, max_names[0])
     max_k = validate.check_max_seqlen(max_seqlen_k, max_names[1])
+    if total_q > 0 and (batch == 0 or max_q == 0):  # known without reading a value: q rows no sequence covers
+        name = cu_names[0] if batch == 0 else max_names[0]
+        raise ValueError(f"{name}: q has {total_q} tokens but {cu_names[0]} holds {batch} sequences "
+                         f"of at most {max_names[0]} = {max_q} tokens")
     if paged:
         validate.check_block_table(block_table, q, batch)
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -308,9 +312,11 @@ def flash_attn_varlen_func(
     ``block_table`` (chunked prefill against a paged cache) is forward only: a ValueError if a
     gradient is required.  Values are not read on the host: the kernels clamp each sequence to
     the packed tensors, to max_seqlen and to the page pool, so no value of cu_seqlens or
-    block_table makes them touch memory outside the tensors, but wrong values give wrong rows;
-    ``debug=True`` checks them first (one device-to-host copy): cu_seqlens starts at 0, does not
-    decrease and ends at total (non-paged k), lengths <= max_seqlen, pages inside the pool.
+    block_table makes them touch memory outside the tensors.  The contract: cu_seqlens starts at
+    0, does not decrease and ends at total (non-paged k), lengths <= max_seqlen, visited pages inside
+    the pool; the forward kernel records a break in the device error word (the call returns, its
+    rows are not meaningful) and ``flashtile.check_errors()`` raises a ValueError naming the
+    argument.  ``debug=True`` checks the contract first (one device-to-host copy) and raises.
     """
     return _run_varlen(q, k, v, ("q", "k", "v"), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        ("cu_seqlens_q", "cu_seqlens_k"), dropout_p, softmax_scale, causal, window_size, softcap,

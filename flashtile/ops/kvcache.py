@@ -67,6 +67,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashtile.kernels.fa2_fwd import ERR_CU_SEQLENS, ERR_VARLEN_BLOCK_TABLE
 from flashtile.kernels.fa3_fwd import ERR_DESCALE
 from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
@@ -361,7 +362,8 @@ def _check_extras(
 
 def check_errors() -> None:
     """Raise ``ValueError`` if a decode or append kernel has seen an out-of-range ``cache_seqlens``
-    or ``block_table`` entry, or the FP8 forward a bad descale, since the last call, and clear the record.
+    or ``block_table`` entry, the FP8 forward a bad descale, or the packed (varlen) forward a
+    ``cu_seqlens`` / ``block_table`` value it clamped, since the last call, and clear the record.
 
     Reads each device's error word (one device sync per device that has run the decode
     kernels; not allowed while a CUDA graph is captured).  The calls that saw a bad value
@@ -397,6 +399,18 @@ def check_errors() -> None:
             msgs.append(
                 f"cu_seqlens_q out of range on {device}: a span [cu_seqlens_q[b], cu_seqlens_q[b + 1]) left "
                 "[0, total_q] or was longer than max_seqlen_q; it was clamped"
+            )
+        if bits & ERR_CU_SEQLENS:
+            msgs.append(
+                f"cu_seqlens_q / cu_seqlens_k out of range on {device} (flash_attn_varlen_func): a span "
+                "[cu_seqlens[b], cu_seqlens[b + 1]) started below 0 or past the packed token count, decreased, "
+                "ended past the token count or was longer than max_seqlen_q / max_seqlen_k (or block_table's "
+                "max_pages * page_size); it was clamped and those rows are not meaningful"
+            )
+        if bits & ERR_VARLEN_BLOCK_TABLE:
+            msgs.append(
+                f"block_table entry out of range on {device} (flash_attn_varlen_func): a used entry lies outside "
+                "[0, num_pages) (num_pages = k.shape[0]); it was clamped into the pool and those rows are not meaningful"
             )
     raise ValueError("; ".join(msgs) + " (flashtile.check_errors)")
 

@@ -252,7 +252,7 @@ def _device_key(device: torch.device) -> tuple[str, int | None]:
 
 def error_flags(device: torch.device, caller: str = "flash_attn_with_kvcache") -> torch.Tensor:
     """The int32 error words (shape (2,)) of ``device``, created zeroed on first use: word 0 is ORed
-    atomically by the decode and append kernels (:data:`ERR_SEQLENS`, :data:`ERR_BLOCK_TABLE`, ...),
+    atomically by the decode, append and packed-forward kernels (:data:`ERR_SEQLENS`, ...),
     word 1 (``error_flags(d)[1:]``) by kernels that can only store, the FP8 forward's ``ERR_DESCALE``
     (a plain read-modify-write there cannot drop a decode kernel's bit from word 0).  ``caller``
     names the function in the error raised when the first use falls inside a CUDA-graph capture."""

@@ -26,6 +26,7 @@ from flashtile.runtime.common import (
     unit_last_stride,
     wide_rows,
 )
+from flashtile.runtime.decode import error_flags
 from flashtile.runtime.launch import launch
 
 __all__ = ["fa2_forward", "fwd_config", "fwd_grid"]
@@ -207,8 +208,10 @@ def fa2_forward(
     0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1 of its pages); every option applies per
     sequence (causal bottom-right aligned per sequence).  Returns out (total_q, Hq, d) and lse
     (Hq, total_q).  The kernel clamps every cu_seqlens range to the tensors and to max_seqlen
-    and every page index to the pool, so no value reads or writes outside them (values are
-    not checked here: ``flashtile.ops.validate.check_cu_seqlens_values`` does that on the host).
+    and every page index to the pool, so no value reads or writes outside them, and records a
+    clamp in the device error word (``ERR_CU_SEQLENS`` / ``ERR_VARLEN_BLOCK_TABLE``, raised by
+    ``flashtile.check_errors()``); ``flashtile.ops.validate.check_cu_seqlens_values`` checks the
+    values on the host.
     Not with ``bias`` or ``block_mask``.
     """
     left, right = int(window_size[0]), 0 if causal else int(window_size[1])
@@ -255,7 +258,7 @@ def fa2_forward(
     counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
     block_d = max(16, triton.next_power_of_2(d))
     rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
-    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, softmax_scale, softcap, dropout_p)
+    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, lse, softmax_scale, softcap, dropout_p)
     ints = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -321,12 +324,15 @@ def _varlen_forward(
     total_k = k.shape[0] * k.shape[1] if paged else k.shape[0]
     if total_q == 0:
         return result, lse
-    if b == 0 or max_q == 0 or total_k == 0 or hq == 0:
-        # no program has a row to write (or no key to read): rows left over see no key
+    if b == 0 or max_q == 0 or hq == 0 or (paged and total_k == 0):
+        # no program has a row to write (or no page to read): rows left over see no key
         result.zero_()
         lse.fill_(float("-inf"))
         return result, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    if total_k == 0:  # every key range clamps to empty, so K/V are never read: q stands in for their pointer
+        k = v = q[:0]
+        max_k = 0
     q, softmax_scale = _positive_scale(q, softmax_scale, softcap == 0 and alibi_slopes is None)
     # the kernel's (batch, heads, rows, d) views: one packed "batch" of total rows, or (pages, H, page_size, d)
     qv, ov = q.transpose(0, 1).unsqueeze(0), target.transpose(0, 1).unsqueeze(0)
@@ -348,7 +354,8 @@ def _varlen_forward(
     block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, max_q, max_k, device, heavy, None, page_size)
     block_d = max(16, triton.next_power_of_2(d))
     rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
-    dynamic = (qv, kv_, vv, ov, lse, lse, alibi, lse, lse, rng, cu_q, cu_k, bt, softmax_scale, softcap, dropout_p)
+    err = error_flags(device, caller="flash_attn_varlen_func")  # exists already under CUDA-graph capture, or raises
+    dynamic = (qv, kv_, vv, ov, lse, lse, alibi, lse, lse, rng, cu_q, cu_k, bt, err, softmax_scale, softcap, dropout_p)
     ints = (
         0, qv.stride(1), qv.stride(2),
         kv_.stride(0), kv_.stride(1), kv_.stride(2),

@@ -21,6 +21,7 @@ from flashtile.ops import (
     flash_attn_varlen_qkvpacked_func,
     next_philox_state,
 )
+from flashtile.ops.kvcache import check_errors
 from flashtile.reference.varlen import varlen_attention
 from flashtile.runtime.common import dropout_keep_mask
 
@@ -234,6 +235,7 @@ def _i32(values, device):
         (lambda d: {"cu_seqlens_q": _i32([0, 3, 8], "meta")}, ValueError, "cu_seqlens_q.*device"),
         (lambda d: {"max_seqlen_q": 5.0}, TypeError, "max_seqlen_q"),
         (lambda d: {"max_seqlen_k": -1}, ValueError, "max_seqlen_k"),
+        (lambda d: {"max_seqlen_q": 0}, ValueError, "max_seqlen_q"),  # 8 q rows, no sequence may hold one
         (lambda d: {"q": torch.zeros(8, 2, 16, device=d)[None]}, ValueError, "q must be 3-D"),
     ],
 )
@@ -304,6 +306,8 @@ def test_any_cu_seqlens_values_stay_inside_the_tensors(device):
         assert not torch.isnan(lse.cpu()[:, rq]).any()
         for store in (sq, sk, sv):
             assert torch.isnan(store[:guard]).all() and torch.isnan(store[-guard:]).all()
+        with pytest.raises(ValueError, match="cu_seqlens_q / cu_seqlens_k out of range"):
+            check_errors()
     # the paged forward with page indices outside the pool
     pages = torch.randn(3, 16, h, d, device=device)
     table = _i32([[5, -1], [2**31 - 1, 0]], device)
@@ -312,9 +316,68 @@ def test_any_cu_seqlens_values_stay_inside_the_tensors(device):
     out = flash_attn_varlen_func(q, pages, pages, _i32([0, 3, 8], device), _i32([0, 32, 60], device), 5, 1000,
                                  block_table=table)
     assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="block_table entry out of range"):  # recorded by the forward kernel
+        check_errors()
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 5"):
         flash_attn_varlen_func(q, pages, pages, _i32([0, 3, 8], device), _i32([0, 32, 60], device), 5, 32,
                                block_table=table, debug=True)
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, max_q, max_k, match",
+    [
+        ([0, 5, 3, 8], [0, 4, 6, 10], 5, 6, "cu_seqlens_q"),  # decreasing
+        ([0, 3, 8], [0, 4, 12], 5, 8, "cu_seqlens_k"),  # past the total
+        ([0, 3, 8], [0, 4, 10], 4, 6, "max_seqlen"),  # a length above max_seqlen_q
+        ([-3, 3, 8], [0, 4, 10], 6, 6, "cu_seqlens_q"),  # negative
+        ([0, 3, 7], [0, 4, 10], 5, 6, "cu_seqlens_q"),  # ends before the total: row 7 in no sequence
+    ],
+)
+def test_bad_cu_seqlens_values_are_recorded_without_debug(cu_q, cu_k, max_q, max_k, match, device):
+    """Without debug the call returns (no host read), the forward kernel records the clamp in the device error
+    word and check_errors() raises naming the argument; it clears the word, so a good call leaves it clear."""
+    check_errors()  # a clear word to start from
+    q, k, v, _ = _packed([3, 5], [4, 6], 2, 2, 16, device)
+    out = flash_attn_varlen_func(q, k, v, _i32(cu_q, device), _i32(cu_k, device), max_q, max_k)
+    assert out.shape == q.shape
+    with pytest.raises(ValueError, match=match):
+        check_errors()
+    flash_attn_varlen_func(q, k, v, _cu([3, 5], device), _cu([4, 6], device), 5, 6, causal=True)
+    check_errors()
+
+
+def test_empty_k_runs_the_kernel_and_records_bad_cu_seqlens_k(device):
+    """No keys at all: every row is empty (out 0, LSE -inf), and cu_seqlens_k claiming keys is still recorded."""
+    check_errors()
+    q, _, _, _ = _packed([3, 5], [0, 0], 2, 2, 16, device)
+    k = torch.zeros(0, 2, 16, device=device)
+    out, lse = flash_attn_varlen_func(q, k, k, _cu([3, 5], device), _cu([0, 0], device), 5, 0, return_lse=True)
+    assert torch.equal(out.cpu(), torch.zeros_like(out.cpu())) and torch.isneginf(lse.cpu()).all()
+    check_errors()
+    flash_attn_varlen_func(q, k, k, _cu([3, 5], device), _i32([0, 2, 2], device), 5, 2)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        check_errors()
+
+
+def test_bad_block_table_recorded_only_for_visited_pages(device):
+    """The paged forward records a page index outside the pool that a key tile reads (ERR_VARLEN_BLOCK_TABLE),
+    and not one in a block-table column past the sequence's keys or left of its window."""
+    check_errors()
+    pages = torch.randn(4, 16, 1, 16, device=device)
+    q = torch.randn(2, 1, 16, device=device)
+    cu_q, cu_k = _cu([1, 1], device), _cu([20, 40], device)
+    for table, window, bad in (
+        ([[0, 1, -1], [2, 3, 1]], (-1, -1), False),  # column 2 of sequence 0: past its 20 keys
+        ([[0, 1, 0], [9, 3, 0]], (4, 0), False),  # page 9 holds keys 0..15, left of sequence 1's window
+        ([[0, 1, 0], [9, 3, 0]], (-1, -1), True),
+        ([[0, 4, 0], [0, 1, 0]], (-1, -1), True),
+    ):
+        flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 1, 40, block_table=_i32(table, device), window_size=window)
+        if bad:
+            with pytest.raises(ValueError, match="block_table"):
+                check_errors()
+        else:
+            check_errors()
 
 
 def test_compile_fullgraph_matches_eager(device):
@@ -439,3 +502,28 @@ def test_gpu_chunked_prefill_paged_cache():
                                       block_table=table, return_lse=True, debug=True)
     want = attention_varlen_ref(q, k_cache, v_cache, cu_q, cu_k, block_table=table, causal=True)
     _check((out, lse), want, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_cu_seqlens_recorded_under_cuda_graph_replay():
+    """A varlen forward captured in a CUDA graph (after an eager warm-up, which creates the error word) records
+    cu_seqlens values written into its static tensor before a replay; a replay with good values records nothing."""
+    q, k, v, _ = _packed([100, 200], [150, 250], 4, 2, 64, "cuda", torch.float16)
+    cu_q, cu_k = _cu([100, 200], "cuda"), _cu([150, 250], "cuda")
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 250, causal=True)  # warm-up: compile, error word
+    torch.cuda.synchronize()
+    check_errors()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 250, causal=True)
+    graph.replay()
+    want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 250, causal=True)
+    assert torch.equal(out, want)
+    check_errors()
+    cu_k.copy_(_cu([150, 300], "cuda"))  # past the 400 packed keys
+    graph.replay()
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        check_errors()
+    cu_k.copy_(_cu([150, 250], "cuda"))
+    graph.replay()
+    check_errors()
