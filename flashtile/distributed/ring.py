@@ -20,6 +20,7 @@ and arrive at the block's owner after the last step.  Only the kv heads travel (
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -223,10 +224,16 @@ def _check_agreement(group: dist.ProcessGroup, device: torch.device, sig: tuple[
     rows = [tuple(x.tolist()) for x in every]
     if any(r != rows[0] for r in rows):
         raise ValueError(
-            "q, k, v: every rank of the group must pass shards of one shape and the same options; "
+            "q, k, v: every rank of the group must pass shards of one shape and the same options "
+            "(softmax_scale, softcap, dropout_p, deterministic, window, layout, dtype); "
             f"(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, layout, ...) per rank: {rows}"
         )
     _CHECKED.add(group)
+
+
+def _bits(x: float) -> int:
+    """A float option as the int64 of its IEEE bits (ranks must agree on it exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _flag(x: object, name: str) -> bool:
@@ -255,7 +262,8 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     # the window over the full sequences; a bound that cannot bind becomes unbounded
     left, right = validate.unbind_window(left, right, world * dims.seqlen_q, world * dims.seqlen_k)
     sig = (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k, dims.head_dim,
-           LAYOUTS.index(layout), left, right, validate.SUPPORTED_DTYPES.index(q.dtype))
+           LAYOUTS.index(layout), left, right, validate.SUPPORTED_DTYPES.index(q.dtype),
+           *(_bits(x) for x in (scale, softcap, dropout_p)), int(deterministic))
     _check_agreement(pg, q.device, sig)
     # shape checks after the agreement: no rank raises while the others wait in a collective
     if layout == "zigzag":

@@ -105,6 +105,8 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                 group = _split(dist, world, size) or dist.new_group(list(range(world)))  # checked at a group's first call
                 # "unequal": the group's first shard is longer than the others'; otherwise equal shards
                 n = q.shape[1] // size + (2 if me == 0 and case["expect_error"] == "unequal" else 0)
+                if case["expect_error"] == "softcap" and me == 0:  # one rank's options differ
+                    case = {**case, "softcap": 2.0}
                 try:
                     _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
                     results[case["name"]] = "no error"

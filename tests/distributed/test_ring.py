@@ -48,6 +48,7 @@ CASES_2 = [
     _case("zigzag-causal-window-dropout", layout="zigzag", seqlen=16, causal=True, window=(6, 0), dropout=0.3,
           seed=8),
     _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error="unequal"),
+    _case("options-differ", layout="zigzag", seqlen=16, causal=True, expect_error="softcap"),
     _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
 ]
 CASES_4 = [
@@ -132,6 +133,12 @@ def test_two_ranks(spawned, case, pair):
 def test_unequal_shards_raise_on_every_rank(spawned, pair):
     kind, msg = spawned[(2, pair)]["unequal-shards"]
     assert kind == "ValueError" and "every rank" in msg and "q, k, v" in msg
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+def test_options_that_differ_between_ranks_raise_on_every_rank(spawned, pair):
+    kind, msg = spawned[(2, pair)]["options-differ"]
+    assert kind == "ValueError" and "softcap" in msg
 
 
 @pytest.mark.parametrize("pair", [0, 1])
