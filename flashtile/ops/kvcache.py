@@ -342,9 +342,14 @@ def _check_extras(
 ) -> None:
     """``debug=True``: the values of cache_batch_idx, cache_leftpad and cu_seqlens_q (one device sync)."""
     if cache_batch_idx is not None:
+        seen: dict[int, int] = {}
         for b, row in enumerate(cache_batch_idx.tolist()):
             if not 0 <= row < n_cache:
                 raise ValueError(f"cache_batch_idx[{b}] = {row} is out of range: must lie in [0, k_cache.shape[0]) = [0, {n_cache})")
+            if n_new and row in seen:  # two elements appending into one cache row race on its slots
+                raise ValueError(f"cache_batch_idx[{seen[row]}] and cache_batch_idx[{b}] are both {row}: with new k/v "
+                                 "each batch element must append into its own cache row")
+            seen[row] = b
     if cache_leftpad is not None:
         for b, (pad, length) in enumerate(zip(cache_leftpad.tolist(), host_lens)):
             if not 0 <= pad <= length:

@@ -263,6 +263,7 @@ BAD = [
     ("cache_batch_idx", lambda a: dict(cache_batch_idx=a["cache_batch_idx"].long()), TypeError),
     ("cache_batch_idx", lambda a: dict(cache_batch_idx=a["cache_batch_idx"][:1]), ValueError),
     ("cache_batch_idx", lambda a: dict(cache_batch_idx=ints([3, 0], a["q"].device), debug=True), ValueError),
+    ("both 0", lambda a: dict(cache_batch_idx=ints([0, 0], a["q"].device), debug=True), ValueError),
     ("batch of k_cache", lambda a: dict(cache_batch_idx=None), ValueError),
     ("block_table", lambda a: dict(block_table=torch.zeros(2, 2, dtype=torch.int32, device=a["q"].device)), ValueError),
     ("cache_leftpad", lambda a: dict(cache_leftpad=ints([4, 0], a["q"].device), debug=True), ValueError),
