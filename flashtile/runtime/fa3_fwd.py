@@ -20,8 +20,8 @@ from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes",
-           "ensure_allocator", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED", "GLUON", "use_gluon",
-           "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+           "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
+           "GLUON", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -187,20 +187,11 @@ def fa3_forward_fp8(
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel  # noqa: F401  (the error bit's home)
     from flashtile.runtime.decode import error_flags
 
-    b, hq, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
-    if out is None:
-        out = torch.empty((b, hq, nq, d), dtype=torch.bfloat16, device=q.device)
-    elif (tuple(out.shape) != (b, hq, nq, d) or out.dtype != torch.bfloat16 or out.device != q.device
-          or not _tma_ready(out)):
-        raise ValueError(f"out must be a descriptor-ready bfloat16 view of q's shape, got {tuple(out.shape)}, "
-                         f"{out.dtype}")
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if b * hq * nq == 0:
-        return out, lse
-    if nk == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
+    b, hk, nk, d = k.shape
+    if out is not None and not _tma_ready(out):
+        raise ValueError("out must be descriptor-ready: unit stride on d, 16-byte aligned base and strides")
+    out, lse, work = outputs(q, k, out, torch.bfloat16)
+    if not work:
         return out, lse
     # V as (B, Hk, d, Nk) rows (fp8 wgmma's B operand is k-major); rows padded to 16 bytes for the descriptor
     vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
@@ -238,6 +229,34 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
             )
 
 
+def outputs(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype):
+    """``(out, lse, work)`` of a Hopper forward on (B, H, N, d) views: ``out`` (a given view checked against
+    q's shape, ``out_dtype`` and device), ``lse`` (B, Hq, Nq) float32; ``work`` False when no kernel is
+    needed (no query rows, or no keys: every row empty, out 0 and lse -inf already written)."""
+    b, hq, nq, _ = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    elif tuple(out.shape) != tuple(q.shape) or out.dtype != out_dtype or out.device != q.device:
+        raise ValueError(f"out must have q's shape, dtype {out_dtype} and q's device, got {tuple(out.shape)}, "
+                         f"{out.dtype}, {out.device}")
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if b * hq * nq == 0:
+        return out, lse, False
+    if k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse, False
+    return out, lse, True
+
+
+def positive_scale(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, float]:
+    """``(q, scale)`` with the same scores and ``scale > 0``: the kernels scale the row max of raw scores.
+    (-q)·k |scale| is the same score exactly, and a zero scale makes every score 0, as zero queries do."""
+    if softmax_scale > 0:
+        return q, softmax_scale
+    return (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
+
+
 def fa3_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -254,33 +273,20 @@ def fa3_forward(
     passed), ``lse`` (B, Hq, Nq) float32 natural-log sum-exp, -inf (and a zero
     output) on rows that see no key."""
     _check(q, k, v, out)
-    b, hq, nq, d = q.shape
-    nk = k.shape[2]
-    if use_gluon(d, causal):
-        from flashtile.runtime.fa3_gluon import fa3_gluon_forward, gluon_config
-
-        return fa3_gluon_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out,
-                                 config=gluon_config(d, causal))
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must have the shape, dtype and device of q, got {tuple(out.shape)}, {out.dtype}")
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if b * hq * nq == 0:
-        return out, lse
-    if nk == 0:  # no keys: every row is empty
-        out.zero_()
-        lse.fill_(float("-inf"))
+    d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
+    out, lse, work = outputs(q, k, out, q.dtype)
+    if not work:
         return out, lse
     softmax_scale = float(softmax_scale)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if softmax_scale <= 0:
-        # the kernel scales the row max of raw scores, which needs a scale > 0: (-q)·k |scale| is the
-        # same score exactly, and a zero scale makes every score 0, as zero queries do
-        q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
-
+    q, softmax_scale = positive_scale(q, softmax_scale)
     ensure_allocator()
+    if use_gluon(d, causal):
+        from flashtile.runtime.fa3_gluon import gluon_config, gluon_launch
+
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal))
+        return out, lse
     with torch.cuda.device(q.device):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse

@@ -18,8 +18,11 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
+from flashtile.runtime.fa3_fwd import _check as check_fa3
+from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "GLUON_HEAD_DIMS", "BLOCK_M", "block_d"]
+__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "GLUON_HEAD_DIMS",
+           "BLOCK_M", "block_d"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
 BLOCK_M = 128  # query rows of the default two consumer warpgroups (64 each); GluonConfig.block_m in general
@@ -113,8 +116,6 @@ def _check_config(cfg) -> None:
 
 
 def _check(q, k, v, out) -> None:
-    from flashtile.runtime.fa3_fwd import _check as check_fa3
-
     check_fa3(q, k, v, out)  # types, dtypes, shapes, GQA, sm_90, descriptor-ready strides
     d = q.shape[3]
     if d not in GLUON_HEAD_DIMS:
@@ -148,33 +149,27 @@ def fa3_gluon_forward(
     if config is not None and smem_bytes(cfg, q.shape[3], q.element_size()) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, q.shape[3], q.element_size())} bytes of shared "
                          f"memory at d = {q.shape[3]}, over {SMEM_LIMIT}")
+    out, lse, work = outputs(q, k, out, q.dtype)
+    if work:
+        q, softmax_scale = positive_scale(q, softmax_scale)
+        ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+    return out, lse
+
+
+def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig) -> None:
+    """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
+    the descriptor allocator installed (``fa3_fwd.ensure_allocator``)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must have the shape, dtype and device of q, got {tuple(out.shape)}, {out.dtype}")
-    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
-    if b * hq * nq == 0:
-        return out, lse
-    if nk == 0:  # no keys: every row is empty
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    if softmax_scale <= 0:
-        # the kernel scales the row max of raw scores, which needs a scale > 0: (-q)·k |scale| is the
-        # same score exactly, and a zero scale makes every score 0, as zero queries do
-        q, softmax_scale = (-q, -softmax_scale) if softmax_scale < 0 else (torch.zeros_like(q), 1.0)
     bm = cfg.block_m
     num_m_tiles = triton.cdiv(nq, bm)
     grid = (b * hq * num_m_tiles,)
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {grid[0]} programs exceed the grid's axis 0")
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
-    from flashtile.runtime.fa3_fwd import ensure_allocator
     from flashtile.runtime.launch import launch as run_kernel
 
-    ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     dynamic = (q, k, v, out, lse, softmax_scale * LOG2E)
     static = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -189,4 +184,3 @@ def fa3_gluon_forward(
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
         run_kernel(fa3_gluon_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
-    return out, lse

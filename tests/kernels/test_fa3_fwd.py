@@ -250,3 +250,36 @@ def test_gpu_hopper_path_in_graphs_compile_and_inference_mode():
     with torch.inference_mode():
         assert torch.equal(flash_attn_func(q, k, v), static)
     assert not torch.equal(eager, static)  # the replay saw the new q
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("gluon", [False, True])
+def test_interpreter_host_path(monkeypatch, gluon):
+    """fa3_forward's host steps (outputs, empty cases, the sign of the scale, the Gluon/Triton choice) on the
+    CPU: the device check is lifted and the Gluon launch replaced by the Triton kernel with the same
+    arguments, both through the interpreter."""
+    import contextlib
+
+    from flashtile.runtime import fa3_gluon
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(fa3_fwd, "fa3_config", lambda d, causal, nq, nk: Fa3Config(64, 32, 4, 1, False))
+    monkeypatch.setattr(fa3_fwd, "use_gluon", lambda d, causal: gluon)
+    launched = []
+
+    def triton_instead(q, k, v, out, lse, scale, causal, cfg):
+        launched.append(scale)
+        fa3_fwd.launch(q, k, v, out, lse, scale * LOG2E, causal, Fa3Config(64, 32, 4, 1, False))
+
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", triton_instead)
+    q, k, v = qkv(1, 2, 1, 70, 45, 32, torch.float16, "cpu")
+    for scale in (0.3, -0.3, 0.0):
+        out, lse = fa3_forward(q, k, v, softmax_scale=scale, causal=True)
+        assert_matches(out, lse, *oracle(q, k, v, scale, True))
+    assert len(launched) == (3 if gluon else 0) and all(s > 0 for s in launched)
+    out, lse = fa3_forward(q, k[:, :, :0], v[:, :, :0], softmax_scale=0.3)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    with pytest.raises(ValueError, match="out must have"):
+        fa3_forward(q, k, v, softmax_scale=0.3, out=torch.empty(1, 2, 70, 16, dtype=torch.float16))

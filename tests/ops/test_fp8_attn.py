@@ -92,6 +92,26 @@ def test_interpreter_kernel_matches_twin(causal, nq, nk):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+def test_interpreter_host_path(monkeypatch):
+    """fa3_forward_fp8's host steps (V transposed and padded, outputs, the error word's slot, empty keys) on
+    the CPU, with the device context and descriptor allocator lifted and the table's tile replaced."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(fa3_fwd, "fa3_fp8_config", lambda d, causal: Fa3Config(64, 32, 4, 1, False))
+    q8, k8, v8, qs, ks, vs = quantised(1, 2, 1, 50, 37, 32, "cpu", seed=8)
+    qb, kb, vb = (x.transpose(1, 2) for x in (q8, k8, v8))
+    out, lse = fa3_fwd.fa3_forward_fp8(qb, kb, vb, (qs, ks, vs), softmax_scale=32 ** -0.5, causal=True)
+    ref = twin(q8, k8, v8, qs, ks, vs, True, block_sizes=(64, 32))
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref.out, torch.bfloat16, "cpu", "out")
+    assert_close(lse, ref.lse, torch.float32, "cpu", "lse")
+    out, lse = fa3_fwd.fa3_forward_fp8(qb, kb[:, :, :0], vb[:, :, :0], (qs, ks, vs), softmax_scale=0.2)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
 def test_interpreter_bad_descale_flags_and_zeroes_its_head():
     b, hq, hk, nq, nk, d = 1, 2, 2, 40, 40, 32
     q8, k8, v8, qs, ks, vs = quantised(b, hq, hk, nq, nk, d, "cpu", seed=3)
