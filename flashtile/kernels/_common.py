@@ -94,3 +94,25 @@ def _dropout_mask_kernel(
         keep = dropout_keep(philox_seed, philox_offset, bh, offs_m, offs_n, seqlen_q, seqlen_k, dropout_p)
         ptrs = base + offs_m.to(tl.int64)[:, None] * seqlen_k + offs_n[None, :]
         tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+@triton.jit
+def head_desc(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(rows, HEAD_DIM) tensor descriptor of one head; loads past either bound read 0, stores there are dropped."""
+    return tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def e4m3_exact(y):
+    """fp32 ``y`` in [-448, 448] rounded to the nearest e4m3 value, ties to even, the sign of -0 kept, by fp32
+    arithmetic; the final cast is then exact, so the result is bit for bit torch's cast on every backend
+    (Triton's interpreter loses the carry into the exponent when it casts: 124.3 -> 64).  Spacing of e4m3
+    values around |y|: 2^(e - 3) for exponent e >= -6 (subnormals below keep 2^-9); adding and subtracting
+    1.5 * 2^23 rounds y / spacing (|.| <= 16) to an integer, ties to even."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    spacing = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    r = tl.abs(((y / spacing + 12582912.0) - 12582912.0) * spacing)
+    r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep the sign (of -0 too)
+    return r.to(tl.float8e4nv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, mma, unfold_pid
+from flashtile.kernels._common import LN2, LOG2E, e4m3_exact, mma, unfold_pid
 from flashtile.kernels.block_info import kv_block_range
 from flashtile.kernels.mask import allowed, score_mods
 
@@ -550,22 +550,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _quantize_e4m3(x, descale):
-    """``x / descale`` (fp32, correctly rounded) saturated to [-448, 448] and rounded to the nearest
-    e4m3 value, ties to even, as a float8_e4m3fn tensor: bit for bit torch's
-    ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)``.
-
-    The rounding is done in fp32 arithmetic, so the final cast is exact: Triton's interpreter
-    rounds fp32 -> fp8 wrongly (ties away, and a carry into the exponent is lost: 124.3 -> 64).
-    Spacing of e4m3 values around |y|: 2^(e - 3) for exponent e >= -6 (subnormals below keep 2^-9);
-    adding and subtracting 1.5 * 2^23 rounds y / spacing (|.| <= 16) to an integer, ties to even."""
+    """``x / descale`` (fp32, correctly rounded) saturated to [-448, 448] and rounded to e4m3 (ties to even):
+    bit for bit torch's ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)``."""
     y = tl.math.div_rn(x.to(tl.float32), descale)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    spacing = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    r = tl.abs(((y / spacing + 12582912.0) - 12582912.0) * spacing)
-    r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep the sign (of -0 too)
-    return r.to(tl.float8e4nv)
+    return e4m3_exact(tl.minimum(tl.maximum(y, -448.0), 448.0))
 
 
 @triton.jit

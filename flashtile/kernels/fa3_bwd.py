@@ -41,19 +41,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LOG2E
+from flashtile.kernels._common import LOG2E, head_desc
 from flashtile.kernels.block_info import kv_block_range, q_block_range
 
 __all__ = ["fa3_bwd_dkdv_kernel", "fa3_bwd_dq_kernel"]
 
 _LOG2E = tl.constexpr(LOG2E)
-
-
-@triton.jit
-def _head_desc(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(rows, HEAD_DIM) descriptor of one head; loads past either bound read 0, stores there are dropped."""
-    return tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[stride_row, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_D])
 
 
 @triton.jit
@@ -141,9 +134,9 @@ def fa3_bwd_dkdv_kernel(
     start_n = tile * BLOCK_N
     scale_log2 = softmax_scale * _LOG2E
 
-    k_desc = _head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
+    k_desc = head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-    v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
+    v_desc = head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
     # not from start_n: see the module docstring (the specialisation pass splits this axis)
     offs_n = (tile << LOG2_BLOCK_N) + tl.arange(0, BLOCK_N)
@@ -156,9 +149,9 @@ def fa3_bwd_dkdv_kernel(
     lo, full_lo, _full_hi, hi = q_block_range(start_n, start_n + BLOCK_N, seqlen_q, seqlen_k, -1, 0,
                                               BLOCK_M=BLOCK_M, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
     if WARP_SPEC:  # one branch-free loop: every tile takes the mask when causal
-        q_desc = _head_desc(Q + off_b * stride_qb + off_h0 * stride_qh, seqlen_q, stride_qm,
+        q_desc = head_desc(Q + off_b * stride_qb + off_h0 * stride_qh, seqlen_q, stride_qm,
                             HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-        do_desc = _head_desc(DO + off_b * stride_dob + off_h0 * stride_doh, seqlen_q, stride_dom,
+        do_desc = head_desc(DO + off_b * stride_dob + off_h0 * stride_doh, seqlen_q, stride_dom,
                              HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
         LSEh = LSE + (off_b * n_heads + off_h0) * seqlen_q
         Deltah = Delta + (off_b * n_heads + off_h0) * seqlen_q
@@ -170,9 +163,9 @@ def fa3_bwd_dkdv_kernel(
     else:
         for g in range(0, kv_group if GROUP_LOOP else 1):
             off_h = off_h0 + g
-            q_desc = _head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
+            q_desc = head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
                                 HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-            do_desc = _head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
+            do_desc = head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
                                  HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
             LSEh = LSE + (off_b * n_heads + off_h) * seqlen_q
             Deltah = Delta + (off_b * n_heads + off_h) * seqlen_q
@@ -242,13 +235,13 @@ def fa3_bwd_dq_kernel(
     start_m = tile * BLOCK_M
     scale_log2 = softmax_scale * _LOG2E
 
-    q_desc = _head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
+    q_desc = head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-    do_desc = _head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
+    do_desc = head_desc(DO + off_b * stride_dob + off_h * stride_doh, seqlen_q, stride_dom,
                          HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-    k_desc = _head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
+    k_desc = head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
-    v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
+    v_desc = head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
 
     # not from start_m: see the module docstring (the specialisation pass splits this axis)

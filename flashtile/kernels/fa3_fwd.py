@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2
+from flashtile.kernels._common import LN2, e4m3_exact, head_desc
 from flashtile.kernels.block_info import kv_block_range
 
 __all__ = ["fa3_fwd_kernel", "ERR_DESCALE"]
@@ -47,22 +47,14 @@ _ERR_DESCALE = tl.constexpr(ERR_DESCALE)
 
 
 @triton.jit
-def _head_desc(base, rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(rows, HEAD_DIM) descriptor of one head; loads past either bound read 0, stores there are dropped."""
-    return tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[stride_row, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_D])
-
-
-@triton.jit
 def _to_e4m3(p, EXACT: tl.constexpr):
-    """``p`` (finite, in [0, 448]) rounded to e4m3, ties to even.  ``EXACT``: by integer arithmetic on the
-    fp32 bits, for Triton's interpreter, whose cast drops the carry into the exponent (127 -> 64, not 128)."""
+    """``p`` (finite, in [0, 448]) rounded to e4m3, ties to even: the hardware cast, or ``EXACT`` (Triton's
+    interpreter, whose cast drops the carry into the exponent) by fp32 arithmetic."""
     if EXACT:
-        bits = p.to(tl.int32, bitcast=True)
-        lead = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # exponent of the leading bit; subnormals below 2^-6
-        quantum = ((lead - 3 + 127) << 23).to(tl.float32, bitcast=True)  # spacing of e4m3 values there
-        p = ((p / quantum + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: fp32 rounds to an integer, ties to even
-    return p.to(tl.float8e4nv)
+        p8 = e4m3_exact(p)
+    else:
+        p8 = p.to(tl.float8e4nv)
+    return p8
 
 
 @triton.jit
@@ -167,9 +159,9 @@ def fa3_fwd_kernel(
     off_hk = off_h // kv_group
     start_m = tile * BLOCK_M
 
-    q_desc = _head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
+    q_desc = head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
-    k_desc = _head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
+    k_desc = head_desc(K + off_b * stride_kb + off_hk * stride_kh, seqlen_k, stride_kn,
                         HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
     if FP8:  # V as (d, Nk) rows: stride_vn is then the stride of one d row
         v_desc = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh, shape=[HEAD_DIM, seqlen_k],
@@ -179,11 +171,11 @@ def fa3_fwd_kernel(
         # a safe scale here (NaN or <= 0 -> 1, inf -> finite); the check that flags them follows the loop
         qk_scale = tl.where(qk_scale * qk_ds > 0.0, tl.minimum(qk_scale * qk_ds, 1e30), 1.0)
     else:
-        v_desc = _head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
+        v_desc = head_desc(V + off_b * stride_vb + off_hk * stride_vh, seqlen_k, stride_vn,
                             HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_N, BLOCK_D=BLOCK_D)
     o_base = Out + off_b * stride_ob + off_h * stride_oh
     if O_TMA:
-        o_desc = _head_desc(o_base, seqlen_q, stride_om, HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
+        o_desc = head_desc(o_base, seqlen_q, stride_om, HEAD_DIM=HEAD_DIM, BLOCK_ROWS=BLOCK_M, BLOCK_D=BLOCK_D)
 
     # not from start_m: Triton 3.6's WS pass shifts start_m by 64 rows in consumer 2 and splits the arange too
     offs_m = (tile << LOG2_BLOCK_M) + tl.arange(0, BLOCK_M)
