@@ -30,6 +30,7 @@ from flashtile.distributed.plan import LAYOUTS, step_plan
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
 from flashtile.ops.autograd import _fwd_impl, _philox
+from flashtile.ops.flash_attn import unpack
 from flashtile.runtime.common import on_tensor_device
 from flashtile.runtime.fa2_bwd import fa2_backward
 
@@ -323,14 +324,6 @@ def ring_flash_attn_func(
                 alibi_slopes, deterministic, return_attn_probs, return_lse, layout)
 
 
-def _unpack(x: object, name: str, count: int, shape: str) -> tuple[torch.Tensor, ...]:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}")
-    if x.dim() != 5 or x.shape[2] != count:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    return x.unbind(dim=2)
-
-
 @torch.compiler.disable
 def ring_flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
@@ -347,7 +340,7 @@ def ring_flash_attn_qkvpacked_func(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`ring_flash_attn_func` on qkv (batch, seqlen / P, 3, nheads, headdim); the gradient is d(qkv)."""
-    q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
+    q, k, v = unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
     return _run(q, k, v, ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"), group, dropout_p, softmax_scale,
                 causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse, layout)
 
@@ -369,6 +362,6 @@ def ring_flash_attn_kvpacked_func(
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`ring_flash_attn_func` with kv (batch, seqlen_k / P, 2, nheads_k, headdim); gradients dq and d(kv)."""
-    k, v = _unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    k, v = unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _run(q, k, v, ("q", "kv[:, :, 0]", "kv[:, :, 1]"), group, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse, layout)

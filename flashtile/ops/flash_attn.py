@@ -168,13 +168,14 @@ def flash_attn_func(
                 (q_descale, k_descale, v_descale))
 
 
-def _unpack(x: object, name: str, count: int, layout: str) -> tuple[torch.Tensor, ...]:
-    """Views ``x[:, :, 0]``, ``x[:, :, 1]``, ...: gradients flow back into the packed tensor."""
+def unpack(x: object, name: str, count: int, layout: str, dim: int = 2) -> tuple[torch.Tensor, ...]:
+    """Views ``x.select(dim, 0)``, ``x.select(dim, 1)``, ...: gradients flow back into the packed tensor.
+    ``dim`` 2 for (batch, seqlen, count, heads, d), 1 for the packed-batch (total, count, heads, d)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
-    if x.dim() != 5 or x.shape[2] != count:
+    if x.dim() != dim + 3 or x.shape[dim] != count:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
-    return x.unbind(dim=2)
+    return x.unbind(dim=dim)
 
 
 def flash_attn_qkvpacked_func(
@@ -191,7 +192,7 @@ def flash_attn_qkvpacked_func(
     block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); the gradient is d(qkv)."""
-    q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
+    q, k, v = unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
     names = ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]")
     return _run(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
@@ -212,7 +213,7 @@ def flash_attn_kvpacked_func(
     block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); gradients are dq and d(kv)."""
-    k, v = _unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    k, v = unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     names = ("q", "kv[:, :, 0]", "kv[:, :, 1]")
     return _run(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs, return_lse, block_mask)
@@ -323,15 +324,6 @@ def flash_attn_varlen_func(
                        alibi_slopes, deterministic, return_attn_probs, block_table, return_lse, debug)
 
 
-def _unpack_varlen(x: object, name: str, count: int, layout: str) -> tuple[torch.Tensor, ...]:
-    """Views ``x[:, 0]``, ``x[:, 1]``, ...: gradients flow back into the packed tensor."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
-    if x.dim() != 4 or x.shape[1] != count:
-        raise ValueError(f"{name} must have shape {layout}, got {tuple(x.shape)}")
-    return x.unbind(dim=1)
-
-
 def flash_attn_varlen_qkvpacked_func(
     qkv: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -349,7 +341,7 @@ def flash_attn_varlen_qkvpacked_func(
     debug: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim) with one ``cu_seqlens``; the gradient is d(qkv)."""
-    q, k, v = _unpack_varlen(qkv, "qkv", 3, "(total, 3, nheads, headdim)")
+    q, k, v = unpack(qkv, "qkv", 3, "(total, 3, nheads, headdim)", dim=1)
     return _run_varlen(q, k, v, ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"), cu_seqlens, cu_seqlens, max_seqlen,
                        max_seqlen, ("cu_seqlens", "cu_seqlens"), dropout_p, softmax_scale, causal, window_size,
                        softcap, alibi_slopes, deterministic, return_attn_probs, None, return_lse, debug)
@@ -375,7 +367,7 @@ def flash_attn_varlen_kvpacked_func(
     debug: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim); gradients are dq and d(kv)."""
-    k, v = _unpack_varlen(kv, "kv", 2, "(total_k, 2, nheads_k, headdim)")
+    k, v = unpack(kv, "kv", 2, "(total_k, 2, nheads_k, headdim)", dim=1)
     return _run_varlen(q, k, v, ("q", "kv[:, 0]", "kv[:, 1]"), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                        max_seqlen_k, ("cu_seqlens_q", "cu_seqlens_k"), dropout_p, softmax_scale, causal, window_size,
                        softcap, alibi_slopes, deterministic, return_attn_probs, None, return_lse, debug)
