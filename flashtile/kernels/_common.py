@@ -116,3 +116,18 @@ def e4m3_exact(y):
     r = tl.abs(((y / spacing + 12582912.0) - 12582912.0) * spacing)
     r = (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep the sign (of -0 too)
     return r.to(tl.float8e4nv)
+
+
+@triton.jit
+def query_tile(num_m_tiles, n_heads, kv_group, LAST_FIRST: tl.constexpr):
+    """``(bh, tile, off_b, off_h, off_hk)`` of a program of a 1-D grid of B * Hq * num_m_tiles query tiles,
+    the tiles of one head adjacent (they share its K and V in L2); ``LAST_FIRST`` (causal) runs each head's
+    tiles last-first, the longest rows first.  Batch and head offsets are int64."""
+    pid = tl.program_id(0)
+    bh = pid // num_m_tiles
+    tile = pid % num_m_tiles
+    if LAST_FIRST:
+        tile = num_m_tiles - 1 - tile
+    off_b = (bh // n_heads).to(tl.int64)
+    off_h = (bh % n_heads).to(tl.int64)
+    return bh, tile, off_b, off_h, off_h // kv_group

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LOG2E, head_desc
+from flashtile.kernels._common import LOG2E, head_desc, query_tile
 from flashtile.kernels.block_info import kv_block_range, q_block_range
 
 __all__ = ["fa3_bwd_dkdv_kernel", "fa3_bwd_dq_kernel"]
@@ -224,14 +224,7 @@ def fa3_bwd_dq_kernel(
     tl.static_assert(BLOCK_M % 64 == 0)
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M == 1 << LOG2_BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // num_m_tiles
-    tile = pid % num_m_tiles
-    if CAUSAL:
-        tile = num_m_tiles - 1 - tile
-    off_b = (bh // n_heads).to(tl.int64)
-    off_h = (bh % n_heads).to(tl.int64)
-    off_hk = off_h // kv_group
+    bh, tile, off_b, off_h, off_hk = query_tile(num_m_tiles, n_heads, kv_group, LAST_FIRST=CAUSAL)
     start_m = tile * BLOCK_M
     scale_log2 = softmax_scale * _LOG2E
 

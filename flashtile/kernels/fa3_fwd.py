@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, e4m3_exact, head_desc
+from flashtile.kernels._common import LN2, e4m3_exact, head_desc, query_tile
 from flashtile.kernels.block_info import kv_block_range
 
 __all__ = ["fa3_fwd_kernel", "ERR_DESCALE"]
@@ -149,14 +149,7 @@ def fa3_fwd_kernel(
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M == 1 << LOG2_BLOCK_M)
     qk_scale_in = qk_scale
-    pid = tl.program_id(0)
-    bh = pid // num_m_tiles
-    tile = pid % num_m_tiles
-    if CAUSAL:
-        tile = num_m_tiles - 1 - tile
-    off_b = (bh // n_heads).to(tl.int64)
-    off_h = (bh % n_heads).to(tl.int64)
-    off_hk = off_h // kv_group
+    bh, tile, off_b, off_h, off_hk = query_tile(num_m_tiles, n_heads, kv_group, LAST_FIRST=CAUSAL)
     start_m = tile * BLOCK_M
 
     q_desc = head_desc(Q + off_b * stride_qb + off_h * stride_qh, seqlen_q, stride_qm,
