@@ -121,8 +121,9 @@ def _flashtile_fn(hopper: bool = True):
     return run
 
 
-def _fa3_fn():
-    """FA3's forward if its interface imports (never a dependency), else a function that says why not."""
+def _fa3_or_missing():
+    """``(fa3_fwd_interface, None)`` if it imports (an optional peer, never a dependency), else ``(None, a
+    provider that raises why not)``."""
     try:
         import fa3_fwd_interface as fa3
     except ImportError as e:
@@ -131,6 +132,14 @@ def _fa3_fn():
         def missing(q, k, v, causal):
             raise RuntimeError(reason)
 
+        return None, missing
+    return fa3, None
+
+
+def _fa3_fn():
+    """FA3's forward if its interface imports, else a function that says why not."""
+    fa3, missing = _fa3_or_missing()
+    if fa3 is None:
         return missing
 
     def run(q, k, v, causal):
@@ -148,14 +157,8 @@ def _fp8_fn(peer: str):
     from flashtile.fp8 import quantize_per_head
 
     if peer == "fa3":
-        try:
-            import fa3_fwd_interface as fa3
-        except ImportError as e:
-            reason = f"fa3_fwd_interface not importable ({e})"
-
-            def missing(q, k, v, causal):
-                raise RuntimeError(reason)
-
+        fa3, missing = _fa3_or_missing()
+        if fa3 is None:
             return missing
         attn = fa3.flash_attn_func
     else:
