@@ -103,13 +103,22 @@ def check_dims(
     h_ax, n_ax = (2, 1) if seq_major else (1, 2)
     b, hq, nq, d = q.shape[0], q.shape[h_ax], q.shape[n_ax], q.shape[3]
     hk, nk = k.shape[h_ax], k.shape[n_ax]
+    _check_heads(names, q, k, v, hq, hk)
+    for name, x in zip(names[1:], (k, v)):
+        if x.shape[0] != b:
+            raise ValueError(f"batch of {name} ({x.shape[0]}) must equal batch of {names[0]} ({b})")
+    return AttnDims(b, hq, hk, nq, nk, d)
+
+
+def _check_heads(names: Sequence[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: int, hk: int) -> None:
+    """What every layout shares: 1 <= head_dim (the last axis) <= 256 and equal in q, k, v; k and v of one
+    shape; Hq a multiple of Hk (GQA / MQA)."""
+    d = q.shape[-1]
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim of {names[0]} must be in 1..{MAX_HEAD_DIM}, got {d}")
     for name, x in zip(names[1:], (k, v)):
-        if x.shape[3] != d:
-            raise ValueError(f"head_dim of {name} ({x.shape[3]}) must equal head_dim of {names[0]} ({d})")
-        if x.shape[0] != b:
-            raise ValueError(f"batch of {name} ({x.shape[0]}) must equal batch of {names[0]} ({b})")
+        if x.shape[-1] != d:
+            raise ValueError(f"head_dim of {name} ({x.shape[-1]}) must equal head_dim of {names[0]} ({d})")
     if k.shape != v.shape:
         raise ValueError(f"{names[1]} shape {tuple(k.shape)} must equal {names[2]} shape {tuple(v.shape)}")
     if hk == 0 or hq % hk != 0:
@@ -117,7 +126,6 @@ def check_dims(
             f"number of heads of {names[0]} ({hq}) must be a multiple of the heads of {names[1]}/{names[2]} "
             f"({hk}) (GQA/MQA: head h of {names[0]} reads head h // (Hq // Hk) of {names[1]}/{names[2]})"
         )
-    return AttnDims(b, hq, hk, nq, nk, d)
 
 
 def _is_int(x: object) -> bool:
@@ -286,17 +294,7 @@ def check_varlen_dims(
             raise ValueError(f"{name} must be {4 if paged else 3}-D {layout}, got shape {tuple(x.shape)}")
     total_q, hq, d = q.shape
     hk = k.shape[-2]
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim of {names[0]} must be in 1..{MAX_HEAD_DIM}, got {d}")
-    for name, x in zip(names[1:], (k, v)):
-        if x.shape[-1] != d:
-            raise ValueError(f"head_dim of {name} ({x.shape[-1]}) must equal head_dim of {names[0]} ({d})")
-    if k.shape != v.shape:
-        raise ValueError(f"{names[1]} shape {tuple(k.shape)} must equal {names[2]} shape {tuple(v.shape)}")
-    if hk == 0 or hq % hk != 0:
-        raise ValueError(
-            f"number of heads of {names[0]} ({hq}) must be a multiple of the heads of {names[1]}/{names[2]} ({hk})"
-        )
+    _check_heads(names, q, k, v, hq, hk)
     page_size = 0
     if paged:
         page_size = k.shape[1]
