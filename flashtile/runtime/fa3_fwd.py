@@ -102,13 +102,13 @@ GLUON = True
 
 def use_gluon(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
-    producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop).
-    H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Gluon forward"), d = 128, its default config
-    against the Triton kernel: 646 vs 618 TFLOP/s at 16k, 616 vs 529 causal; 622 vs 585 at 4k, 527 vs 503
-    causal.  Other head dims stay on the Triton kernel until their Gluon configs pass the GPU suite (d = 64
-    with three consumer warpgroups measured 1.05x FA3 at 16k, but sibling configs crashed)."""
+    producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop)
+    rather than the Triton one: for 32 < d <= 128.  H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md,
+    "Forward dispatch"), Gluon / Triton TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 480 / 429
+    and 448 / 403, causal 451 / 387 and 371 / 284; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and
+    428 / 353.  d > 128 stays on the Triton kernel (its 128 x 64 tiles: 645 vs 523 at d = 256, 16k)."""
     del causal
-    return GLUON and d == 128
+    return GLUON and 32 < d <= 128
 
 
 def _tma_ready(x: torch.Tensor) -> bool:
@@ -125,12 +125,16 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     """The measured part of :func:`prefer_hopper`: head dim ``d`` (covered: multiples of 8 up to 256),
     causal or not, ``nk`` keys.
 
-    Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
-    dispatch"), against the FA2 kernel: d = 256 1.4-2.6x at every N; d = 128 without a mask 1.03-1.10x from
-    1k keys, causal 0.83x at 1k, 0.98x at 2k, 1.01-1.02x from 4k; at d = 64 the kernel alone is 0.77-1.07x."""
-    if d not in SUPPORTED_HEAD_DIMS or d <= 64:
+    Through the kernels on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
+    dispatch" and "Forward dispatch"), against the FA2 kernel: d > 128 1.4-2.6x at every N; 64 < d <= 128
+    1.05-1.4x without a mask from 1k keys, causal 0.86-1.09x at 1k, 0.97-1.2x at 2k, 1.2-1.5x from 4k;
+    32 < d <= 64 (three consumer warpgroups) 0.93x at 1k, 1.05-1.24x from 2k without a mask, causal
+    0.7-0.9x up to 4k and 1.2x at 16k.  d <= 32 was not measured: FA2."""
+    if d not in SUPPORTED_HEAD_DIMS or d <= 32:
         return False
-    return d > 128 or not causal or nk >= 4096
+    if d <= 64:
+        return nk >= (8192 if causal else 2048)
+    return d > 128 or not causal or nk >= 2048
 
 
 def prefer_hopper(

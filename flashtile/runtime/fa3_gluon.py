@@ -1,5 +1,5 @@
 """Host side of the Gluon Hopper forward (:mod:`flashtile.kernels.fa3_gluon`), beside the Triton one in
-:mod:`flashtile.runtime.fa3_fwd`, whose ``fa3_forward`` runs it where ``use_gluon`` says (d = 128).
+:mod:`flashtile.runtime.fa3_fwd`, whose ``fa3_forward`` runs it where ``use_gluon`` says (32 < d <= 128).
 
 ``fa3_gluon_forward`` has :func:`flashtile.runtime.fa3_fwd.fa3_forward`'s contract on what it covers:
 bf16 / fp16 (B, H, N, d) views, GQA / MQA, causal (bottom-right) or not, ragged Nq / Nk, ``(out, lse)``
@@ -77,16 +77,21 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
 
 
 def gluon_config(d: int, causal: bool) -> GluonConfig:
-    """The config for head dim ``d`` (a table per ``block_d(d)`` bucket, CPU-testable), from the first H100
-    probe (bf16, 4k-16k tokens): d <= 64 no schedule at all (pingpong + intra ran 10 % slower there),
-    128-key tiles, 3 stages; d <= 128 both schedules, 128-key tiles, 3 stages (229728 B); d <= 256 both
-    schedules, 64-key tiles, 2 stages (Q alone is 64 KB)."""
-    del causal  # one table for both until the H100 sweep says otherwise
+    """The config for head dim ``d`` (a table per ``block_d(d)`` bucket, CPU-testable), from the H100 probes
+    (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Gluon forward" and "Forward dispatch"): d <= 32 two
+    consumers and no schedule, 128-key tiles, 3 stages; 32 < d <= 64 three 64-row consumers with both
+    schedules (FA3's d = 64 shape: 501 vs 403 TFLOP/s for two consumers at 16k, 414 vs 353 at 4k);
+    d <= 128 both schedules, 128-key tiles, 3 stages (229728 B); d <= 256 both schedules, 64-key tiles,
+    2 stages (Q alone is 64 KB).  Causal takes the same rows: the masked-tile-0 / TMA-store variants
+    differed from them by less than the run-to-run spread."""
+    del causal
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     bd = block_d(d)
-    if bd <= 64:
+    if bd <= 32:
         cfg = GluonConfig(block_n=128, num_stages=3, intra=False, pingpong=False)
+    elif bd == 64:
+        cfg = GluonConfig(block_n=128, num_stages=3, num_wg=3)
     elif bd == 128:
         cfg = GluonConfig(block_n=128, num_stages=3)
     else:

@@ -175,11 +175,22 @@ def test_many_heads_one_grid_axis():
 def test_hopper_wins_follows_the_measured_table():
     from flashtile.runtime.fa3_fwd import hopper_wins
 
-    assert not hopper_wins(64, False, 16384) and not hopper_wins(32, True, 16384)  # d <= 64: FA2
+    assert not hopper_wins(32, True, 16384) and not hopper_wins(16, False, 16384)  # d <= 32: FA2
+    assert hopper_wins(64, False, 2048) and not hopper_wins(64, False, 1024) and hopper_wins(48, False, 4096)
+    assert hopper_wins(64, True, 8192) and not hopper_wins(64, True, 4096)
     assert hopper_wins(128, False, 1024) and hopper_wins(96, False, 4096)
-    assert not hopper_wins(128, True, 2048) and hopper_wins(128, True, 4096)
+    assert not hopper_wins(128, True, 1024) and hopper_wins(128, True, 2048) and hopper_wins(96, True, 2048)
     assert hopper_wins(256, True, 1024) and hopper_wins(192, False, 1024)
     assert not hopper_wins(100, False, 4096)  # not a multiple of 8: no tensor descriptor
+
+
+def test_gluon_takes_the_head_dims_it_was_measured_to_win(monkeypatch):
+    from flashtile.runtime.fa3_fwd import use_gluon
+
+    assert all(use_gluon(d, c) for d in (40, 64, 72, 96, 128) for c in (False, True))
+    assert not any(use_gluon(d, False) for d in (16, 32, 136, 192, 256))
+    monkeypatch.setattr(fa3_fwd, "GLUON", False)
+    assert not use_gluon(128, False)
 
 
 def test_prefer_hopper_gates():

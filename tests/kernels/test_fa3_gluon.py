@@ -33,6 +33,8 @@ def test_config_table_fits():
     assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3)
     assert gluon_config(96, False) == gluon_config(128, False)  # one config per block_d bucket
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
+    assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
+    assert gluon_config(32, False).num_wg == 2
     assert [block_d(d) for d in (8, 16, 24, 40, 64, 72, 192, 256)] == [16, 16, 32, 64, 64, 128, 256, 256]
     for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError):
