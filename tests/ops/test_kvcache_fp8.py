@@ -360,3 +360,68 @@ def test_fp8_launch_arguments_in_their_named_slots(monkeypatch):
     app(k8, k8, kn, kn, lens, None, (kd, vd))
     named = dict(zip(rd.APPEND_DYNAMIC, got[0]))
     assert named["KDescale"] is kd and named["VDescale"] is vd
+
+
+# --------------------------------------------------------------------------- #
+# fp16 MMAs for an FP8 cache (DecodeTuning.f16_mma)
+# --------------------------------------------------------------------------- #
+@pytest.fixture
+def f16_mma():
+    """The "fp8" tuning entry with fp16 MMAs for the test, the previous entry restored after it."""
+    from flashtile.runtime.decode import set_decode_tuning
+
+    old = set_decode_tuning("fp8", f16_mma=True)
+    yield
+    set_decode_tuning("fp8", old)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_f16_mma_rows_of_any_magnitude(device, f16_mma, paged):
+    """fp16 MMAs: q rows far past fp16's range (3e5), tiny (1e-6) and zero (per-row power-of-two scales),
+    an append, ragged lengths and 2 splits, against float64 attention of the dequantised cache; the
+    bound launch really runs the fp16 mode."""
+    b, n, hq, hk, d, n_new = 2, 48, 4, 2, 32, 1
+    q, k8, v8, kd, vd, kn, vn, _, _ = fp8_problem(b, n, hq, hk, d, n_new, device, seed=31)
+    row_mag = torch.tensor([1.0, 3e5, 1e-6, 0.0], device=device)
+    q = (q.float() * row_mag[None, None, :, None]).to(torch.bfloat16)
+    lens = torch.tensor([47, 6], dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=2, return_lse=True)
+    if paged:
+        page = 16
+        table = torch.arange(b * n // page, device=device, dtype=torch.int32).flip(0).view(b, n // page)
+        k_pool, v_pool = torch.empty_like(k8.view(-1, page, hk, d)), torch.empty_like(v8.view(-1, page, hk, d))
+        k_pool.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(b, -1, page, hk, d)
+        v_pool.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(b, -1, page, hk, d)
+        out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, block_table=table, **kw)
+        k8 = k_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
+        v8 = v_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
+    else:
+        out, lse = flash_attn_with_kvcache(q, k8, v8, kn, vn, **kw)
+    assert torch.isfinite(out).all()
+    ref_o, ref_l = oracle(q, dequant(k8, kd), dequant(v8, vd), (lens + n_new).tolist())
+    for h in range(hq):  # per head: each row's output against its own scale
+        assert_close(out[:, :, h], ref_o[:, :, h], what=f"out head {h}")
+    assert_close(lse, ref_l, dtype=torch.float32, tol=1e-2, what="lse")
+
+
+def test_fp8_f16_mma_only_where_it_applies(f16_mma):
+    """The fp16 mode binds KV_F16_MMA for an FP8 cache with bf16 q on the safe path only: not for fp16 q
+    (already fp16), FlashDecoding++ (its P may pass fp16's range) or a bf16 cache.  CPU, nothing launched."""
+    from flashtile.runtime import decode as rd
+
+    b, hq, hk, d = 2, 4, 2, 16
+    k8 = torch.zeros(b, 32, hk, d, dtype=FP8)
+    ds = (torch.ones(b, hk), torch.ones(b, hk))
+
+    def mode(q, cache, unified=False, descales=ds):
+        _, launch = rd.decode_launch(q, cache, cache, None, None, left=-1, right=-1, softcap=0.0, unified=unified,
+                                     num_splits=2, descales=descales)
+        return dict(launch.arguments["fused"].static)["KV_F16_MMA"]
+
+    q = torch.zeros(b, 1, hq, d, dtype=torch.bfloat16)
+    assert mode(q, k8) is True
+    assert mode(q.half(), k8) is False
+    assert mode(q, k8, unified=True) is False
+    assert mode(q, k8.to(torch.bfloat16), descales=None) is False
+    rd.set_decode_tuning("fp8", f16_mma=False)
+    assert mode(q, k8) is False
