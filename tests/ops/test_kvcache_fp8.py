@@ -425,3 +425,85 @@ def test_fp8_f16_mma_only_where_it_applies(f16_mma):
     assert mode(q, k8.to(torch.bfloat16), descales=None) is False
     rd.set_decode_tuning("fp8", f16_mma=False)
     assert mode(q, k8) is False
+
+
+# the candidate tunings the GPU probe (scratch/fp8kv_probe.py) times, each checked here at scale
+GPU_TUNINGS = {
+    "n128-f16-ps2": dict(block_n=128, per_sm=2, f16_mma=True),
+    "n128-ps2": dict(block_n=128, per_sm=2),
+    "n64-f16-ps2": dict(per_sm=2, f16_mma=True),
+    "n128-w8-f16-ps2": dict(block_n=128, num_warps=8, per_sm=2, f16_mma=True),
+    "n256-w8-f16": dict(block_n=256, num_warps=8, f16_mma=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_TUNINGS))
+def test_gpu_fp8_tunings_at_scale(name):
+    """Each candidate "fp8" tuning: B 8 / 32k keys contiguous and B 2 / 16k keys paged (pages of 256), ragged
+    lengths, Hq 32 / Hk 8, d 128, bf16 q with head 1 of every group scaled by 1e5 (past fp16's range) and
+    head 2 by 1e-5; against float64 attention of the dequantised cache on 4 heads of 2 elements."""
+    from flashtile.runtime.decode import set_decode_tuning
+
+    dev, hq, hk, d = "cuda", 32, 8, 128
+    old = set_decode_tuning("fp8", **GPU_TUNINGS[name])
+    try:
+        g = torch.Generator(device=dev).manual_seed(3)
+        for batch, cache, paged in ((8, 32768, False), (2, 16384, True)):
+            q = torch.randn(batch, 1, hq, d, device=dev, generator=g)
+            mag = torch.tensor([1.0, 1e5, 1e-5, 1.0] * (hq // 4), device=dev)
+            q = (q * mag[None, None, :, None]).bfloat16()
+            k8, kd = quantize_per_head(torch.randn(batch, cache, hk, d, device=dev, generator=g), layout="bnhd")
+            v8, vd = quantize_per_head(torch.randn(batch, cache, hk, d, device=dev, generator=g), layout="bnhd")
+            lens = torch.randint(1, cache + 1, (batch,), device=dev, generator=g, dtype=torch.int32)
+            lens[0] = cache
+            kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True)
+            if paged:
+                page = 256
+                table = torch.randperm(batch * cache // page, device=dev, generator=g).view(batch, -1).int()
+                kp, vp = torch.empty_like(k8).view(-1, page, hk, d), torch.empty_like(v8).view(-1, page, hk, d)
+                kp.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(batch, -1, page, hk, d)
+                vp.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(batch, -1, page, hk, d)
+                out = flash_attn_with_kvcache(q, kp, vp, block_table=table, **kw)
+            else:
+                out = flash_attn_with_kvcache(q, k8, v8, **kw)
+            assert torch.isfinite(out).all()
+            for bi in {0, batch - 1}:
+                n = int(lens[bi])
+                for h in (0, 1, 2, hq - 1):
+                    kv = h // (hq // hk)
+                    kk = k8[bi, :n, kv].float().double() * kd[bi, kv].double()
+                    vv = v8[bi, :n, kv].float().double() * vd[bi, kv].double()
+                    p = torch.softmax((q[bi, 0, h].double() @ kk.T) * d**-0.5, -1)
+                    assert_close(out[bi, 0, h], p @ vv, what=f"{name} B{batch} paged={paged} b{bi} h{h}")
+    finally:
+        set_decode_tuning("fp8", old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", [4, 8])
+def test_gpu_bf16_fill_splits_at_batch_64(fill):
+    """The "default" tuning with ``fill`` (B 64 then splits 2 / 3 ways and merges): B 64 / 4k keys, ragged,
+    against float64 attention on 2 heads of 3 elements; the plan really splits."""
+    from flashtile.runtime import decode as rd
+    from flashtile.runtime.decode import set_decode_tuning
+
+    dev, b, n, hq, hk, d = "cuda", 64, 4096, 32, 8, 128
+    old = set_decode_tuning("default", fill=fill)
+    try:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert rd.decode_plan(b, 1, hq, hk, d, None, n, 0, torch.device(dev)).n_splits == -(-fill * sms // (b * hk))
+        g = torch.Generator(device=dev).manual_seed(4)
+        q = torch.randn(b, 1, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(b, n, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(b, n, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+        lens = torch.randint(1, n + 1, (b,), device=dev, generator=g, dtype=torch.int32)
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
+        for bi in (0, 31, 63):
+            m = int(lens[bi])
+            for h in (0, hq - 1):
+                kv = h // (hq // hk)
+                p = torch.softmax((q[bi, 0, h].double() @ k[bi, :m, kv].double().T) * d**-0.5, -1)
+                assert_close(out[bi, 0, h], p @ v[bi, :m, kv].double(), what=f"fill {fill} b{bi} h{h}")
+    finally:
+        set_decode_tuning("default", old)
