@@ -189,7 +189,7 @@ def _sweep(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UNIFIED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    key_lo, HAS_LEFTPAD: tl.constexpr, q_row, Q_ROW_SCALE: tl.constexpr,
+    key_lo, HAS_LEFTPAD: tl.constexpr, q_row, Q_ROW_SCALE: tl.constexpr, V_SMEM16: tl.constexpr,
 ):
     """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag, bad_page)`` in base 2.
 
@@ -199,7 +199,8 @@ def _sweep(
     ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag).  A tile whose
     page is absent (block-table entry outside ``[0, num_pages)``) is neither read nor
     counted, and sets ``bad_page``.  ``HAS_LEFTPAD``: keys below ``key_lo`` are masked (cache_leftpad).
-    ``Q_ROW_SCALE``: q's rows were multiplied by ``1 / q_row`` ((BLOCK_M, 1), powers of two), undone on the scores."""
+    ``Q_ROW_SCALE``: q's rows were multiplied by ``1 / q_row`` ((BLOCK_M, 1), powers of two), undone on the scores.
+    ``V_SMEM16`` (FP8 cache): V is widened before it is staged for the MMA (see the select below)."""
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -229,6 +230,11 @@ def _sweep(
         # a cache of q's dtype); its descales are folded into sm_scale and the partial output by the caller
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+        if V_SMEM16:
+            # a select on the widened tile keeps the widening in the load's layout: V then reaches the MMA as a
+            # 16-bit tile in shared memory read by ldmatrix.trans, not one LDS.U8 an element (sm_90 has no 8-bit
+            # transposing ldmatrix; the masked keys are 0 already)
+            v = tl.where(kv_ok[:, None], v, 0.0)
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
@@ -401,7 +407,7 @@ def _decode_split_kernel(
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     EVEN_D: tl.constexpr, WRITE_OUT: tl.constexpr,
     FUSED: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
-    KV_FP8: tl.constexpr, KV_F16_MMA: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_F16_MMA: tl.constexpr, KV_V_SMEM16: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr,
     ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
 ):
@@ -426,9 +432,10 @@ def _decode_split_kernel(
 
     ``KV_F16_MMA`` (FP8 cache, bf16 q, safe path): q's rows are scaled by powers of two into fp16
     (:func:`_pow2_rows`) and both MMAs run in fp16, so an e4m3 key or value widens exactly with one
-    ``cvt.rn.f16x2.e4m3x2`` per two elements (to bf16 it takes that and two more conversions)."""
+    ``cvt.rn.f16x2.e4m3x2`` per two elements (to bf16 it takes that and two more conversions).
+    ``KV_V_SMEM16`` (FP8 cache): the V tile is widened in registers before the MMA stages it (:func:`_sweep`)."""
     tl.static_assert(not (PAGED and (HAS_BATCH_IDX or HAS_LEFTPAD)), "batch index / leftpad: contiguous cache only")
-    tl.static_assert(KV_FP8 or not KV_F16_MMA, "fp16 MMAs are a mode of an FP8 cache")
+    tl.static_assert(KV_FP8 or not (KV_F16_MMA or KV_V_SMEM16), "fp16 MMAs / V staging are modes of an FP8 cache")
     tl.static_assert(not (KV_F16_MMA and UNIFIED), "fp16 MMAs: safe path only (P <= 1)")
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -514,7 +521,7 @@ def _decode_split_kernel(
         q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
         stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
         BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA,
+        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA, KV_V_SMEM16,
     )
     if PAGED:
         if bad_page & (pid_m == 0):
@@ -532,7 +539,7 @@ def _decode_split_kernel(
                 q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
                 stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
                 BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA,
+                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA, KV_V_SMEM16,
             )
 
     # normalised partial: O_c = acc / l, LSE_c = (m + log2 l) ln 2 (an empty split or masked row: 0, -inf)

@@ -84,7 +84,9 @@ class DecodeTuning(NamedTuple):
     resident programs per SM the split count aims at for a contiguous / paged cache; ``fill``:
     programs per SM aimed at once the unsplit grid exceeds ``per_sm`` per SM (0: ``2 per_sm`` when
     ``per_sm > 1``, else no split, :func:`num_splits_heuristic`); ``f16_mma``: an FP8 cache with bf16
-    q runs both MMAs in fp16 (:func:`flashtile.kernels.decode._pow2_rows`; FP8 only, safe path only)."""
+    q runs both MMAs in fp16 (:func:`flashtile.kernels.decode._pow2_rows`; FP8 only, safe path only);
+    ``v_smem16``: an FP8 V tile is widened in registers and staged for the MMA as 16-bit (read with
+    ``ldmatrix.trans``) instead of as e4m3 (read one byte per ``LDS``); FP8 only."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -93,6 +95,7 @@ class DecodeTuning(NamedTuple):
     per_sm_paged: int = 2
     fill: int = 0
     f16_mma: bool = False
+    v_smem16: bool = False
 
 
 # The defaults, by cache kind ("fp8": float8_e4m3fn caches; "default": caches of q's dtype).  A probe
@@ -126,7 +129,10 @@ def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) 
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if new.block_n & (new.block_n - 1) or new.block_n < 16 or new.num_warps & (new.num_warps - 1):
         raise ValueError(f"block_n (>= 16) and num_warps must be powers of two, got {new.block_n}, {new.num_warps}")
-    if not isinstance(new.fill, int) or new.fill < 0:
+    for name in ("f16_mma", "v_smem16"):
+        if not isinstance(getattr(new, name), bool):
+            raise TypeError(f"{name} must be a bool, got {type(getattr(new, name)).__name__}")
+    if not isinstance(new.fill, int) or isinstance(new.fill, bool) or new.fill < 0:
         raise ValueError(f"fill must be an int >= 0, got {new.fill!r}")
     with _LOCK:
         DECODE_TUNING[kind] = new
@@ -251,6 +257,7 @@ class DecodePlan(NamedTuple):
     merge_s: int  # splits per load of the merge
     interpret: bool  # Triton's interpreter runs the kernels (CPU tensors or TRITON_INTERPRET=1)
     f16_mma: bool = False  # an FP8 cache's MMAs in fp16 (DecodeTuning.f16_mma)
+    v_smem16: bool = False  # an FP8 V tile staged as 16-bit (DecodeTuning.v_smem16)
 
 
 # 64 registers a thread at 4 warps; Hq 32 / Hk 8 / d 128 with 16 splits merges in one load
@@ -280,7 +287,7 @@ def decode_plan(
     merge_m = max(2, min(triton.next_power_of_2(min(rows, block_m)), _MERGE_TILE // (merge_s * block_d)))
     return DecodePlan(
         block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device),
-        fp8 and DECODE_TUNING["fp8"].f16_mma,
+        fp8 and DECODE_TUNING["fp8"].f16_mma, fp8 and DECODE_TUNING["fp8"].v_smem16,
     )
 
 
@@ -538,7 +545,7 @@ class DecodeLaunch:
         fp8 = descale_strides is not None
         # fp16 MMAs for an FP8 cache: with bf16 q, on the safe path (FlashDecoding++'s P may pass fp16's range)
         f16_mma = fp8 and plan.f16_mma and not unified and dtype == torch.bfloat16
-        flags = (("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), *feature_flags)
+        flags = (("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags)
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
             "CuSeqlensQ": features.varlen_q is not None, "RotCos": rot is not None, "RotSin": rot is not None,

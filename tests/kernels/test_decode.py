@@ -359,6 +359,8 @@ def test_set_decode_tuning_replans_and_checks(restore_tuning):
                       (dict(fill=-1), "fill"), (dict(num_stages=True), "num_stages")):
         with pytest.raises(ValueError, match=name):
             set_decode_tuning("fp8", **bad)
+    with pytest.raises(TypeError, match="f16_mma must be a bool"):
+        set_decode_tuning("fp8", f16_mma=1)
     assert DECODE_TUNING["fp8"].per_sm == 4  # a rejected change leaves the entry as it was
 
 

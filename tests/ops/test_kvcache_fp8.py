@@ -365,21 +365,33 @@ def test_fp8_launch_arguments_in_their_named_slots(monkeypatch):
 # --------------------------------------------------------------------------- #
 # fp16 MMAs for an FP8 cache (DecodeTuning.f16_mma)
 # --------------------------------------------------------------------------- #
-@pytest.fixture
-def f16_mma():
-    """The "fp8" tuning entry with fp16 MMAs for the test, the previous entry restored after it."""
+@pytest.fixture(params=[dict(f16_mma=True), dict(f16_mma=True, v_smem16=True), dict(v_smem16=True)],
+                ids=["f16", "f16+v16", "v16"])
+def fp8_mode(request):
+    """The "fp8" tuning entry with fp16 MMAs and / or V staged as 16-bit for the test, restored after it."""
     from flashtile.runtime.decode import set_decode_tuning
 
-    old = set_decode_tuning("fp8", f16_mma=True)
+    old = set_decode_tuning("fp8", **request.param)
+    yield request.param
+    set_decode_tuning("fp8", old)
+
+
+@pytest.fixture
+def f16_mma():
+    from flashtile.runtime.decode import set_decode_tuning
+
+    old = set_decode_tuning("fp8", f16_mma=True, v_smem16=True)
     yield
     set_decode_tuning("fp8", old)
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_cache_f16_mma_rows_of_any_magnitude(device, f16_mma, paged):
-    """fp16 MMAs: q rows far past fp16's range (3e5), tiny (1e-6) and zero (per-row power-of-two scales),
-    an append, ragged lengths and 2 splits, against float64 attention of the dequantised cache; the
-    bound launch really runs the fp16 mode."""
+def test_fp8_cache_modes_rows_of_any_magnitude(device, fp8_mode, paged):
+    """fp16 MMAs / V staged as 16-bit: q rows far past fp16's range (3e5), tiny (1e-6) and zero (per-row
+    power-of-two scales), an append, ragged lengths and 2 splits, against float64 attention of the
+    dequantised cache; the bound launch really runs the modes."""
+    from flashtile.runtime import decode as rd
+
     b, n, hq, hk, d, n_new = 2, 48, 4, 2, 32, 1
     q, k8, v8, kd, vd, kn, vn, _, _ = fp8_problem(b, n, hq, hk, d, n_new, device, seed=31)
     row_mag = torch.tensor([1.0, 3e5, 1e-6, 0.0], device=device)
@@ -397,6 +409,10 @@ def test_fp8_cache_f16_mma_rows_of_any_magnitude(device, f16_mma, paged):
         v8 = v_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
     else:
         out, lse = flash_attn_with_kvcache(q, k8, v8, kn, vn, **kw)
+    _, launch = rd.decode_launch(q, k8, v8, None, None, left=-1, right=-1, softcap=0.0, unified=False, num_splits=2,
+                                 descales=(kd, vd))
+    static = dict(launch.arguments["fused"].static)
+    assert (static["KV_F16_MMA"], static["KV_V_SMEM16"]) == (fp8_mode.get("f16_mma", False), fp8_mode.get("v_smem16", False))
     assert torch.isfinite(out).all()
     ref_o, ref_l = oracle(q, dequant(k8, kd), dequant(v8, vd), (lens + n_new).tolist())
     for h in range(hq):  # per head: each row's output against its own scale
@@ -404,9 +420,10 @@ def test_fp8_cache_f16_mma_rows_of_any_magnitude(device, f16_mma, paged):
     assert_close(lse, ref_l, dtype=torch.float32, tol=1e-2, what="lse")
 
 
-def test_fp8_f16_mma_only_where_it_applies(f16_mma):
+def test_fp8_modes_only_where_they_apply(f16_mma):
     """The fp16 mode binds KV_F16_MMA for an FP8 cache with bf16 q on the safe path only: not for fp16 q
-    (already fp16), FlashDecoding++ (its P may pass fp16's range) or a bf16 cache.  CPU, nothing launched."""
+    (already fp16), FlashDecoding++ (its P may pass fp16's range) or a bf16 cache; KV_V_SMEM16 for any FP8
+    cache, never a bf16 one.  CPU, nothing launched."""
     from flashtile.runtime import decode as rd
 
     b, hq, hk, d = 2, 4, 2, 16
@@ -416,24 +433,28 @@ def test_fp8_f16_mma_only_where_it_applies(f16_mma):
     def mode(q, cache, unified=False, descales=ds):
         _, launch = rd.decode_launch(q, cache, cache, None, None, left=-1, right=-1, softcap=0.0, unified=unified,
                                      num_splits=2, descales=descales)
-        return dict(launch.arguments["fused"].static)["KV_F16_MMA"]
+        static = dict(launch.arguments["fused"].static)
+        return static["KV_F16_MMA"], static["KV_V_SMEM16"]
 
     q = torch.zeros(b, 1, hq, d, dtype=torch.bfloat16)
-    assert mode(q, k8) is True
-    assert mode(q.half(), k8) is False
-    assert mode(q, k8, unified=True) is False
-    assert mode(q, k8.to(torch.bfloat16), descales=None) is False
-    rd.set_decode_tuning("fp8", f16_mma=False)
-    assert mode(q, k8) is False
+    assert mode(q, k8) == (True, True)
+    assert mode(q.half(), k8) == (False, True)
+    assert mode(q, k8, unified=True) == (False, True)
+    assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
+    rd.set_decode_tuning("default", f16_mma=True, v_smem16=True)  # no effect on a bf16 cache
+    assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
+    rd.set_decode_tuning("default", rd.DecodeTuning())
+    rd.set_decode_tuning("fp8", f16_mma=False, v_smem16=False)
+    assert mode(q, k8) == (False, False)
 
 
 # the candidate tunings the GPU probe (scratch/fp8kv_probe.py) times, each checked here at scale
 GPU_TUNINGS = {
+    "v16-ps2": dict(per_sm=2, v_smem16=True),
+    "f16v16-ps2": dict(per_sm=2, f16_mma=True, v_smem16=True),
     "n128-f16-ps2": dict(block_n=128, per_sm=2, f16_mma=True),
-    "n128-ps2": dict(block_n=128, per_sm=2),
-    "n64-f16-ps2": dict(per_sm=2, f16_mma=True),
-    "n128-w8-f16-ps2": dict(block_n=128, num_warps=8, per_sm=2, f16_mma=True),
-    "n256-w8-f16": dict(block_n=256, num_warps=8, f16_mma=True),
+    "n128-f16v16-ps2": dict(block_n=128, per_sm=2, f16_mma=True, v_smem16=True),
+    "n128-w8-f16v16-ps2": dict(block_n=128, num_warps=8, per_sm=2, f16_mma=True, v_smem16=True),
 }
 
 
