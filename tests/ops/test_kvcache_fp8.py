@@ -412,7 +412,8 @@ def test_fp8_cache_modes_rows_of_any_magnitude(device, fp8_mode, paged):
     _, launch = rd.decode_launch(q, k8, v8, None, None, left=-1, right=-1, softcap=0.0, unified=False, num_splits=2,
                                  descales=(kd, vd))
     static = dict(launch.arguments["fused"].static)
-    assert (static["KV_F16_MMA"], static["KV_V_SMEM16"]) == (fp8_mode.get("f16_mma", False), fp8_mode.get("v_smem16", False))
+    want = (fp8_mode.get("f16_mma", False), fp8_mode.get("v_smem16", False))
+    assert (static["KV_F16_MMA"], static["KV_V_SMEM16"]) == want
     assert torch.isfinite(out).all()
     ref_o, ref_l = oracle(q, dequant(k8, kd), dequant(v8, vd), (lens + n_new).tolist())
     for h in range(hq):  # per head: each row's output against its own scale
