@@ -238,7 +238,7 @@ def _sweep(
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
-            q_row, Q_ROW_SCALE,
+            q_row, Q_ROW_SCALE=Q_ROW_SCALE,
         )
         if PAGED:
             ok = ok & kv_ok[None, :]
@@ -521,7 +521,7 @@ def _decode_split_kernel(
         q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
         stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
         BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA, KV_V_SMEM16,
+        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, Q_ROW_SCALE=KV_F16_MMA, V_SMEM16=KV_V_SMEM16,
     )
     if PAGED:
         if bad_page & (pid_m == 0):
@@ -539,7 +539,7 @@ def _decode_split_kernel(
                 q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
                 stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
                 BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, KV_F16_MMA, KV_V_SMEM16,
+                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, Q_ROW_SCALE=KV_F16_MMA, V_SMEM16=KV_V_SMEM16,
             )
 
     # normalised partial: O_c = acc / l, LSE_c = (m + log2 l) ln 2 (an empty split or masked row: 0, -inf)
