@@ -462,16 +462,17 @@ GPU_TUNINGS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_TUNINGS))
 def test_gpu_fp8_tunings_at_scale(name):
-    """Each candidate "fp8" tuning: B 8 / 32k keys contiguous and B 2 / 16k keys paged (pages of 256), ragged
-    lengths, Hq 32 / Hk 8, d 128, bf16 q with head 1 of every group scaled by 1e5 (past fp16's range) and
-    head 2 by 1e-5; against float64 attention of the dequantised cache on 4 heads of 2 elements."""
+    """Each candidate "fp8" tuning: B 8 / 32k keys contiguous and B 2 / 16k keys paged (pages of 256), heuristic
+    splits, and B 16 / 2k keys in one split (the kernel writes the output), ragged lengths, Hq 32 / Hk 8, d 128,
+    bf16 q with head 1 of every group scaled by 1e5 (past fp16's range) and head 2 by 1e-5; against float64
+    attention of the dequantised cache on 4 heads of 2 elements."""
     from flashtile.runtime.decode import set_decode_tuning
 
     dev, hq, hk, d = "cuda", 32, 8, 128
     old = set_decode_tuning("fp8", **GPU_TUNINGS[name])
     try:
         g = torch.Generator(device=dev).manual_seed(3)
-        for batch, cache, paged in ((8, 32768, False), (2, 16384, True)):
+        for batch, cache, paged, splits in ((8, 32768, False, 0), (2, 16384, True, 0), (16, 2048, False, 1)):
             q = torch.randn(batch, 1, hq, d, device=dev, generator=g)
             mag = torch.tensor([1.0, 1e5, 1e-5, 1.0] * (hq // 4), device=dev)
             q = (q * mag[None, None, :, None]).bfloat16()
@@ -479,7 +480,7 @@ def test_gpu_fp8_tunings_at_scale(name):
             v8, vd = quantize_per_head(torch.randn(batch, cache, hk, d, device=dev, generator=g), layout="bnhd")
             lens = torch.randint(1, cache + 1, (batch,), device=dev, generator=g, dtype=torch.int32)
             lens[0] = cache
-            kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True)
+            kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True, num_splits=splits)
             if paged:
                 page = 256
                 table = torch.randperm(batch * cache // page, device=dev, generator=g).view(batch, -1).int()
