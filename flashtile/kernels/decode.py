@@ -142,17 +142,35 @@ def _rotary_load(
 
 
 @triton.jit
+def _pow2_rows(q):
+    """``(q16, q_row)``: the rows of q (bf16) in fp16 as ``q16 = q / q_row`` with ``q_row`` ((BLOCK_M, 1) fp32)
+    the power of two taking each row's largest |q| into [2^14, 2^15) (1 for a zero row).  Both steps are
+    exact but for entries below 2^-28 of their row's largest (fp16 subnormals), so no row overflows fp16
+    and ``q16 . k = (q . k) / q_row`` to fp32 accumulation.  The exponent is read from the bits (no log2)."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # 0 for zero and subnormal rows
+    shift = tl.minimum(tl.maximum(141 - tl.maximum(biased, 1), -126), 126)  # 14 - (biased - 127)
+    scale = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    q_row = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return (qf * scale[:, None]).to(tl.float16), q_row[:, None]
+
+
+@triton.jit
 def _tile_scores(
     q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
     window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, q_row, Q_ROW_SCALE: tl.constexpr,
 ):
     """Modified scores of one tile in base-2 units, (BLOCK_M, BLOCK_N) fp32, and
     the allowed mask (sequence tail, causal / window).  ``offs_t`` are the packed
-    rows' token indices, ``slope`` their ALiBi slopes as a (BLOCK_M, 1) column."""
+    rows' token indices, ``slope`` their ALiBi slopes as a (BLOCK_M, 1) column,
+    ``q_row`` (``Q_ROW_SCALE``) the power of two each row of q was divided by."""
     qk = mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
+    if Q_ROW_SCALE:
+        qk = qk * q_row  # exact: a power of two
     if HAS_SOFTCAP or HAS_ALIBI:
         s, _ = score_mods(qk * sm_scale, offs_t, offs_n, seqlen_q, seqlen_k, softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
         s = s * _LOG2E
@@ -171,7 +189,7 @@ def _sweep(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, UNIFIED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    key_lo, HAS_LEFTPAD: tl.constexpr,
+    key_lo, HAS_LEFTPAD: tl.constexpr, q_row, Q_ROW_SCALE: tl.constexpr, V_SMEM16: tl.constexpr,
 ):
     """Keys ``[start, end)`` of one split for the packed rows: ``(acc, l, m, flag, bad_page)`` in base 2.
 
@@ -180,7 +198,9 @@ def _sweep(
     no max and no rescaling, and ``flag`` marks rows with an allowed score outside
     ``phi2 + [lo2, hi2]`` (bit 1 above, bit 2 below; padded rows never flag).  A tile whose
     page is absent (block-table entry outside ``[0, num_pages)``) is neither read nor
-    counted, and sets ``bad_page``.  ``HAS_LEFTPAD``: keys below ``key_lo`` are masked (cache_leftpad)."""
+    counted, and sets ``bad_page``.  ``HAS_LEFTPAD``: keys below ``key_lo`` are masked (cache_leftpad).
+    ``Q_ROW_SCALE``: q's rows were multiplied by ``1 / q_row`` ((BLOCK_M, 1), powers of two), undone on the scores.
+    ``V_SMEM16`` (FP8 cache): V is widened before it is staged for the MMA (see the select below)."""
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     flag = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -206,13 +226,19 @@ def _sweep(
         kv_ok = offs_n < limit
         k = tl.load(k_head + k_off + k_tile, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v = tl.load(v_head + v_off + v_tile, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        # an FP8 cache is widened to q's dtype for both MMAs (a no-op for a cache of q's dtype); its
-        # descales are folded into sm_scale and the partial output by the caller
+        # an FP8 cache is widened (exactly) to q's dtype for both MMAs, fp16 under KV_F16_MMA (a no-op for
+        # a cache of q's dtype); its descales are folded into sm_scale and the partial output by the caller
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+        if V_SMEM16:
+            # a select on the widened tile keeps the widening in the load's layout: V then reaches the MMA as a
+            # 16-bit tile in shared memory read by ldmatrix.trans, not one LDS.U8 an element (sm_90 has no 8-bit
+            # transposing ldmatrix; the masked keys are 0 already)
+            v = tl.where(kv_ok[:, None], v, 0.0)
         s, ok = _tile_scores(
             q, k, offs_t, offs_n, seqlen_q, seqlen_k, qk_scale, sm_scale, softcap, slope,
             window_left, window_right, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, UPCAST_DOT,
+            q_row, Q_ROW_SCALE=Q_ROW_SCALE,
         )
         if PAGED:
             ok = ok & kv_ok[None, :]
@@ -381,7 +407,7 @@ def _decode_split_kernel(
     UNIFIED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     EVEN_D: tl.constexpr, WRITE_OUT: tl.constexpr,
     FUSED: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_F16_MMA: tl.constexpr, KV_V_SMEM16: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr,
     ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
 ):
@@ -402,8 +428,15 @@ def _decode_split_kernel(
     ``HAS_LEFTPAD``: keys below ``cache_leftpad[b]`` (clamped to ``[0, L]``) are masked and their
     tiles skipped.  ``ROTARY``: q is rotated on load (:func:`_rotary_load`) at position
     ``cache_seqlens[b] + t`` (``ROT_PER_TOKEN``: causal or windowed) or ``cache_seqlens[b]``
-    for every token, clamped to ``[0, seqlen_ro)``."""
+    for every token, clamped to ``[0, seqlen_ro)``.
+
+    ``KV_F16_MMA`` (FP8 cache, bf16 q, safe path): q's rows are scaled by powers of two into fp16
+    (:func:`_pow2_rows`) and both MMAs run in fp16, so an e4m3 key or value widens exactly with one
+    ``cvt.rn.f16x2.e4m3x2`` per two elements (to bf16 it takes that and two more conversions).
+    ``KV_V_SMEM16`` (FP8 cache): the V tile is widened in registers before the MMA stages it (:func:`_sweep`)."""
     tl.static_assert(not (PAGED and (HAS_BATCH_IDX or HAS_LEFTPAD)), "batch index / leftpad: contiguous cache only")
+    tl.static_assert(KV_FP8 or not (KV_F16_MMA or KV_V_SMEM16), "fp16 MMAs / V staging are modes of an FP8 cache")
+    tl.static_assert(not (KV_F16_MMA and UNIFIED), "fp16 MMAs: safe path only (P <= 1)")
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -451,6 +484,9 @@ def _decode_split_kernel(
         ).to(Q.dtype.element_ty)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_row = tl.full((BLOCK_M, 1), 1.0, dtype=tl.float32)
+    if KV_F16_MMA:
+        q, q_row = _pow2_rows(q)
     slope = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if HAS_ALIBI:
         sl = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h, mask=row_ok, other=0.0)
@@ -485,7 +521,7 @@ def _decode_split_kernel(
         q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
         stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
         BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD,
+        UNIFIED, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, Q_ROW_SCALE=KV_F16_MMA, V_SMEM16=KV_V_SMEM16,
     )
     if PAGED:
         if bad_page & (pid_m == 0):
@@ -503,7 +539,7 @@ def _decode_split_kernel(
                 q_len, seqlen_k, sm_scale, softcap, slope, phi2, lo2, hi2, window_left, window_right,
                 stride_bt_b, stride_kb, stride_kn, stride_vb, stride_vn, num_pages,
                 BLOCK_M, BLOCK_N, BLOCK_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD,
+                False, DOT_PRECISION, UPCAST_DOT, key_lo, HAS_LEFTPAD, q_row, Q_ROW_SCALE=KV_F16_MMA, V_SMEM16=KV_V_SMEM16,
             )
 
     # normalised partial: O_c = acc / l, LSE_c = (m + log2 l) ln 2 (an empty split or masked row: 0, -inf)

@@ -73,7 +73,7 @@ from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
-    default_unified_range, run_decode, take_errors,
+    default_unified_range, on_tuning_change, run_decode, take_errors,
 )
 from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_CU_SEQLENS_Q, NO_FEATURES, KVFeatures, Rotary
 
@@ -561,6 +561,7 @@ def _call_key(
 _CALLS: dict[tuple, _Call] = {}
 _CALLS_MAX = 64
 _CALLS_LOCK = threading.Lock()
+on_tuning_change(_CALLS.clear)  # a memoised call holds a launch planned under DECODE_TUNING
 
 
 def _remember(key: tuple, call: _Call) -> None:

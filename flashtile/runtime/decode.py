@@ -39,6 +39,10 @@ __all__ = [
     "alibi_args",
     "decode_config",
     "num_splits_heuristic",
+    "decode_splits",
+    "DecodeTuning",
+    "DECODE_TUNING",
+    "set_decode_tuning",
     "default_unified_range",
     "arrival_counters",
     "error_flags",
@@ -73,7 +77,75 @@ def _lowbit(x: int) -> int:
     return x & -x
 
 
-def decode_config(d: int, rows: int, page_size: int | None, device: torch.device | str) -> tuple[int, int, int, int]:
+class DecodeTuning(NamedTuple):
+    """Tile and split knobs of the split kernel for one kind of cache (:data:`DECODE_TUNING`).
+
+    ``block_n``: keys per tile at d > 64 (twice as many at d <= 64); ``per_sm`` / ``per_sm_paged``:
+    resident programs per SM the split count aims at for a contiguous / paged cache; ``fill``:
+    programs per SM aimed at once the unsplit grid exceeds ``per_sm`` per SM (0: ``2 per_sm`` when
+    ``per_sm > 1``, else no split, :func:`num_splits_heuristic`); ``f16_mma``: an FP8 cache with bf16
+    q runs both MMAs in fp16 (:func:`flashtile.kernels.decode._pow2_rows`; FP8 only, safe path only);
+    ``v_smem16``: an FP8 V tile is widened in registers and staged for the MMA as 16-bit (read with
+    ``ldmatrix.trans``) instead of as e4m3 (read one byte per ``LDS``); FP8 only."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    per_sm: int = 1
+    per_sm_paged: int = 2
+    fill: int = 0
+    f16_mma: bool = False
+    v_smem16: bool = False
+
+
+# The defaults, by cache kind ("fp8": float8_e4m3fn caches; "default": caches of q's dtype).  A probe
+# (scratch/fp8kv_probe.py) swaps entries through set_decode_tuning to time alternatives.
+DECODE_TUNING: dict[str, DecodeTuning] = {
+    "default": DecodeTuning(),
+    "fp8": DecodeTuning(),
+}
+# called after DECODE_TUNING changes, to drop what was planned under the old entries (the ops' memos register here)
+_TUNING_LISTENERS: list = []
+
+
+def on_tuning_change(forget) -> None:
+    """Register ``forget()`` (no arguments) to run whenever :func:`set_decode_tuning` changes the table."""
+    _TUNING_LISTENERS.append(forget)
+
+
+def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) -> DecodeTuning:
+    """Replace ``DECODE_TUNING[kind]`` (``kind`` "default" or "fp8") by ``tuning`` or by the current entry
+    with ``changes`` applied, and forget every plan and launch memoised under the old one.  Returns
+    the previous entry (so a caller can restore it)."""
+    if kind not in DECODE_TUNING:
+        raise ValueError(f"kind must be one of {sorted(DECODE_TUNING)}, got {kind!r}")
+    if tuning is not None and not isinstance(tuning, DecodeTuning):
+        raise TypeError(f"tuning must be a DecodeTuning, got {type(tuning).__name__}")
+    old = DECODE_TUNING[kind]
+    new = (tuning if tuning is not None else old)._replace(**changes)
+    for name in ("block_n", "num_warps", "num_stages", "per_sm", "per_sm_paged"):
+        value = getattr(new, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if new.block_n & (new.block_n - 1) or new.block_n < 16 or new.num_warps & (new.num_warps - 1):
+        raise ValueError(f"block_n (>= 16) and num_warps must be powers of two, got {new.block_n}, {new.num_warps}")
+    for name in ("f16_mma", "v_smem16"):
+        if not isinstance(getattr(new, name), bool):
+            raise TypeError(f"{name} must be a bool, got {type(getattr(new, name)).__name__}")
+    if not isinstance(new.fill, int) or isinstance(new.fill, bool) or new.fill < 0:
+        raise ValueError(f"fill must be an int >= 0, got {new.fill!r}")
+    with _LOCK:
+        DECODE_TUNING[kind] = new
+        decode_plan.cache_clear()
+        _decode_launch.cache_clear()
+        for forget in _TUNING_LISTENERS:
+            forget()
+    return old
+
+
+def decode_config(
+    d: int, rows: int, page_size: int | None, device: torch.device | str, fp8: bool = False,
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = G * Nq`` packed rows.
 
     BLOCK_M: the packed rows rounded up to a power of two, at least 16 (the
@@ -82,38 +154,39 @@ def decode_config(d: int, rows: int, page_size: int | None, device: torch.device
     65-128 rows (a GQA group of 8 with 9-16 query tokens) take one 128-row tile
     on 8 warps, so the kv head's K/V are read once, not once per 64-row tile
     (not yet timed against two 64-row tiles: ``flashtile bench decode --features``).
-    BLOCK_N: keys per tile; K/V tiles of ``BLOCK_N * d`` elements are the only
-    large loads, so 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per
-    operand in flight per stage with 3 stages (on an H100 no tile, warp or
-    stage count swept beat this by more than noise).  It is shrunk to divide
-    ``page_size`` so a tile never crosses a page.  Interpreter: 16-key tiles so
-    small test caches span many tiles.  64- and 128-row tiles run on 8 warps (register spills at 4).
+    BLOCK_N, warps, stages: :data:`DECODE_TUNING` of the cache kind (``fp8``); for a
+    16-bit cache 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per operand in
+    flight per stage with 3 stages (on an H100 no tile, warp or stage count swept
+    beat this by more than noise).  It is shrunk to divide ``page_size`` so a tile
+    never crosses a page.  Interpreter: 16-key tiles so small test caches span
+    many tiles.  64- and 128-row tiles run on at least 8 warps (register spills at 4).
     """
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    tuning = DECODE_TUNING["fp8" if fp8 else "default"]
     if interpreting(device):
         block_n, warps, stages = 16, 4, 1
-    elif d <= 64:
-        block_n, warps, stages = 128, 4, 3
     else:
-        block_n, warps, stages = 64, 4, 3
+        block_n, warps, stages = tuning.block_n * (2 if d <= 64 else 1), tuning.num_warps, tuning.num_stages
     if block_m >= 64 and not interpreting(device):
         # 64- and 128-row tiles (many query tokens, or a cascade's shared prefix) on 8 warps: at 4, ptxas
         # (sm_90a, d = 128) spills 1.2 KB a thread for 64 rows (2 KB paged), none at 8 (0.3 KB paged)
-        warps = 8
+        warps = max(warps, 8)
     if page_size is not None:
         block_n = min(block_n, _lowbit(page_size))
     return block_m, block_n, warps, stages
 
 
 def num_splits_heuristic(
-    batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64, per_sm: int = 1
+    batch_kv_heads: int, row_tiles: int, max_seqlen: int, sm_count: int, block_n: int = 64, per_sm: int = 1,
+    fill: int = 0,
 ) -> int:
     """Number of kv splits when ``num_splits=0`` (measured reasons: ``docs/decoding.md``, "Tiles and split count").
 
     With ``P = batch_kv_heads * row_tiles`` programs unsplit, aim at ``per_sm``
     resident programs per SM: ``S = floor(per_sm * sm_count / P)``; a grid
-    already past that takes ``ceil(2 per_sm sm_count / P)`` when ``per_sm > 1``,
-    else 1.  One program per SM suits a contiguous cache (it beat two by 2-3 %
+    already past that takes ``ceil(fill sm_count / P)`` with ``fill`` programs
+    per SM (``fill = 0``: ``2 per_sm`` when ``per_sm > 1``, else 1 split).
+    One program per SM suits a contiguous cache (it beat two by 2-3 %
     on an H100); a paged cache wants two (``per_sm=2``: each tile's address
     waits on a block-table load).  S is then clamped to ``[1, T]`` with
     ``T = ceil(max_seqlen / block_n)`` tiles and to ``MAX_SPLITS``, and balanced
@@ -123,12 +196,29 @@ def num_splits_heuristic(
     programs = max(1, batch_kv_heads * row_tiles)
     tiles = max(1, -(-max_seqlen // block_n))
     slots = per_sm * sm_count
+    if fill == 0 and per_sm > 1:
+        fill = 2 * per_sm
     if programs <= slots:
         s = slots // programs
     else:
-        s = -(-2 * slots // programs) if per_sm > 1 else 1
+        s = -(-fill * sm_count // programs) if fill else 1
     s = max(1, min(s, tiles, MAX_SPLITS))
     return int(-(-tiles // -(-tiles // s)))
+
+
+def decode_splits(
+    batch: int, kv_heads: int, cache_len: int, kv_dtype: torch.dtype, sm_count: int, *,
+    row_tiles: int = 1, paged: bool = False, block_n: int | None = None, d: int = 128,
+) -> int:
+    """The split count ``num_splits=0`` picks: :func:`num_splits_heuristic` with the knobs of
+    :data:`DECODE_TUNING` for a cache of ``kv_dtype`` (``torch.float8_e4m3fn``: the "fp8" entry),
+    its ``block_n`` at head dim ``d`` (or ``block_n``) and ``per_sm`` / ``per_sm_paged``.
+    A pure function of its arguments and the table."""
+    tuning = DECODE_TUNING["fp8" if kv_dtype == torch.float8_e4m3fn else "default"]
+    if block_n is None:
+        block_n = tuning.block_n * (2 if d <= 64 else 1)
+    per_sm = tuning.per_sm_paged if paged else tuning.per_sm
+    return num_splits_heuristic(batch * kv_heads, row_tiles, cache_len, sm_count, block_n, per_sm, tuning.fill)
 
 
 def default_unified_range(dtype: torch.dtype, max_seqlen: int) -> tuple[float, float]:
@@ -166,6 +256,8 @@ class DecodePlan(NamedTuple):
     merge_m: int  # packed rows per load of the fused merge
     merge_s: int  # splits per load of the merge
     interpret: bool  # Triton's interpreter runs the kernels (CPU tensors or TRITON_INTERPRET=1)
+    f16_mma: bool = False  # an FP8 cache's MMAs in fp16 (DecodeTuning.f16_mma)
+    v_smem16: bool = False  # an FP8 V tile staged as 16-bit (DecodeTuning.v_smem16)
 
 
 # 64 registers a thread at 4 warps; Hq 32 / Hk 8 / d 128 with 16 splits merges in one load
@@ -175,24 +267,27 @@ _MERGE_TILE = 8192
 @functools.lru_cache(maxsize=1024)
 def decode_plan(
     b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
-    device: torch.device,
+    device: torch.device, fp8: bool = False,
 ) -> DecodePlan:
-    """:func:`decode_config`, the split count and the merge tile for one shape.  Pure function
-    of its integer arguments, memoised: a decoding loop asks for the same shape every step,
-    and a short-cache step's host time is comparable to its device time."""
+    """:func:`decode_config`, the split count and the merge tile for one shape (``fp8``: float8_e4m3fn
+    caches, :data:`DECODE_TUNING`'s "fp8" entry).  Pure function of its arguments and the table,
+    memoised: a decoding loop asks for the same shape every step, and a short-cache step's host time
+    is comparable to its device time."""
     rows = (hq // hk) * nq
-    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device)
+    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device, fp8)
     row_tiles = triton.cdiv(rows, block_m)
     if num_splits == 0:
-        num_splits = num_splits_heuristic(
-            b * hk, row_tiles, capacity, _sm_count(device), block_n, per_sm=1 if page_size is None else 2
+        num_splits = decode_splits(
+            b, hk, capacity, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
+            row_tiles=row_tiles, paged=page_size is not None, block_n=block_n,
         )
     block_d = max(16, triton.next_power_of_2(d))
     # the merge loads (MERGE_M, MERGE_S, BLOCK_D) fp32 partials at once: at most _MERGE_TILE elements
     merge_s = max(2, min(triton.next_power_of_2(num_splits), _MERGE_TILE // (2 * block_d)))
     merge_m = max(2, min(triton.next_power_of_2(min(rows, block_m)), _MERGE_TILE // (merge_s * block_d)))
     return DecodePlan(
-        block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device)
+        block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device),
+        fp8 and DECODE_TUNING["fp8"].f16_mma, fp8 and DECODE_TUNING["fp8"].v_smem16,
     )
 
 
@@ -448,7 +543,9 @@ class DecodeLaunch:
         # q, caches, block table, lengths and slopes come from the caller; the workspace, counters,
         # flags and outputs are aligned allocations
         fp8 = descale_strides is not None
-        flags = (("KV_FP8", fp8), *feature_flags)
+        # fp16 MMAs for an FP8 cache: with bf16 q, on the safe path (FlashDecoding++'s P may pass fp16's range)
+        f16_mma = fp8 and plan.f16_mma and not unified and dtype == torch.bfloat16
+        flags = (("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags)
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
             "CuSeqlensQ": features.varlen_q is not None, "RotCos": rot is not None, "RotSin": rot is not None,
@@ -550,7 +647,7 @@ def decode_launch(
     paged = block_table is not None
     rows = k_cache.shape[1]
     capacity = block_table.shape[1] * rows if paged else rows
-    plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device)
+    plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device, descales is not None)
     sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
     launch = _decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q_strides, k_cache.stride(), v_cache.stride(),

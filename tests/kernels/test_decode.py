@@ -296,6 +296,72 @@ def test_num_splits_heuristic():
             assert programs * s <= max(programs, 132), "at most one program per SM, or no split"
             s2 = num_splits_heuristic(programs, 1, seqlen, 132, per_sm=2)
             assert programs * s2 <= max(2 * programs, 4 * 132), "paged: at most two waves of two programs per SM"
+    # fill: a grid past per_sm programs per SM is split to about fill programs per SM
+    assert num_splits_heuristic(64 * 8, 1, 16384, 132, fill=4) == 2  # ceil(528 / 512)
+    assert num_splits_heuristic(32 * 8, 1, 16384, 132, fill=4) == 3  # ceil(528 / 256)
+    assert num_splits_heuristic(128 * 8, 1, 16384, 132, fill=4) == 1
+    assert num_splits_heuristic(8, 1, 32768, 132, fill=4) == 16  # within one program per SM: unchanged
+
+
+@pytest.fixture
+def restore_tuning():
+    """Put every DECODE_TUNING entry back after the test."""
+    from flashtile.runtime.decode import DECODE_TUNING, set_decode_tuning
+
+    saved = dict(DECODE_TUNING)
+    yield
+    for kind, tuning in saved.items():
+        set_decode_tuning(kind, tuning)
+
+
+def test_decode_splits_reads_the_tuning_of_the_cache_dtype(restore_tuning):
+    """decode_splits is num_splits_heuristic with the knobs of the cache kind's DECODE_TUNING entry:
+    the defaults give the measured contiguous (one program per SM) and paged (two) counts; changing
+    the "fp8" entry moves FP8 caches only, and block_n / per_sm / fill act as in the heuristic."""
+    from flashtile.runtime.decode import decode_splits, set_decode_tuning
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    for b, n in ((1, 32768), (8, 4096), (64, 16384), (3, 1000)):
+        assert decode_splits(b, 8, n, bf16, 132) == num_splits_heuristic(b * 8, 1, n, 132)
+        assert decode_splits(b, 8, n, bf16, 132, paged=True) == num_splits_heuristic(b * 8, 1, n, 132, per_sm=2)
+        assert decode_splits(b, 8, n, fp8, 132) == num_splits_heuristic(b * 8, 1, n, 132)
+    assert decode_splits(1, 8, 1024, bf16, 132, d=64) == 8  # 128-key tiles at d <= 64: 8 tiles
+    set_decode_tuning("fp8", block_n=128, per_sm=2)
+    assert decode_splits(1, 8, 32768, fp8, 132) == 32  # floor(264 / 8) = 33 over 256 tiles -> 32
+    assert decode_splits(1, 8, 1024, fp8, 132) == 8  # 8 tiles of 128 keys
+    assert decode_splits(1, 8, 32768, bf16, 132) == 16  # the default entry is untouched
+    set_decode_tuning("default", fill=4)
+    assert decode_splits(64, 8, 16384, bf16, 132) == 2
+    assert decode_splits(8, 8, 16384, bf16, 132) == 2  # within one program per SM: fill does not apply
+
+
+def test_set_decode_tuning_replans_and_checks(restore_tuning):
+    """set_decode_tuning forgets memoised plans and launches (a new block_n reaches the next plan and the
+    op's memoised call), returns the previous entry, and rejects bad kinds, types and values by name."""
+    from flashtile.ops import kvcache
+    from flashtile.runtime.decode import DECODE_TUNING, DecodeTuning, set_decode_tuning
+
+    dev = torch.device("cpu")
+    before = decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, True)
+    kvcache._CALLS[("sentinel",)] = None
+    old = set_decode_tuning("fp8", per_sm=4)
+    assert old == DecodeTuning() and DECODE_TUNING["fp8"].per_sm == 4
+    assert ("sentinel",) not in kvcache._CALLS
+    after = decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, True)
+    # the interpreter's 8 "SMs", 8 kv heads: one program per SM, then four
+    assert (before.n_splits, after.n_splits) == (1, 4)
+    assert decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, False).n_splits == before.n_splits
+    with pytest.raises(ValueError, match="kind must be one of"):
+        set_decode_tuning("fp16", per_sm=2)
+    with pytest.raises(TypeError, match="tuning must be a DecodeTuning"):
+        set_decode_tuning("fp8", (64, 4, 3, 1, 2))
+    for bad, name in ((dict(block_n=96), "block_n"), (dict(num_warps=0), "num_warps"), (dict(per_sm=1.5), "per_sm"),
+                      (dict(fill=-1), "fill"), (dict(num_stages=True), "num_stages")):
+        with pytest.raises(ValueError, match=name):
+            set_decode_tuning("fp8", **bad)
+    with pytest.raises(TypeError, match="f16_mma must be a bool"):
+        set_decode_tuning("fp8", f16_mma=1)
+    assert DECODE_TUNING["fp8"].per_sm == 4  # a rejected change leaves the entry as it was
 
 
 def _kernel_params(kernel) -> tuple[str, ...]:

@@ -360,3 +360,173 @@ def test_fp8_launch_arguments_in_their_named_slots(monkeypatch):
     app(k8, k8, kn, kn, lens, None, (kd, vd))
     named = dict(zip(rd.APPEND_DYNAMIC, got[0]))
     assert named["KDescale"] is kd and named["VDescale"] is vd
+
+
+# --------------------------------------------------------------------------- #
+# fp16 MMAs for an FP8 cache (DecodeTuning.f16_mma)
+# --------------------------------------------------------------------------- #
+@pytest.fixture(params=[dict(f16_mma=True), dict(f16_mma=True, v_smem16=True), dict(v_smem16=True)],
+                ids=["f16", "f16+v16", "v16"])
+def fp8_mode(request):
+    """The "fp8" tuning entry with fp16 MMAs and / or V staged as 16-bit for the test, restored after it."""
+    from flashtile.runtime.decode import set_decode_tuning
+
+    old = set_decode_tuning("fp8", **request.param)
+    yield request.param
+    set_decode_tuning("fp8", old)
+
+
+@pytest.fixture
+def f16_mma():
+    from flashtile.runtime.decode import set_decode_tuning
+
+    old = set_decode_tuning("fp8", f16_mma=True, v_smem16=True)
+    yield
+    set_decode_tuning("fp8", old)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_modes_rows_of_any_magnitude(device, fp8_mode, paged):
+    """fp16 MMAs / V staged as 16-bit: q rows far past fp16's range (3e5), tiny (1e-6) and zero (per-row
+    power-of-two scales), an append, ragged lengths and 2 splits, against float64 attention of the
+    dequantised cache; the bound launch really runs the modes."""
+    from flashtile.runtime import decode as rd
+
+    b, n, hq, hk, d, n_new = 2, 48, 4, 2, 32, 1
+    q, k8, v8, kd, vd, kn, vn, _, _ = fp8_problem(b, n, hq, hk, d, n_new, device, seed=31)
+    row_mag = torch.tensor([1.0, 3e5, 1e-6, 0.0], device=device)
+    q = (q.float() * row_mag[None, None, :, None]).to(torch.bfloat16)
+    lens = torch.tensor([47, 6], dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=2, return_lse=True)
+    if paged:
+        page = 16
+        table = torch.arange(b * n // page, device=device, dtype=torch.int32).flip(0).view(b, n // page)
+        k_pool, v_pool = torch.empty_like(k8.view(-1, page, hk, d)), torch.empty_like(v8.view(-1, page, hk, d))
+        k_pool.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(b, -1, page, hk, d)
+        v_pool.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(b, -1, page, hk, d)
+        out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, kn, vn, block_table=table, **kw)
+        k8 = k_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
+        v8 = v_pool.view(torch.uint8)[table.long()].reshape(b, n, hk, d).view(FP8)
+    else:
+        out, lse = flash_attn_with_kvcache(q, k8, v8, kn, vn, **kw)
+    _, launch = rd.decode_launch(q, k8, v8, None, None, left=-1, right=-1, softcap=0.0, unified=False, num_splits=2,
+                                 descales=(kd, vd))
+    static = dict(launch.arguments["fused"].static)
+    want = (fp8_mode.get("f16_mma", False), fp8_mode.get("v_smem16", False))
+    assert (static["KV_F16_MMA"], static["KV_V_SMEM16"]) == want
+    assert torch.isfinite(out).all()
+    ref_o, ref_l = oracle(q, dequant(k8, kd), dequant(v8, vd), (lens + n_new).tolist())
+    for h in range(hq):  # per head: each row's output against its own scale
+        assert_close(out[:, :, h], ref_o[:, :, h], what=f"out head {h}")
+    assert_close(lse, ref_l, dtype=torch.float32, tol=1e-2, what="lse")
+
+
+def test_fp8_modes_only_where_they_apply(f16_mma):
+    """The fp16 mode binds KV_F16_MMA for an FP8 cache with bf16 q on the safe path only: not for fp16 q
+    (already fp16), FlashDecoding++ (its P may pass fp16's range) or a bf16 cache; KV_V_SMEM16 for any FP8
+    cache, never a bf16 one.  CPU, nothing launched."""
+    from flashtile.runtime import decode as rd
+
+    b, hq, hk, d = 2, 4, 2, 16
+    k8 = torch.zeros(b, 32, hk, d, dtype=FP8)
+    ds = (torch.ones(b, hk), torch.ones(b, hk))
+
+    def mode(q, cache, unified=False, descales=ds):
+        _, launch = rd.decode_launch(q, cache, cache, None, None, left=-1, right=-1, softcap=0.0, unified=unified,
+                                     num_splits=2, descales=descales)
+        static = dict(launch.arguments["fused"].static)
+        return static["KV_F16_MMA"], static["KV_V_SMEM16"]
+
+    q = torch.zeros(b, 1, hq, d, dtype=torch.bfloat16)
+    assert mode(q, k8) == (True, True)
+    assert mode(q.half(), k8) == (False, True)
+    assert mode(q, k8, unified=True) == (False, True)
+    assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
+    rd.set_decode_tuning("default", f16_mma=True, v_smem16=True)  # no effect on a bf16 cache
+    assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
+    rd.set_decode_tuning("default", rd.DecodeTuning())
+    rd.set_decode_tuning("fp8", f16_mma=False, v_smem16=False)
+    assert mode(q, k8) == (False, False)
+
+
+# the candidate tunings the GPU probe (scratch/fp8kv_probe.py) times, each checked here at scale
+GPU_TUNINGS = {
+    "v16-ps2": dict(per_sm=2, v_smem16=True),
+    "f16v16-ps2": dict(per_sm=2, f16_mma=True, v_smem16=True),
+    "n128-f16-ps2": dict(block_n=128, per_sm=2, f16_mma=True),
+    "n128-f16v16-ps2": dict(block_n=128, per_sm=2, f16_mma=True, v_smem16=True),
+    "n128-w8-f16v16-ps2": dict(block_n=128, num_warps=8, per_sm=2, f16_mma=True, v_smem16=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_TUNINGS))
+def test_gpu_fp8_tunings_at_scale(name):
+    """Each candidate "fp8" tuning: B 8 / 32k keys contiguous and B 2 / 16k keys paged (pages of 256), heuristic
+    splits, and B 16 / 2k keys in one split (the kernel writes the output), ragged lengths, Hq 32 / Hk 8, d 128,
+    bf16 q with head 1 of every group scaled by 1e5 (past fp16's range) and head 2 by 1e-5; against float64
+    attention of the dequantised cache on 4 heads of 2 elements."""
+    from flashtile.runtime.decode import set_decode_tuning
+
+    dev, hq, hk, d = "cuda", 32, 8, 128
+    old = set_decode_tuning("fp8", **GPU_TUNINGS[name])
+    try:
+        g = torch.Generator(device=dev).manual_seed(3)
+        for batch, cache, paged, splits in ((8, 32768, False, 0), (2, 16384, True, 0), (16, 2048, False, 1)):
+            q = torch.randn(batch, 1, hq, d, device=dev, generator=g)
+            mag = torch.tensor([1.0, 1e5, 1e-5, 1.0] * (hq // 4), device=dev)
+            q = (q * mag[None, None, :, None]).bfloat16()
+            k8, kd = quantize_per_head(torch.randn(batch, cache, hk, d, device=dev, generator=g), layout="bnhd")
+            v8, vd = quantize_per_head(torch.randn(batch, cache, hk, d, device=dev, generator=g), layout="bnhd")
+            lens = torch.randint(1, cache + 1, (batch,), device=dev, generator=g, dtype=torch.int32)
+            lens[0] = cache
+            kw = dict(cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True, num_splits=splits)
+            if paged:
+                page = 256
+                table = torch.randperm(batch * cache // page, device=dev, generator=g).view(batch, -1).int()
+                kp, vp = torch.empty_like(k8).view(-1, page, hk, d), torch.empty_like(v8).view(-1, page, hk, d)
+                kp.view(torch.uint8)[table.long()] = k8.view(torch.uint8).view(batch, -1, page, hk, d)
+                vp.view(torch.uint8)[table.long()] = v8.view(torch.uint8).view(batch, -1, page, hk, d)
+                out = flash_attn_with_kvcache(q, kp, vp, block_table=table, **kw)
+            else:
+                out = flash_attn_with_kvcache(q, k8, v8, **kw)
+            assert torch.isfinite(out).all()
+            for bi in {0, batch - 1}:
+                n = int(lens[bi])
+                for h in (0, 1, 2, hq - 1):
+                    kv = h // (hq // hk)
+                    kk = k8[bi, :n, kv].float().double() * kd[bi, kv].double()
+                    vv = v8[bi, :n, kv].float().double() * vd[bi, kv].double()
+                    p = torch.softmax((q[bi, 0, h].double() @ kk.T) * d**-0.5, -1)
+                    assert_close(out[bi, 0, h], p @ vv, what=f"{name} B{batch} paged={paged} b{bi} h{h}")
+    finally:
+        set_decode_tuning("fp8", old)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", [4, 8])
+def test_gpu_bf16_fill_splits_at_batch_64(fill):
+    """The "default" tuning with ``fill`` (B 64 then splits 2 / 3 ways and merges): B 64 / 4k keys, ragged,
+    against float64 attention on 2 heads of 3 elements; the plan really splits."""
+    from flashtile.runtime import decode as rd
+    from flashtile.runtime.decode import set_decode_tuning
+
+    dev, b, n, hq, hk, d = "cuda", 64, 4096, 32, 8, 128
+    old = set_decode_tuning("default", fill=fill)
+    try:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert rd.decode_plan(b, 1, hq, hk, d, None, n, 0, torch.device(dev)).n_splits == -(-fill * sms // (b * hk))
+        g = torch.Generator(device=dev).manual_seed(4)
+        q = torch.randn(b, 1, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(b, n, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(b, n, hk, d, device=dev, generator=g, dtype=torch.bfloat16)
+        lens = torch.randint(1, n + 1, (b,), device=dev, generator=g, dtype=torch.int32)
+        out = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
+        for bi in (0, 31, 63):
+            m = int(lens[bi])
+            for h in (0, hq - 1):
+                kv = h // (hq // hk)
+                p = torch.softmax((q[bi, 0, h].double() @ k[bi, :m, kv].double().T) * d**-0.5, -1)
+                assert_close(out[bi, 0, h], p @ v[bi, :m, kv].double(), what=f"fill {fill} b{bi} h{h}")
+    finally:
+        set_decode_tuning("default", old)
