@@ -98,11 +98,13 @@ class DecodeTuning(NamedTuple):
     v_smem16: bool = False
 
 
-# The defaults, by cache kind ("fp8": float8_e4m3fn caches; "default": caches of q's dtype).  A probe
-# (scratch/fp8kv_probe.py) swaps entries through set_decode_tuning to time alternatives.
+# The defaults, by cache kind ("fp8": float8_e4m3fn caches; "default": caches of q's dtype), from the H100
+# probe (bench/NOTES.md, "FP8 cache and the B64 gap"; scratch/fp8kv_probe.py swaps entries through
+# set_decode_tuning): fill 4 takes B64 from 0.92x to 1.01x FA3 at 16k-32k; FP8 128-key tiles, fp16 MMAs and
+# 2 programs per SM 1.5-1.9x the FP8 kernel's old speed at >= 16k (v_smem16 and 3-4 stages lost to them).
 DECODE_TUNING: dict[str, DecodeTuning] = {
-    "default": DecodeTuning(),
-    "fp8": DecodeTuning(),
+    "default": DecodeTuning(fill=4),
+    "fp8": DecodeTuning(block_n=128, per_sm=2, f16_mma=True),
 }
 # called after DECODE_TUNING changes, to drop what was planned under the old entries (the ops' memos register here)
 _TUNING_LISTENERS: list = []

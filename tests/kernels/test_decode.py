@@ -318,13 +318,18 @@ def test_decode_splits_reads_the_tuning_of_the_cache_dtype(restore_tuning):
     """decode_splits is num_splits_heuristic with the knobs of the cache kind's DECODE_TUNING entry:
     the defaults give the measured contiguous (one program per SM) and paged (two) counts; changing
     the "fp8" entry moves FP8 caches only, and block_n / per_sm / fill act as in the heuristic."""
-    from flashtile.runtime.decode import decode_splits, set_decode_tuning
+    from flashtile.runtime.decode import DECODE_TUNING, DecodeTuning, decode_splits, set_decode_tuning
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     for b, n in ((1, 32768), (8, 4096), (64, 16384), (3, 1000)):
-        assert decode_splits(b, 8, n, bf16, 132) == num_splits_heuristic(b * 8, 1, n, 132)
-        assert decode_splits(b, 8, n, bf16, 132, paged=True) == num_splits_heuristic(b * 8, 1, n, 132, per_sm=2)
-        assert decode_splits(b, 8, n, fp8, 132) == num_splits_heuristic(b * 8, 1, n, 132)
+        for dt, t in ((bf16, DECODE_TUNING["default"]), (fp8, DECODE_TUNING["fp8"])):
+            want = num_splits_heuristic(b * 8, 1, n, 132, t.block_n, t.per_sm, t.fill)
+            assert decode_splits(b, 8, n, dt, 132) == want
+            want = num_splits_heuristic(b * 8, 1, n, 132, t.block_n, t.per_sm_paged, t.fill)
+            assert decode_splits(b, 8, n, dt, 132, paged=True) == want
+    assert decode_splits(64, 8, 16384, bf16, 132) == 2  # the measured B64 default: fill 4
+    set_decode_tuning("default", DecodeTuning())
+    set_decode_tuning("fp8", DecodeTuning())
     assert decode_splits(1, 8, 1024, bf16, 132, d=64) == 8  # 128-key tiles at d <= 64: 8 tiles
     set_decode_tuning("fp8", block_n=128, per_sm=2)
     assert decode_splits(1, 8, 32768, fp8, 132) == 32  # floor(264 / 8) = 33 over 256 tiles -> 32
@@ -342,6 +347,7 @@ def test_set_decode_tuning_replans_and_checks(restore_tuning):
     from flashtile.runtime.decode import DECODE_TUNING, DecodeTuning, set_decode_tuning
 
     dev = torch.device("cpu")
+    set_decode_tuning("fp8", DecodeTuning())  # from the knobs' neutral values, whatever the table's defaults
     before = decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, True)
     kvcache._CALLS[("sentinel",)] = None
     old = set_decode_tuning("fp8", per_sm=4)

@@ -365,13 +365,15 @@ def test_fp8_launch_arguments_in_their_named_slots(monkeypatch):
 # --------------------------------------------------------------------------- #
 # fp16 MMAs for an FP8 cache (DecodeTuning.f16_mma)
 # --------------------------------------------------------------------------- #
-@pytest.fixture(params=[dict(f16_mma=True), dict(f16_mma=True, v_smem16=True), dict(v_smem16=True)],
-                ids=["f16", "f16+v16", "v16"])
+@pytest.fixture(params=[dict(), dict(f16_mma=True), dict(f16_mma=True, v_smem16=True), dict(v_smem16=True)],
+                ids=["widen", "f16", "f16+v16", "v16"])
 def fp8_mode(request):
-    """The "fp8" tuning entry with fp16 MMAs and / or V staged as 16-bit for the test, restored after it."""
-    from flashtile.runtime.decode import set_decode_tuning
+    """The "fp8" tuning entry with exactly these modes (e4m3 widened to bf16 for bf16 MMAs when neither),
+    the other knobs at the table's default, for the test; restored after it."""
+    from flashtile.runtime.decode import DECODE_TUNING, set_decode_tuning
 
-    old = set_decode_tuning("fp8", **request.param)
+    modes = {"f16_mma": False, "v_smem16": False, **request.param}
+    old = set_decode_tuning("fp8", DECODE_TUNING["fp8"]._replace(**modes))
     yield request.param
     set_decode_tuning("fp8", old)
 
