@@ -229,7 +229,8 @@ def test_gpu_head_dims_not_a_power_of_two(d, causal, store):
 
 
 SPLIT_SCHEDULES = {
-    "table": {}, "neither": dict(intra=False, pingpong=False), "tma-store": dict(o_tma=True),
+    "table": {}, "intra": dict(pingpong=False), "pingpong": dict(intra=False),
+    "neither": dict(intra=False, pingpong=False), "tma-store": dict(o_tma=True),
     "coalesced-store": dict(o_coalesced=True), "3wg-64-keys": dict(num_wg=3, block_n=64, num_stages=3),
     "unsplit": dict(split_d=False),
 }
