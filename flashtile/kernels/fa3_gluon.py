@@ -21,11 +21,16 @@ Schedules, each a constexpr so an ablation can switch it off:
   GEMMs occupy the tensor cores.
 * ``SKIP_MASK0``: tile 0 (the pipeline's prologue) runs unmasked when every row of the program sees it all.
 
+Head-dim split: the head dim is tiled as ``BLOCK_D0`` columns and, when ``BLOCK_D1 > 0``, a second part of
+``BLOCK_D1`` columns starting at ``BLOCK_D0`` (both powers of two, e.g. d = 96 as 64 + 32), so a head dim
+that is not a power of two does not pay for a ``next_pow2(d)``-wide tile: Q, K, V each land in two shared
+tiles, S = Q0 K0ᵀ + Q1 K1ᵀ (two chained async wgmmas) and O is two accumulators, O_i += P V_i.
+
 Causal (bottom-right) and ragged Nk: the kv tiles every row of the program sees in full run an unmasked
-loop, the tiles crossed by the diagonal or the end of K a masked one.  Ragged Nq / Nk and head dims that
-are not a power of two: per-head device-side tensor descriptors with ``BLOCK_D``-wide boxes zero-fill loads
-past the head's end and past d; the output goes out through masked stores (``O_STORE`` 0: from the wgmma
-layout, 1: through a row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
+loop, the tiles crossed by the diagonal or the end of K a masked one.  Ragged Nq / Nk and columns past d:
+per-head device-side tensor descriptors of the (N, d) head zero-fill loads past the head's end and past d;
+the output goes out through masked stores (``O_STORE`` 0: from the wgmma layout, 1: through a
+row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
 :mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
 """
 
@@ -46,22 +51,45 @@ _LN2 = gl.constexpr(LN2)
 
 
 @gluon.jit
-def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+def _head_desc(X, seqlen, stride, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, WIDTH: gl.constexpr):
+    """Descriptor of one (seqlen, HEAD_DIM) row-major head with ROWS x WIDTH boxes: a box's part past the
+    last row or column reads 0 and is dropped when stored."""
+    dtype: gl.constexpr = X.dtype.element_ty
+    return tma.make_tensor_descriptor(X, [seqlen, HEAD_DIM], [stride, 1], [ROWS, WIDTH],
+                                      gl.NVMMASharedLayout.get_default_for([ROWS, WIDTH], dtype))
+
+
+@gluon.jit
+def _load(desc0, desc1, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr):
+    """TMA copies of rows [row, + box) into ``tiles[i].index(idx)``: columns [0, BLOCK_D0) and, when split,
+    [BLOCK_D0, BLOCK_D0 + BLOCK_D1), both counted on ``bar``."""
+    tma.async_copy_global_to_shared(desc0, [row, 0], bar, tiles[0].index(idx), pred=pred)
+    if BLOCK_D1 > 0:
+        tma.async_copy_global_to_shared(desc1, [row, BLOCK_D0], bar, tiles[1].index(idx), pred=pred)
+
+
+@gluon.jit
+def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
               stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
-              HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """TMA loads of Q (once, one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring slot
-    j % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do."""
+    j % NUM_STAGES.  Columns past HEAD_DIM read 0, as rows past Nq / Nk do."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D],
-                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype))
-    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype))
-    v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype))
+    q_desc = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D0)
+    k_desc = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D0)
+    v_desc = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D0)
+    if BLOCK_D1 > 0:
+        q_desc1 = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D1)
+        k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+        v_desc1 = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+    else:  # unread
+        q_desc1 = q_desc
+        k_desc1 = k_desc
+        v_desc1 = v_desc
     # a box's transaction bytes count its zero-filled part too
-    q_bytes: gl.constexpr = NUM_WG * 64 * BLOCK_D * dtype.primitive_bitwidth // 8
-    kv_bytes: gl.constexpr = BLOCK_N * BLOCK_D * dtype.primitive_bitwidth // 8
+    q_bytes: gl.constexpr = NUM_WG * 64 * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = BLOCK_N * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
     has_work = n_tiles > 0  # consumers never wait for Q when there is no tile; no copy may outlive them
     mbarrier.expect(q_bar, q_bytes, pred=has_work)
     for w in gl.static_range(NUM_WG):
@@ -69,15 +97,17 @@ def _producer(Q, K, V, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty
         # those rows' outputs are never stored, and no box lies wholly out of bounds
         q_row = start_m + w * 64
         q_row = gl.where(q_row < seqlen_q, q_row, start_m)
-        tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(w), pred=has_work)
+        _load(q_desc, q_desc1, q_row, q_bar, q_tiles, w, has_work, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
     for j in range(n_tiles):
         slot = j % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        _load(k_desc, k_desc1, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True,
+              BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
         mbarrier.expect(v_ready.index(slot), kv_bytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        _load(v_desc, v_desc1, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True,
+              BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
 
 
 @gluon.jit
@@ -101,6 +131,58 @@ def _turn_pass(turn_bars, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.c
 
 
 @gluon.jit
+def _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1: gl.constexpr):
+    """S = Q0 K0ᵀ (+ Q1 K1ᵀ when split) of ring slot ``slot``, async: one wgmma commit group per part, the
+    second accumulating on the first."""
+    s = warpgroup_mma(q_wg[0], k_tiles[0].index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if BLOCK_D1 > 0:
+        s = warpgroup_mma(q_wg[1], k_tiles[1].index(slot).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _pv(p, v_tiles, slot, acc0, acc1, BLOCK_D1: gl.constexpr):
+    """O_i += P V_i of ring slot ``slot``, async: one wgmma commit group per part."""
+    acc0 = warpgroup_mma(p, v_tiles[0].index(slot), acc0, is_async=True)
+    if BLOCK_D1 > 0:
+        acc1 = warpgroup_mma(p, v_tiles[1].index(slot), acc1, is_async=True)
+    return acc0, acc1
+
+
+@gluon.jit
+def _wait_pv(acc0, acc1, p, BLOCK_D1: gl.constexpr):
+    """Every wgmma retired; O and P (read by the P V GEMMs from registers, kept alive until here) back."""
+    if BLOCK_D1 > 0:
+        acc0, acc1, p = warpgroup_mma_wait(0, deps=(acc0, acc1, p))
+    else:
+        acc0, p = warpgroup_mma_wait(0, deps=(acc0, p))
+    return acc0, acc1, p
+
+
+@gluon.jit
+def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
+    """S back in registers: with ``INTRA`` only S (groups retire in order: the P V groups issued after it
+    may still run), otherwise every group."""
+    if INTRA:
+        if BLOCK_D1 > 0:
+            s = warpgroup_mma_wait(2, deps=(s,))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s,))
+    else:
+        if BLOCK_D1 > 0:
+            s, acc0, acc1, p = warpgroup_mma_wait(0, deps=(s, acc0, acc1, p))
+        else:
+            s, acc0, p = warpgroup_mma_wait(0, deps=(s, acc0, p))
+    return s, acc0, acc1, p
+
+
+@gluon.jit
+def _rows_times(acc, x):
+    """acc * x[:, None] for a per-row vector ``x`` of any row layout."""
+    return acc * gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
     """Online softmax of the raw scores ``s`` of kv tile ``start_n``: (p, m, l, alpha).  Unmasked scores
     stay unscaled: ``rowmax(s) * qk_scale`` is the scaled max because ``qk_scale > 0`` (host-checked)."""
@@ -120,10 +202,10 @@ def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _kv_iter(j, acc, p_prev, m_i, l_i, turn, q_wg, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, last_key, s_zero,
+def _kv_iter(j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+             turn_bars, qk_scale, last_key, s_zero,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
-             MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
+             BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
     P V GEMM (``INTRA``) or after it, then O rescaled and slot j - 1 released."""
     slot = j % NUM_STAGES
@@ -131,31 +213,29 @@ def _kv_iter(j, acc, p_prev, m_i, l_i, turn, q_wg, k_smem, v_smem, k_ready, v_re
     mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
     turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
-    s = warpgroup_mma(q_wg, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
+    acc0, acc1 = _pv(p_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
-    if INTRA:
-        s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done, P V may still run
-    else:
-        s, acc, p_prev = warpgroup_mma_wait(0, deps=(s, acc, p_prev))
+    s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
                                        MASKED=MASKED)
-    # p_prev is read by the in-flight wgmma from registers: kept alive until this wait
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+    acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
     mbarrier.arrive(kv_empty.index(prev))
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    acc0 = _rows_times(acc0, alpha)
+    if BLOCK_D1 > 0:
+        acc1 = _rows_times(acc1, alpha)
     p_next = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
-    return acc, p_next, m_i, l_i, turn
+    return acc0, acc1, p_next, m_i, l_i, turn
 
 
 @gluon.jit
-def _prologue(q_wg, k_smem, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles,
-              BLOCK_N: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-              SKIP_MASK0: gl.constexpr):
+def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles,
+              BLOCK_N: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_D1: gl.constexpr,
+              PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
     """S_0 and its softmax: masked unless ``SKIP_MASK0`` and every row sees all of tile 0."""
     mbarrier.wait(k_ready.index(0), 0)
     turn = _turn_wait(turn_bars, 0, WG, PINGPONG)
-    s = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = _qk(q_wg, k_tiles, 0, s_zero, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s,))
     if SKIP_MASK0:
@@ -169,11 +249,37 @@ def _prologue(q_wg, k_smem, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_
 
 
 @gluon.jit
-def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+def _store_rows(Out, out, row0, stride_om, seqlen_q, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
+                O_STORE: gl.constexpr):
+    """Masked stores of ``out`` (64 rows x its width) at rows [row0, + 64), columns [COL0, + width): rows past
+    Nq and columns past HEAD_DIM dropped.  ``O_STORE`` 1: through a row-contiguous layout (16 bytes per
+    thread, a row's threads adjacent: full 128-byte lines per warp store), else from the wgmma layout."""
+    M: gl.constexpr = out.shape[0]
+    WIDTH: gl.constexpr = out.shape[1]
+    if O_STORE == 1:
+        TPW_D: gl.constexpr = WIDTH // 8
+        st_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPW_D, TPW_D],
+                                                   warps_per_cta=[4, 1], order=[1, 0])
+    else:
+        st_layout: gl.constexpr = out.type.layout
+    out = gl.convert_layout(out, st_layout)
+    rows_o = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, st_layout))
+    cols_o = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, st_layout))
+    if COL0 > 0:
+        cols_o = cols_o + COL0
+    o_ptrs = Out + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols_o, 0)
+    o_mask = gl.expand_dims(rows_o < seqlen_q, 1)
+    if COL0 + WIDTH != HEAD_DIM:
+        o_mask = o_mask & gl.expand_dims(cols_o < HEAD_DIM, 0)
+    gl.store(o_ptrs, out, mask=o_mask)
+
+
+@gluon.jit
+def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
               qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-              WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
-              PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
+              WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
+              BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of the tile: the kv loop, then O / l and the LSE.  ``O_STORE``:
     0 masked stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA
     store staged in this warpgroup's Q rows."""
@@ -183,10 +289,10 @@ def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empt
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
+                                                       instr_shape=[16, BLOCK_D0, 16])
+    # P is the A operand of both P V GEMMs: its register layout depends on M and K only, not on O's width
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     row0 = start_m + WG * M
     rows = row0 + gl.arange(0, M, layout=row_s)
@@ -196,66 +302,67 @@ def _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empt
         last_key = gl.minimum(last_key, rows + (seqlen_k - seqlen_q))
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([M], gl.float32, layout=row_s)
-    acc = gl.zeros([M, BLOCK_D], gl.float32, layout=o_layout)
+    acc0 = gl.zeros([M, BLOCK_D0], gl.float32, layout=o_layout)
+    if BLOCK_D1 > 0:
+        o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_D1, 16])
+        acc1 = gl.zeros([M, BLOCK_D1], gl.float32, layout=o1_layout)
+        q_wg = (q_tiles[0].index(WG), q_tiles[1].index(WG))
+    else:
+        acc1 = acc0  # unread
+        q_wg = (q_tiles[0].index(WG),)
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
-        q_wg = q_smem.index(WG)
         mbarrier.wait(q_bar, 0)
-        p, m_i, l_i, turn = _prologue(q_wg, k_smem, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero,
-                                      full_tiles, BLOCK_N=BLOCK_N, WG=WG, NUM_WG=NUM_WG, PINGPONG=PINGPONG,
-                                      SKIP_MASK0=SKIP_MASK0)
+        p, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero,
+                                      full_tiles, BLOCK_N=BLOCK_N, WG=WG, NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1,
+                                      PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, full_tiles):
-            acc, p_prev, m_i, l_i, turn = _kv_iter(
-                j, acc, p_prev, m_i, l_i, turn, q_wg, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_bars,
-                qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG, NUM_WG=NUM_WG,
-                MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG)
+            acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
+                j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG)
         for j in range(gl.maximum(full_tiles, 1), n_tiles):
-            acc, p_prev, m_i, l_i, turn = _kv_iter(
-                j, acc, p_prev, m_i, l_i, turn, q_wg, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_bars,
-                qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG, NUM_WG=NUM_WG,
-                MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG)
+            acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
+                j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG)
         # epilogue: O += P_{n-1} V_{n-1}
         last = n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
         turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
-        acc = warpgroup_mma(p_prev, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
         mbarrier.arrive(kv_empty.index(last % NUM_STAGES))
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
     gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
-    out = (acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, row_o), 1)).to(dtype)
+    out0 = _rows_times(acc0, 1.0 / l_safe).to(dtype)
+    if BLOCK_D1 > 0:
+        out1 = _rows_times(acc1, 1.0 / l_safe).to(dtype)
     if O_STORE == 2:
         # staged in this warpgroup's Q rows (its last S GEMM has retired); the descriptor drops rows past
         # Nq and columns past HEAD_DIM
-        o_desc = tma.make_tensor_descriptor(Out, [seqlen_q, HEAD_DIM], [stride_om, 1], [M, BLOCK_D],
-                                            gl.NVMMASharedLayout.get_default_for([M, BLOCK_D], dtype))
+        o_desc = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D0)
+        if BLOCK_D1 > 0:
+            o_desc1 = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D1)
         if row0 < seqlen_q:  # no box wholly out of bounds (the last tile's upper warpgroups)
-            o_stage = q_smem.index(WG)
-            o_stage.store(out)
+            q_wg[0].store(out0)
+            if BLOCK_D1 > 0:
+                q_wg[1].store(out1)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [row0, 0], o_stage)
+            tma.async_copy_shared_to_global(o_desc, [row0, 0], q_wg[0])
+            if BLOCK_D1 > 0:
+                tma.async_copy_shared_to_global(o_desc1, [row0, BLOCK_D0], q_wg[1])
             tma.store_wait(0)
     else:
-        if O_STORE == 1:
-            # 16 bytes per thread, a row's threads adjacent: full 128-byte lines per warp store
-            TPW_D: gl.constexpr = BLOCK_D // 8
-            st_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TPW_D, TPW_D],
-                                                       warps_per_cta=[4, 1], order=[1, 0])
-        else:
-            st_layout: gl.constexpr = o_layout
-        out = gl.convert_layout(out, st_layout)
-        rows_o = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, st_layout))
-        cols_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, st_layout))
-        o_ptrs = Out + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols_o, 0)
-        o_mask = gl.expand_dims(rows_o < seqlen_q, 1)
-        if BLOCK_D != HEAD_DIM:
-            o_mask = o_mask & gl.expand_dims(cols_o < HEAD_DIM, 0)
-        gl.store(o_ptrs, out, mask=o_mask)
+        _store_rows(Out, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
+        if BLOCK_D1 > 0:
+            _store_rows(Out, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles"])
@@ -267,20 +374,25 @@ def fa3_gluon_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
-    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-    LPT_GROUP: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
+    O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, the query tiles of one head adjacent (they share
     its K and V in L2); causal runs each head's tiles last-first, the longest rows first, or with
     ``LPT_GROUP`` > 0 the longest tiles of each group of that many heads first.  Launch with
-    ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d, ``BLOCK_D`` the power of
-    two >= max(d, 16) every tile is wide (the columns past d are zero in Q, K, V and never stored)."""
+    ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d; the tiles cover columns
+    [0, BLOCK_D0) and, when ``BLOCK_D1 > 0``, [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (powers of two >= 16; the
+    columns past d are zero in Q, K, V and never stored)."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
-    gl.static_assert(BLOCK_D >= HEAD_DIM)
-    gl.static_assert(BLOCK_D >= 16)
+    gl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
+    gl.static_assert(BLOCK_D0 >= 16)  # wgmma K step
+    gl.static_assert((BLOCK_D0 & (BLOCK_D0 - 1)) == 0)
+    # the second part starts inside the head (no box wholly out of bounds) and is a power of two >= 16
+    gl.static_assert(BLOCK_D1 == 0 or (BLOCK_D0 < HEAD_DIM and BLOCK_D1 >= 16 and BLOCK_D1 <= BLOCK_D0))
+    gl.static_assert((BLOCK_D1 & (BLOCK_D1 - 1)) == 0)
     gl.static_assert(BLOCK_N % 16 == 0)
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     # a consumer frees slot j - 1 only after waiting for K_j: one slot would deadlock
@@ -316,11 +428,26 @@ def fa3_gluon_kernel(
     n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
     full_tiles = gl.maximum(full_end, 0) // BLOCK_N
 
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
+                                       gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
+    if BLOCK_D1 > 0:
+        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_D1], dtype))
+        k_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
+        v_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
+        q_tiles = (q_smem, q_smem1)
+        k_tiles = (k_smem, k_smem1)
+        v_tiles = (v_smem, v_smem1)
+    else:
+        q_tiles = (q_smem,)
+        k_tiles = (k_smem,)
+        v_tiles = (v_smem,)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -339,67 +466,32 @@ def fa3_gluon_kernel(
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     o_base = Out + off_b * stride_ob + off_h * stride_oh
     lse_row0 = bh.to(gl.int64) * seqlen_q
-    # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
+    # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
+    # values): the consumers' argument tuples are spelled out, each with its WG
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer_wg0, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-             lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, NUM_WG, HEAD_DIM, BLOCK_D, BLOCK_N,
-             NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer_wg1, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-             lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, NUM_WG, HEAD_DIM, BLOCK_D, BLOCK_N,
-             NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_producer, (q_base, k_base, v_base, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, stride_qm,
-             stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D, NUM_WG, BLOCK_N,
-             NUM_STAGES)),
+            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+            (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+             stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+             NUM_WG, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer_wg0, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-             lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, NUM_WG, HEAD_DIM, BLOCK_D, BLOCK_N,
-             NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer_wg1, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-             lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, NUM_WG, HEAD_DIM, BLOCK_D, BLOCK_N,
-             NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer_wg2, (o_base, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-             lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, NUM_WG, HEAD_DIM, BLOCK_D, BLOCK_N,
-             NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_producer, (q_base, k_base, v_base, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, stride_qm,
-             stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D, NUM_WG, BLOCK_N,
-             NUM_STAGES)),
+            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
+             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+            (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+             stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+             NUM_WG, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
-def _consumer_wg0(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-                  NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-                  SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
-    _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-              WG=0, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE)
-
-
-@gluon.jit
-def _consumer_wg1(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-                  NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-                  SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
-    _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-              WG=1, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE)
-
-
-@gluon.jit
-def _consumer_wg2(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-                  NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-                  SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
-    _consumer(Out, LSE, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-              WG=2, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE)

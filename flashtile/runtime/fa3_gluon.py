@@ -4,13 +4,15 @@
 ``fa3_gluon_forward`` has :func:`flashtile.runtime.fa3_fwd.fa3_forward`'s contract on what it covers:
 bf16 / fp16 (B, H, N, d) views, GQA / MQA, causal (bottom-right) or not, ragged Nq / Nk, ``(out, lse)``
 with LSE in natural log, -inf and a zero output on rows that see no key.  Head dims: every multiple of 8 up
-to 256 (tiles are ``block_d(d)`` wide, the next power of two >= 16; TMA zero-fills the columns past d).
+to 256, tiled as one power of two or, split (``head_split``), as two (d = 96: 64 + 32); TMA zero-fills the
+columns past d.
 Launches are bound once per problem signature (:func:`flashtile.runtime.launch.launch`); ``BIND_LAUNCH =
 False`` sends every call through Triton's own ``kernel[grid]`` path instead.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -22,7 +24,7 @@ from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
 __all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "GLUON_HEAD_DIMS",
-           "BLOCK_M", "block_d"]
+           "BLOCK_M", "block_d", "head_split"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
 BLOCK_M = 128  # query rows of the default two consumer warpgroups (64 each); GluonConfig.block_m in general
@@ -33,6 +35,19 @@ BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's
 def block_d(d: int) -> int:
     """Width of every tile at head dim ``d``: the next power of two, at least 16 (wgmma K step)."""
     return max(16, triton.next_power_of_2(d))
+
+
+@functools.lru_cache(maxsize=None)
+def head_split(d: int, split: bool = True) -> tuple[int, int]:
+    """The kernel's (BLOCK_D0, BLOCK_D1): tiles of columns [0, D0) and [D0, D0 + D1) covering head dim ``d``.
+    Split (``split`` and d > 16 not a power of two): D0 the largest power of two below d, D1 the next power
+    of two >= max(d - D0, 16) (d = 96: 64 + 32, 80: 64 + 16, 112: 64 + 64, 192: 128 + 64); otherwise
+    (``block_d(d)``, 0)."""
+    bd = block_d(d)
+    if not split or d <= 16 or bd == d:
+        return bd, 0
+    d0 = bd // 2
+    return d0, block_d(d - d0)
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class GluonConfig:
     skip_mask0: bool = True  # tile 0 unmasked when every row of the program sees all of it
     o_coalesced: bool = False  # plain stores through a row-contiguous layout (16 B per thread), not o_tma
     lpt_group: int = 0  # causal: longest tiles first across groups of this many heads (0: per head)
+    split_d: bool = True  # a head dim that is not a power of two as two power-of-two parts (head_split)
 
     @property
     def block_m(self) -> int:
@@ -64,38 +80,57 @@ class GluonConfig:
         """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
         return 2 if self.o_tma else 1 if self.o_coalesced else 0
 
+    def widths(self, d: int) -> tuple[int, int]:
+        """The kernel's (BLOCK_D0, BLOCK_D1) at head dim ``d``."""
+        return head_split(d, self.split_d)
+
 
 def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of a config: the Q tile, ``num_stages`` K and V tiles (all ``block_d(d)`` wide), under
-    1 KB of mbarriers, and with ``o_coalesced`` the layout conversion's scratch, per consumer warpgroup
-    max(8 KB, half its O tile) (sm_90a compiles: +16288 B at d = 128 x 2 warpgroups, +24824 B at d = 64 x 3,
-    +32672 B at d = 192; 164144 bytes in all for d = 128, 128 x 128, 2 stages, plain stores)."""
-    bd = block_d(d)
-    tile = 64 * bd * esize
-    conv = cfg.num_wg * min(tile, max(8192, tile // 2)) if cfg.o_coalesced and not cfg.o_tma else 0
-    return cfg.block_m * bd * esize + cfg.num_stages * 2 * cfg.block_n * bd * esize + 1024 + conv
+    """Shared memory of a config: the Q tile, ``num_stages`` K and V tiles (all ``sum(cfg.widths(d))``
+    wide), under 1 KB of mbarriers, and with ``o_coalesced`` the layout conversions' scratch: unsplit, per
+    consumer warpgroup max(8 KB, half its O tile) (sm_90a compiles: +16288 B at d = 128 x 2 warpgroups,
+    +24824 B at d = 64 x 3, +32672 B at d = 192; 164144 bytes in all for d = 128, 128 x 128, 2 stages, plain
+    stores); split, a bound: (warpgroups + 1) x min(8 KB, the first part's 64-row tile) (compiles: +16224 B
+    with 2 warpgroups; with 3, +16224 B at d = 40, +28512 B at 80, +32608 B at 96)."""
+    d0, d1 = cfg.widths(d)
+    width = d0 + d1
+    conv = 0
+    if cfg.o_coalesced and not cfg.o_tma:
+        tile = 64 * d0 * esize
+        conv = (cfg.num_wg + 1) * min(8192, tile) if d1 else cfg.num_wg * min(tile, max(8192, tile // 2))
+    return cfg.block_m * width * esize + cfg.num_stages * 2 * cfg.block_n * width * esize + 1024 + conv
 
 
+@functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
 def gluon_config(d: int, causal: bool) -> GluonConfig:
-    """The config for head dim ``d`` (a table per ``block_d(d)`` bucket, CPU-testable), from the H100 probes
-    (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Gluon forward" and "Forward dispatch"): d <= 32 two
-    consumers and no schedule, 128-key tiles, 3 stages; 32 < d <= 64 three 64-row consumers with both
-    schedules (FA3's d = 64 shape: 501 vs 403 TFLOP/s for two consumers at 16k, 414 vs 353 at 4k);
-    d <= 128 both schedules, 128-key tiles, 3 stages (229728 B); d <= 256 both schedules, 64-key tiles,
-    2 stages (Q alone is 64 KB).  Causal takes the same rows: the masked-tile-0 / TMA-store variants
-    differed from them by less than the run-to-run spread."""
+    """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
+    (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
+    as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
+    B*N = 16k, H*d = 2048; bench/NOTES.md, "Gluon forward" and "Forward dispatch"): <= 32 two consumers and
+    no schedule, 128-key tiles, 3 stages; <= 64 three 64-row consumers with both schedules (FA3's d = 64
+    shape: 501 vs 403 TFLOP/s for two consumers at 16k, 414 vs 353 at 4k); 80-96 (split) both schedules,
+    128-key tiles, 4 stages (221600 B at d = 96); 128 both schedules, 128-key tiles, 3 stages (229728 B);
+    144-192 (split) both schedules, 64-key tiles, 3 stages (197024 B at d = 192; 128-key tiles need 240 KB
+    at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
+    rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread."""
     del causal
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
-    bd = block_d(d)
-    if bd <= 32:
-        cfg = GluonConfig(block_n=128, num_stages=3, intra=False, pingpong=False)
-    elif bd == 64:
-        cfg = GluonConfig(block_n=128, num_stages=3, num_wg=3)
-    elif bd == 128:
-        cfg = GluonConfig(block_n=128, num_stages=3)
+    d0, d1 = head_split(d)
+    split = d1 == 0 or d0 + d1 < block_d(d)  # split_d=False where the parts are as wide as block_d(d)
+    width = d0 + d1 if split else block_d(d)
+    if width <= 32:
+        cfg = GluonConfig(block_n=128, num_stages=3, intra=False, pingpong=False, split_d=split)
+    elif width <= 64:
+        cfg = GluonConfig(block_n=128, num_stages=3, num_wg=3, split_d=split)
+    elif width < 128:
+        cfg = GluonConfig(block_n=128, num_stages=4, split_d=split)
+    elif width == 128:
+        cfg = GluonConfig(block_n=128, num_stages=3, split_d=split)
+    elif width < 256:
+        cfg = GluonConfig(block_n=64, num_stages=3, split_d=split)
     else:
-        cfg = GluonConfig(block_n=64, num_stages=2)
+        cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
@@ -108,6 +143,8 @@ def _check_config(cfg) -> None:
         # a consumer frees ring slot j - 1 only after waiting for K_j: one slot would deadlock; the masks'
         # aranges need a power of two
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
+    if not isinstance(cfg.split_d, bool):
+        raise TypeError(f"config: split_d must be a bool, got {cfg}")
     if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
         raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
@@ -148,9 +185,13 @@ def fa3_gluon_forward(
         _check_config(config)
     _check(q, k, v, out)
     cfg = config if config is not None else gluon_config(q.shape[3], causal)
-    if cfg.num_wg == 3 and block_d(q.shape[3]) > 64:
-        # 160 registers per consumer thread: ptxas spills 1.3-1.7 KB at d = 128 (scratch/cc_gluon.py)
-        raise ValueError(f"config: num_wg = 3 covers head dims up to 64, got d = {q.shape[3]}")
+    width = sum(cfg.widths(q.shape[3]))
+    if cfg.num_wg == 3 and width > 64 and (cfg.block_n > 64 or width > 128):
+        # 160 registers per consumer thread: with 128-key tiles ptxas spills 0.2 KB at d = 80 (split) to
+        # 1.3-1.7 KB at d = 128; 64-key tiles spill nothing up to 144 columns, 300 B at 192
+        # (scratch/cc_gluon.py)
+        raise ValueError(f"config: num_wg = 3 covers tiles up to 64 columns, or up to 128 with block_n <= 64; "
+                         f"got {width} columns at d = {q.shape[3]} and block_n = {cfg.block_n}")
     if config is not None and smem_bytes(cfg, q.shape[3], q.element_size()) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, q.shape[3], q.element_size())} bytes of shared "
                          f"memory at d = {q.shape[3]}, over {SMEM_LIMIT}")
@@ -183,7 +224,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hk, nq, nk, num_m_tiles,
         # constexprs, in the kernel's order
-        d, block_d(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
+        d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(), cfg.lpt_group,
     )
     with torch.cuda.device(q.device):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashtile.runtime.fa3_gluon import (
-    GLUON_HEAD_DIMS, SMEM_LIMIT, GluonConfig, block_d, fa3_gluon_forward, gluon_config, smem_bytes,
+    GLUON_HEAD_DIMS, SMEM_LIMIT, GluonConfig, block_d, fa3_gluon_forward, gluon_config, head_split, smem_bytes,
 )
 from tests._oracle import assert_close, attention_ref
 
@@ -31,7 +31,9 @@ def test_config_table_fits():
             assert cfg.num_stages >= 2 and cfg.block_n % 16 == 0 and cfg.num_wg in (2, 3)
     assert GLUON_HEAD_DIMS == tuple(range(8, 257, 8))
     assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3)
-    assert gluon_config(96, False) == gluon_config(128, False)  # one config per block_d bucket
+    assert gluon_config(96, False) == GluonConfig(block_n=128, num_stages=4)  # 64 + 32 columns: a 4th stage fits
+    assert gluon_config(112, False) == replace(gluon_config(128, False), split_d=False)  # 64 + 64: nothing saved
+    assert gluon_config(192, True) == GluonConfig(block_n=64, num_stages=3)  # 128 + 64 columns: a 3rd stage fits
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
     assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
     assert gluon_config(32, False).num_wg == 2
@@ -43,18 +45,54 @@ def test_config_table_fits():
 
 def test_smem_estimate_matches_compile_reports():
     # Triton 3.6, sm_90a, bf16 (metadata.shared from scratch/cc_gluon.py): the estimate is above by < 1 KB
+    unsplit = dict(split_d=False)
     for cfg, d, reported in [
         (GluonConfig(128, 2), 128, 164144), (GluonConfig(128, 3), 128, 229728),
         (GluonConfig(64, 2), 256, 196912), (GluonConfig(32, 4), 256, 196960),
         (GluonConfig(128, 2, o_tma=True), 128, 164304), (GluonConfig(64, 2, o_tma=True), 256, 197072),
-        (GluonConfig(128, 2, o_coalesced=True), 128, 180432), (GluonConfig(128, 3, o_coalesced=True), 96, 246016),
-        (GluonConfig(64, 2, o_coalesced=True), 192, 229584), (GluonConfig(128, 4), 8, 37216),
+        (GluonConfig(128, 2, o_coalesced=True), 128, 180432),
+        (GluonConfig(128, 3, o_coalesced=True, **unsplit), 96, 246016),
+        (GluonConfig(64, 2, o_coalesced=True, **unsplit), 192, 229584), (GluonConfig(128, 4), 8, 37216),
         (GluonConfig(128, 4, o_coalesced=True), 64, 164096),
         (GluonConfig(128, 2, num_wg=3), 64, 90392), (GluonConfig(128, 3, num_wg=3), 64, 123256),
         (GluonConfig(128, 4, num_wg=3, o_coalesced=True), 64, 180472),
-        (GluonConfig(128, 3, num_wg=3, o_coalesced=True), 40, 147704),
+        (GluonConfig(128, 3, num_wg=3, o_coalesced=True, **unsplit), 40, 147704),
+        # head dim split in two parts: tiles D0 + D1 wide
+        (GluonConfig(128, 3), 96, 172448), (GluonConfig(128, 4), 96, 221600),
+        (GluonConfig(128, 4, o_tma=True), 96, 221696), (GluonConfig(128, 4), 80, 184736),
+        (GluonConfig(128, 3, o_tma=True), 112, 229880), (GluonConfig(64, 3), 192, 197024),
+        (GluonConfig(64, 4, num_wg=3), 96, 135608), (GluonConfig(64, 3, num_wg=3, o_tma=True), 72, 92824),
+        (GluonConfig(128, 3, num_wg=3), 40, 92600),
     ]:
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024, (cfg, d)
+    # split with coalesced stores: the conversions' scratch is a bound, above by < 9 KB
+    for cfg, d, reported in [
+        (GluonConfig(128, 3, o_coalesced=True), 96, 188672), (GluonConfig(128, 3, o_coalesced=True), 80, 160000),
+        (GluonConfig(64, 3, o_coalesced=True), 192, 213248), (GluonConfig(64, 4, num_wg=3, o_coalesced=True), 96, 168216),
+        (GluonConfig(64, 3, num_wg=3, o_coalesced=True), 96, 143608),
+        (GluonConfig(64, 3, num_wg=3, o_coalesced=True), 72, 121080),
+        (GluonConfig(128, 3, num_wg=3, o_coalesced=True), 40, 108824),
+    ]:
+        assert 0 <= smem_bytes(cfg, d) - reported <= 9 * 1024, (cfg, d)
+
+
+def test_head_split():
+    """Two power-of-two parts, the first the largest power of two below d, the second >= 16 (wgmma K step)
+    reaching past d by less than itself; unsplit: one block_d(d)-wide part."""
+    assert [head_split(d) for d in (96, 80, 72, 112, 192, 136, 40, 24)] == [
+        (64, 32), (64, 16), (64, 16), (64, 64), (128, 64), (128, 16), (32, 16), (16, 16)]
+    for d in GLUON_HEAD_DIMS:
+        d0, d1 = head_split(d)
+        assert head_split(d, False) == (block_d(d), 0)
+        if d1 == 0:
+            assert d0 == block_d(d) and (d <= 16 or d0 == d)
+            continue
+        assert d0 < d < d0 + d1 <= block_d(d) or d0 + d1 == d
+        assert d0 & (d0 - 1) == 0 and d1 & (d1 - 1) == 0 and 16 <= d1 <= d0
+        assert d1 == 16 or d - d0 > d1 // 2  # the second part is the next power of two >= 16
+    for d in (72, 80, 88, 96, 136, 144, 152, 160, 168, 176, 184, 192):  # the table splits where it narrows the tiles
+        cfg = gluon_config(d, False)
+        assert cfg.split_d and sum(cfg.widths(d)) < block_d(d)
 
 
 def test_refusals_name_the_argument(monkeypatch):
@@ -80,15 +118,22 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(96, 2))  # masks need a power of two
     with pytest.raises(ValueError, match="num_wg"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, num_wg=4))
-    with pytest.raises(ValueError, match="num_wg"):
-        q128 = torch.zeros(1, 1, 16, 128, dtype=torch.float16)
-        monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
-        fa3_gluon_forward(q128, q128, q128, softmax_scale=0.125, config=GluonConfig(128, 2, num_wg=3))
+    with pytest.raises(TypeError, match="split_d"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, split_d=1))
+    monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
+    # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
+    for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
+        x = torch.zeros(1, 1, 16, d, dtype=torch.float16)
+        with pytest.raises(ValueError, match="num_wg = 3.*block_n"):
+            fa3_gluon_forward(x, x, x, softmax_scale=0.125, config=GluonConfig(block_n, 2, num_wg=3))
     with pytest.raises(ValueError, match="consumer_regs"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, num_wg=3, consumer_regs=240))
 
 
-@pytest.mark.parametrize("d,cfg", [(40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None)])
+@pytest.mark.parametrize("d,cfg", [
+    (40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None), (128, None),
+    (96, GluonConfig(64, 4, num_wg=3)), (96, GluonConfig(128, 3, split_d=False)),
+])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
     runtime.launch passes them): a mismatch would only show on a GPU."""
@@ -117,8 +162,11 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert bound["stride_om"] == d and bound["stride_kh"] == 500 * d
     num_m_tiles = -(-300 // cfg.block_m)
     assert bound["num_m_tiles"] == num_m_tiles and grid == (2 * 4 * num_m_tiles,)
-    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_WG"], bound["BLOCK_N"], bound["NUM_STAGES"]) == (
-        d, block_d(d), cfg.num_wg, cfg.block_n, cfg.num_stages)
+    assert (bound["HEAD_DIM"], bound["NUM_WG"], bound["BLOCK_N"], bound["NUM_STAGES"]) == (
+        d, cfg.num_wg, cfg.block_n, cfg.num_stages)
+    assert (bound["BLOCK_D0"], bound["BLOCK_D1"]) == head_split(d, cfg.split_d) == {
+        (40, True): (32, 16), (192, True): (128, 64), (128, True): (128, 0), (96, True): (64, 32),
+        (96, False): (128, 0)}[d, cfg.split_d]
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
         True, cfg.intra, cfg.pingpong, cfg.skip_mask0)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
@@ -179,6 +227,34 @@ def test_gpu_head_dims_not_a_power_of_two(d, causal, store):
     if smem_bytes(cfg, d) > SMEM_LIMIT:
         cfg = replace(cfg, num_stages=2)
     for nq, nk in [(333, 517), (517, 333)]:
+        _gpu_case(d, causal, cfg, nq, nk)
+
+
+SPLIT_SCHEDULES = {
+    "table": {}, "intra": dict(pingpong=False), "pingpong": dict(intra=False),
+    "neither": dict(intra=False, pingpong=False), "tma-store": dict(o_tma=True),
+    "coalesced-store": dict(o_coalesced=True), "3wg-64-keys": dict(num_wg=3, block_n=64, num_stages=3),
+    "unsplit": dict(split_d=False),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [80, 96, 112, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("schedule", list(SPLIT_SCHEDULES))
+def test_gpu_split_head_dims(d, causal, schedule):
+    """The head dim as two tile parts (d = 80: 64 + 16, 96: 64 + 32, 112: 64 + 64 with 16 zero columns,
+    192: 128 + 64) in every store mode and schedule, against the unsplit kernel's float64 oracle; GQA 4:2,
+    ragged Nq / Nk, one query, causal bottom-right (the output is NaN-poisoned first)."""
+    cfg = replace(gluon_config(d, causal), **{"split_d": True, **SPLIT_SCHEDULES[schedule]})
+    while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.num_wg == 3 and d > 128:  # refused: 300 B of spills at 192 columns
+        pytest.skip("three consumer warpgroups cover up to 128 columns")
+    assert smem_bytes(cfg, d) <= SMEM_LIMIT
+    assert (head_split(d, cfg.split_d)[1] > 0) == (schedule != "unsplit")
+    for nq, nk in [(1, 300), (333, 517), (517, 333)]:
         _gpu_case(d, causal, cfg, nq, nk)
 
 
