@@ -102,13 +102,15 @@ GLUON = True
 
 def use_gluon(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
-    producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop)
-    rather than the Triton one: for 32 < d <= 128.  H100, bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md,
-    "Forward dispatch"), Gluon / Triton TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 480 / 429
-    and 448 / 403, causal 451 / 387 and 371 / 284; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and
-    428 / 353.  d > 128 stays on the Triton kernel (its 128 x 64 tiles: 645 vs 523 at d = 256, 16k)."""
+    producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop, the
+    head dim split into two power-of-two tile parts) rather than the Triton one: for 32 < d <= 192.  H100,
+    bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Forward dispatch" and "two tile parts"), Gluon / Triton
+    TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 529 / 438 and 516 / 439, causal 484 / 342 and
+    388 / 355; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and 428 / 353; d = 192 664 / 522 and
+    604 / 505, causal 550 / 462 and 511 / 430.  Wider heads (tiles 256 wide) stay on the Triton kernel (its
+    128 x 64 tiles: 645 vs 523 at d = 256, 16k)."""
     del causal
-    return GLUON and 32 < d <= 128
+    return GLUON and 32 < d <= 192
 
 
 def _tma_ready(x: torch.Tensor) -> bool:

@@ -187,8 +187,8 @@ def test_hopper_wins_follows_the_measured_table():
 def test_gluon_takes_the_head_dims_it_was_measured_to_win(monkeypatch):
     from flashtile.runtime.fa3_fwd import use_gluon
 
-    assert all(use_gluon(d, c) for d in (40, 64, 72, 96, 128) for c in (False, True))
-    assert not any(use_gluon(d, False) for d in (16, 32, 136, 192, 256))
+    assert all(use_gluon(d, c) for d in (40, 64, 72, 96, 128, 136, 192) for c in (False, True))
+    assert not any(use_gluon(d, False) for d in (16, 32, 200, 248, 256))
     monkeypatch.setattr(fa3_fwd, "GLUON", False)
     assert not use_gluon(128, False)
 
