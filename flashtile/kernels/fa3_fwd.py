@@ -147,6 +147,33 @@ def _varlen_report(CuSeqQ, CuSeqK, Err, off_b, n_batch, seqlen_q, seqlen_k, tota
 
 
 @triton.jit
+def _slot_start(CuSeqQ, b, total_q, BLOCK_M: tl.constexpr):
+    """First slot of sequence ``b`` in the packed grid: its start row (clamped to [0, total_q]) // BLOCK_M + b."""
+    start = tl.minimum(tl.maximum(tl.load(CuSeqQ + b).to(tl.int64), 0), total_q)
+    return (start // BLOCK_M).to(tl.int32) + b
+
+
+@triton.jit
+def _packed_slot(CuSeqQ, slot, n_batch, total_q, n_steps, BLOCK_M: tl.constexpr):
+    """``(b, tile)`` of grid slot ``slot`` in the packed grid: sequence b owns the slots [s(b), s(b + 1)) of
+    :func:`_slot_start`, at least cdiv(L_b, BLOCK_M) of them (the floor of its end row minus that of its start, plus
+    one), so total_q // BLOCK_M + B slots per head hold every tile and at most B are idle.  b is the last sequence
+    with s(b) <= slot, found by ``n_steps`` = bit_length(B - 1) halvings of [0, B); tile = slot - s(b) is negative
+    only for decreasing cu_seqlens (the caller skips it)."""
+    lo = 0
+    hi = n_batch
+    s_lo = _slot_start(CuSeqQ, 0, total_q, BLOCK_M=BLOCK_M)
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        s_mid = _slot_start(CuSeqQ, mid, total_q, BLOCK_M=BLOCK_M)
+        right = s_mid <= slot
+        lo = tl.where(right, mid, lo)
+        s_lo = tl.where(right, s_mid, s_lo)
+        hi = tl.where(right, hi, mid)
+    return lo, slot - s_lo
+
+
+@triton.jit
 def _query_tile_fwd(
     Q, K, V, Out, LSE, QDescale, KDescale, VDescale, Err, qk_scale,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -234,7 +261,7 @@ def _query_tile_fwd(
 
 
 @triton.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "n_batch", "total_q",
-                               "total_k"])
+                               "total_k", "search_steps"])
 def fa3_fwd_kernel(
     Q, K, V, Out, LSE,
     QDescale, KDescale, VDescale, Err,  # FP8: float32 descales indexed [b, kv head]; FP8 or IS_VARLEN: the int32 error word
@@ -246,11 +273,11 @@ def fa3_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
-    n_batch, total_q, total_k,  # IS_VARLEN only: B, rows of the packed q and k
+    n_batch, total_q, total_k, search_steps,  # IS_VARLEN only: B, rows of the packed q and k; PACKED_GRID's halvings
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, LOG2_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, WARP_SPEC: tl.constexpr, O_TMA: tl.constexpr,
-    FP8: tl.constexpr, EXACT_E4M3: tl.constexpr, IS_VARLEN: tl.constexpr,
+    FP8: tl.constexpr, EXACT_E4M3: tl.constexpr, IS_VARLEN: tl.constexpr, PACKED_GRID: tl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, BLOCK_M) programs, query tiles of one head adjacent
     (they share that head's K and V in L2); causal runs each head's tiles last-first,
@@ -258,24 +285,34 @@ def fa3_fwd_kernel(
 
     IS_VARLEN (packed batch): q/k/v/out are (1, H, total, d) views, batch element b owns rows
     ``[cu_seqlens[b], cu_seqlens[b + 1])`` clamped as :func:`seqlen_info` does, ``seqlen_q`` / ``seqlen_k``
-    are ``max_seqlen_q`` / ``max_seqlen_k`` (the grid), LSE is (H, total_q).  The descriptors start at the
-    sequence's first row with the sequence's length as their bound, so tails read 0 and stores past the
-    sequence are dropped; tiles past the end do nothing.  The program of tile 0, head 0 of each batch
-    element reports bad cu_seqlens values (ERR_CU_SEQLENS, as the FA2 packed forward)."""
+    are ``max_seqlen_q`` / ``max_seqlen_k``, LSE is (H, total_q).  The grid spans B * Hq * cdiv(max_seqlen_q,
+    BLOCK_M) tiles, or with PACKED_GRID Hq * (total_q // BLOCK_M + B) slots (:func:`_packed_slot`: at most B
+    idle per head however the lengths spread).  The descriptors start at the sequence's first row with the
+    sequence's length as their bound, so tails read 0 and stores past the sequence are dropped; tiles past the
+    end do nothing.  One program per batch element (head 0) reports bad cu_seqlens values (ERR_CU_SEQLENS, as
+    the FA2 packed forward)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M % 64 == 0)  # 64 rows per consumer warpgroup (wgmma M)
     tl.static_assert(BLOCK_N % 16 == 0)
     tl.static_assert(BLOCK_M == 1 << LOG2_BLOCK_M)
     tl.static_assert(not (IS_VARLEN and (FP8 or EVEN_N)), "packed batches: bf16 / fp16, ragged lengths")
+    tl.static_assert(IS_VARLEN or not PACKED_GRID)
     bh, tile, off_b, off_h, off_hk = query_tile(num_m_tiles, n_heads, kv_group, LAST_FIRST=CAUSAL)
+    if PACKED_GRID:  # num_m_tiles slots per head (one "batch"): the slot's sequence and tile come from cu_seqlens_q
+        slot = tile
+        off_b, tile = _packed_slot(CuSeqQ, slot, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
+        report_b = tl.minimum(slot, n_batch - 1)  # slot b of head 0 checks sequence b, whatever cu_seqlens hold
+        reporter = (off_h == 0) & (slot < n_batch)
+    else:
+        report_b = off_b
+        reporter = (tile == 0) & (off_h == 0)
     q_start, len_q, k_start, len_k = seqlen_info(CuSeqQ, CuSeqK, off_b, seqlen_q, seqlen_k, total_q, total_k,
                                                  IS_VARLEN=IS_VARLEN)
     if IS_VARLEN:
-        _varlen_report(CuSeqQ, CuSeqK, Err, off_b, n_batch, seqlen_q, seqlen_k, total_q, total_k,
-                       (tile == 0) & (off_h == 0))
-        # the grid covers max_seqlen_q rows: a structured if, as Triton 3.6's warp specialisation fails on
-        # an early return (an unstructured branch) and accepts its loop inside an if
-        if tile * BLOCK_M < len_q:
+        _varlen_report(CuSeqQ, CuSeqK, Err, report_b, n_batch, seqlen_q, seqlen_k, total_q, total_k, reporter)
+        # idle grid slots skip the tile: a structured if, as Triton 3.6's warp specialisation fails on an early
+        # return (an unstructured branch) and accepts its loop inside an if
+        if (tile >= 0) & (tile * BLOCK_M < len_q):
             _query_tile_fwd(
                 Q, K, V, Out, LSE, QDescale, KDescale, VDescale, Err, qk_scale,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,

@@ -24,7 +24,7 @@ from flashtile.runtime.common import capability as device_capability
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
            "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
-           "GLUON", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+           "GLUON", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -101,6 +101,10 @@ def ensure_allocator() -> None:
 ENABLED = True
 # False keeps the Triton Hopper kernel where the Gluon one would run (benchmarks and tests compare them)
 GLUON = True
+# the packed forward's grid: "max" B * cdiv(max_seqlen_q, BLOCK_M) tiles per head (idle past each sequence's end),
+# "packed" total_q // BLOCK_M + B slots per head (a binary search over cu_seqlens_q per program), "auto" packed
+# where the max grid has over twice the slots (an idle program costs a launch and the cu_seqlens loads)
+VARLEN_GRID = "auto"
 
 
 def use_gluon(d: int, causal: bool) -> bool:
@@ -382,12 +386,19 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
+    packed_grid, search_steps = False, 0
     if varlen is not None:
         cu_q, cu_k, nq, nk = varlen
         b = cu_q.shape[0] - 1
     else:
         cu_q = cu_k = lse  # unread placeholders
+    n_batch = b
     num_m_tiles = triton.cdiv(nq, cfg.block_m)
+    if varlen is not None and b > 0:
+        slots = total_q // cfg.block_m + b  # per head: every sequence's tiles, at most b idle
+        packed_grid = VARLEN_GRID == "packed" or (VARLEN_GRID == "auto" and b * num_m_tiles > 2 * slots)
+        if packed_grid:  # one "batch" of slots (kernels/fa3_fwd._packed_slot), bit_length(b - 1) halvings each
+            num_m_tiles, b, search_steps = slots, 1, (b - 1).bit_length()
     grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
@@ -408,11 +419,12 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *scale_strides,
-        hq, hq // hk, nq, nk, num_m_tiles, b, total_q, total_k,
+        hq, hq // hk, nq, nk, num_m_tiles, n_batch, total_q, total_k, search_steps,
         # constexprs, in the kernel's order: HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N,
-        # WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN (packed: lengths unknown on the host, so never EVEN_N)
+        # WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN (packed: lengths unknown on the host, so never EVEN_N),
+        # PACKED_GRID
         d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_m.bit_length() - 1, cfg.block_n,
         bool(causal), varlen is None and nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma, fp8, fp8 and not q.is_cuda,
-        varlen is not None,
+        varlen is not None, packed_grid,
     )
     run_kernel(fa3_fwd_kernel, grid, dynamic, static, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -71,10 +71,13 @@ def host_on_cpu(monkeypatch):
 # CPU: the kernel through Triton's interpreter
 # --------------------------------------------------------------------------- #
 @cpu_only
+@pytest.mark.parametrize("grid", ["max", "packed"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_interpreter_varlen_kernel(causal):
+def test_interpreter_varlen_kernel(monkeypatch, causal, grid):
     """Both loop forms (warp-specialised: every tile masked; unspecialised: full tiles, then masked ones) and
-    both O stores, GQA 2 / 1, d 48 (descriptor padded to 64), max_seqlen above the real maximum."""
+    both O stores, GQA 2 / 1, d 48 (descriptor padded to 64), max_seqlen above the real maximum; both grids
+    (B * cdiv(max_seqlen_q, BLOCK_M) tiles per head, or total_q // BLOCK_M + B slots searched in cu_seqlens_q)."""
+    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
     hq, hk, d = 2, 1, 48
     q, k, v = _packed(LENS_Q, LENS_K, hq, hk, d, "cpu", torch.float16)
     cu_q, cu_k = _cu(LENS_Q, "cpu"), _cu(LENS_K, "cpu")
@@ -90,10 +93,12 @@ def test_interpreter_varlen_kernel(causal):
 
 
 @cpu_only
-def test_interpreter_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(host_on_cpu):
+@pytest.mark.parametrize("grid", ["max", "packed"])
+def test_interpreter_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(monkeypatch, host_on_cpu, grid):
     """Whatever cu_seqlens hold, the packed Hopper forward reads and writes only inside q/k/v/out/lse (the
     tensors are views into NaN-filled storage: a read outside would put NaN into covered rows, a write
-    outside would change the guard bands) and records ERR_CU_SEQLENS for check_errors()."""
+    outside would change the guard bands) and records ERR_CU_SEQLENS for check_errors(), on either grid."""
+    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
     h, d, guard = 2, 16, 64 * 2 * 16
 
     def guarded(rows, seed):
@@ -113,11 +118,11 @@ def test_interpreter_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(host_on_
     (sq, q), (sk, k), (sv, v) = guarded(8, 0), guarded(10, 1), guarded(10, 2)
     check_errors()
     for cu_q, cu_k in [([0, 50, 8], [0, -7, 10]), ([-100, 3, 2**31 - 1], [0, 4, 10]),
-                       ([0, 3, 8], [2**31 - 1, 0, -2**31])]:
-        rq = covered(cu_q, 8, 6)
+                       ([0, 3, 8], [2**31 - 1, 0, -2**31]), ([0, 8, 0, 8], [0, 4, 6, 10])]:
+        rq = covered(cu_q, 8, 6) if grid == "max" else torch.zeros(8, dtype=torch.bool)  # packed: slots may skip rows
         out, lse = fa3_varlen_forward(q, k, v, torch.tensor(cu_q, dtype=torch.int32),
                                       torch.tensor(cu_k, dtype=torch.int32), 6, 7, softmax_scale=0.25, causal=True)
-        assert rq.any() and not torch.isnan(out[rq]).any() and not torch.isnan(lse[:, rq]).any()
+        assert not torch.isnan(out[rq]).any() and not torch.isnan(lse[:, rq]).any()
         for store in (sq, sk, sv):
             assert torch.isnan(store[:guard]).all() and torch.isnan(store[-guard:]).all()
         assert int(error_flags(torch.device("cpu"))[1]) & ERR_CU_SEQLENS
@@ -164,11 +169,19 @@ def test_varlen_launch_arguments(monkeypatch, host_on_cpu):
     assert err.data_ptr() == error_flags(torch.device("cpu")).data_ptr() + 4  # word 1: the kernel only stores
     assert qs.shape == (1, 4, 203, 64) and lse.shape == (4, 203) and out.shape == (1, 4, 203, 64)
     static = seen["static"]
-    strides, ints, consts = static[:18], static[18:26], static[26:]
+    strides, ints, consts = static[:18], static[18:27], static[27:]
     assert strides[:3] == qs.stride()[:3] and strides[1:3] == (64, 4 * 64) and strides[4:6] == (64, 2 * 64)
-    assert ints == (4, 2, 250, 301, 4, 3, 203, 312)  # heads, group, max_q, max_k, tiles, B, total_q, total_k
-    # HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN
-    assert consts == (64, 64, 64, 6, 32, True, False, False, True, False, False, True)
+    # heads, group, max_q, max_k, tiles, B, total_q, total_k, search steps
+    assert ints == (4, 2, 250, 301, 4, 3, 203, 312, 0)
+    # HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN,
+    # PACKED_GRID: the max grid (12 tiles per head) is not over twice the packed one (203 // 64 + 3 = 6 slots)
+    assert consts == (64, 64, 64, 6, 32, True, False, False, True, False, False, True, False)
+    # lengths 1, 1, 300: 3 * cdiv(300, 64) = 15 tiles per head against 302 // 64 + 3 = 7 slots -> the packed grid
+    q, k, v = _packed([1, 1, 300], [1, 1, 300], 4, 2, 64, "cpu", torch.float16)
+    fa3_varlen_forward(q, k, v, _cu([1, 1, 300], "cpu"), _cu([1, 1, 300], "cpu"), 300, 300, softmax_scale=1.0)
+    assert seen["grid"] == (4 * 7,)
+    assert seen["static"][18:27] == (4, 2, 300, 300, 7, 3, 302, 302, 2)  # bit_length(3 - 1) = 2 halvings
+    assert seen["static"][-1] is True
 
 
 # --------------------------------------------------------------------------- #
@@ -226,9 +239,11 @@ GPU_LENS_K = [5, 200, 700, 129, 1000, 0, 0, 777, 1]
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_varlen_matches_float64(d, causal, dtype):
+@pytest.mark.parametrize("grid", ["max", "packed"])
+def test_gpu_varlen_matches_float64(monkeypatch, d, causal, dtype, grid):
     """Empty q / k sequences, L_q != L_k per sequence (causal rows with no key), GQA 4 / 2, max_seqlen above
-    the real maximum, every row written."""
+    the real maximum, every row written; both grids."""
+    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
     q, k, v = _packed(GPU_LENS_Q, GPU_LENS_K, 4, 2, d, "cuda", dtype, seed=d)
     out, lse = fa3_varlen_forward(q, k, v, _cu(GPU_LENS_Q, "cuda"), _cu(GPU_LENS_K, "cuda"), 1200, 1100,
                                   softmax_scale=d ** -0.5, causal=causal)
@@ -311,8 +326,10 @@ def test_gpu_misaligned_packed_tensors_fall_back_to_fa2(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded():
+@pytest.mark.parametrize("grid", ["max", "packed"])
+def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(monkeypatch, grid):
     """Compiled: bad values are clamped (no NaN from the guard bands, which stay untouched) and recorded."""
+    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
     h, d, guard = 2, 64, 1 << 16
 
     def guarded(rows, seed):
@@ -328,8 +345,9 @@ def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded():
         out, lse = fa3_varlen_forward(q, k, v, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
                                       torch.tensor(cu_k, dtype=torch.int32, device="cuda"), 297, 400,
                                       softmax_scale=0.125, causal=False)
-        first = slice(0, 3) if cu_q[1] == 3 else slice(0, 297)
-        assert not torch.isnan(out[first]).any() and not torch.isnan(lse[:, first]).any()
+        if grid == "max":  # the packed grid's slots follow cu_seqlens_q, so bad values may leave rows unwritten
+            first = slice(0, 3) if cu_q[1] == 3 else slice(0, 297)
+            assert not torch.isnan(out[first]).any() and not torch.isnan(lse[:, first]).any()
         for store in (sq, sk, sv):
             assert torch.isnan(store[:guard]).all() and torch.isnan(store[-guard:]).all()
         with pytest.raises(ValueError, match="cu_seqlens_q / cu_seqlens_k out of range"):
