@@ -312,7 +312,7 @@ def fa3_fwd_kernel(
         _varlen_report(CuSeqQ, CuSeqK, Err, report_b, n_batch, seqlen_q, seqlen_k, total_q, total_k, reporter)
         # idle grid slots skip the tile: a structured if, as Triton 3.6's warp specialisation fails on an early
         # return (an unstructured branch) and accepts its loop inside an if
-        if (tile >= 0) & (tile * BLOCK_M < len_q):
+        if (tile >= 0) & (tile < tl.cdiv(len_q, BLOCK_M)):  # no product: tile is any int for bad cu_seqlens
             _query_tile_fwd(
                 Q, K, V, Out, LSE, QDescale, KDescale, VDescale, Err, qk_scale,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
