@@ -25,7 +25,8 @@ Two ways through the kv range of a tile, chosen by ``WARP_SPEC``:
   mask, safe max).
 
 Packed batches (``IS_VARLEN``, ``flash_attn_varlen_func``): the grid spans ``max_seqlen_q`` tiles per
-(sequence, head) as in :mod:`flashtile.kernels.fa2_fwd`; each program reads its sequence's rows from
+(sequence, head) as in :mod:`flashtile.kernels.fa2_fwd`, or (``PACKED_GRID``) ``total_q // BLOCK_M + B``
+slots per head, each program finding its sequence in ``cu_seqlens_q``; each program reads its sequence's rows from
 ``cu_seqlens`` (clamped to the tensors by :func:`flashtile.kernels.block_info.seqlen_info`) and builds its
 descriptors at the sequence's first row with its length as their bound, so its tails read 0 and its
 stores stop at its end; the tiles past a sequence's end run nothing (an ``if`` around the tile: the
