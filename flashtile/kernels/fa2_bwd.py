@@ -81,6 +81,17 @@ def _load_tile(
 
 
 @triton.jit
+def _in_range(offs_r, n_rows, EVEN_R: tl.constexpr):
+    """Row indices of a tile that starts inside [0, n_rows), those past the end replaced by the last row
+    (loaded without a row mask; the caller makes their contribution 0), unchanged when EVEN_R."""
+    if EVEN_R:
+        rows = offs_r
+    else:
+        rows = tl.minimum(offs_r, n_rows - 1)
+    return rows
+
+
+@triton.jit
 def _load_rows(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     """(rows, BLOCK_D) tile with row and column masks (once-per-program loads)."""
     return _load_tile(base, offs_r, stride_r, n_rows, offs_d, HEAD_DIM, BLOCK_D, False, False, WIDE)
@@ -279,8 +290,11 @@ def _dkdv_inner(
     starting outside [clear_lo, clear_hi) (the fully-allowed band) are masked."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load_tile(Qh, offs_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, True, WIDE)
-        do = _load_tile(DOh, offs_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, EVEN_M, False, WIDE)
+        # the block crossing a ragged end of q reads its last row again in place of the missing rows: their
+        # LSE loads as +inf, so P = 0 there and they add exactly 0; no Q / dO load needs a row mask
+        rows_m = _in_range(offs_m, seqlen_q, EVEN_M)
+        qT = _load_tile(Qh, rows_m, stride_qm, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True, True, WIDE)
+        do = _load_tile(DOh, rows_m, stride_dom, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True, False, WIDE)
         lse2 = _load_lse2(LSEh, offs_m, seqlen_q, EVEN_M)
         delta = _load_vec(Deltah, offs_m, seqlen_q, EVEN_M)
         pT, tT = _probs(
@@ -443,12 +457,15 @@ def _dq_inner(
     ordering of Alg. 2 line 15, so each dQ_i has a single writer.  K_j^T and
     V_j^T are loaded transposed, so S = Q_i K_j^T, dP = dO_i V_j^T and
     dQ_i += dS (K_j^T)^T move no register tile through shared memory.  With
-    MASK, blocks starting outside [clear_lo, clear_hi) are masked, and K/V loads
-    carry a row mask unless Nk is a multiple of BLOCK_N."""
+    MASK, blocks starting outside [clear_lo, clear_hi) are masked (the band never
+    holds the tile crossing a ragged end of K)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kT = _load_tile(Kh, offs_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N or not MASK, True, WIDE)
-        vT = _load_tile(Vh, offs_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, EVEN_N or not MASK, True, WIDE)
+        # the tile crossing a ragged end of K reads its last key again in place of the missing rows (outside
+        # the band, so their scores are masked and they add exactly 0): no K / V load needs a row mask
+        rows_n = _in_range(offs_n, seqlen_k, EVEN_N or not MASK)
+        kT = _load_tile(Kh, rows_n, stride_kn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True, True, WIDE)
+        vT = _load_tile(Vh, rows_n, stride_vn, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True, True, WIDE)
         p, t = _probs(
             mma(q, kT, None, DOT_PRECISION, UPCAST_DOT), offs_m, offs_n, lse2, Biash, stride_bias_m, stride_bias_n, slope,
             seqlen_q, seqlen_k, softmax_scale, scale_log2, softcap, window_left, window_right,

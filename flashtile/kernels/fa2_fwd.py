@@ -102,10 +102,10 @@ def _fwd_tiles(
     """Online-softmax update over kv tiles [start, end) (FA2 Algorithm 1, lines 6-11).
 
     ``MASKED=False``: every tile is inside the sequence and the window of every
-    row, so loads carry no bounds check and nothing is masked.  ``MASKED=True``:
-    loads are bounds-checked when Nk is ragged, and a tile is masked unless it
+    row, so nothing is masked.  ``MASKED=True``: a tile is masked unless it
     starts in [clear_lo, clear_hi) (a scalar branch per tile, so one loop, one
-    software pipeline, covers the band and its edges).
+    software pipeline, covers the band and its edges); the band never holds the
+    tile crossing a ragged end of K.  K/V loads never carry a row mask.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
@@ -125,25 +125,22 @@ def _fwd_tiles(
             n64 = start_n.to(tl.int64)
             k_tile = k_base + n64 * stride_kn
             v_tile = v_base + n64 * stride_vn
-        k_ptrs = k_tile + (offs_n0[None, :] * stride_kn + offs_d[:, None])
-        v_ptrs = v_tile + (offs_n0[:, None] * stride_vn + offs_d[None, :])
         if MASKED and not EVEN_N:
-            kv_ok = offs_n < seqlen_k
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=kv_ok[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
-            else:
-                d_ok = offs_d < head_dim
-                k = tl.load(k_ptrs, mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+            # the tile crossing the end of K reads its last key again in place of the missing rows (their
+            # scores are masked, so they add exactly 0): no K/V load needs a row mask, interior tiles
+            # (every tile of a long packed sequence but its last) load as the even fixed-length path does
+            rows = tl.minimum(offs_n0, seqlen_k - 1 - start_n)
         else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                d_ok = offs_d < head_dim
-                k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            rows = offs_n0
+        k_ptrs = k_tile + (rows[None, :] * stride_kn + offs_d[:, None])
+        v_ptrs = v_tile + (rows[:, None] * stride_vn + offs_d[None, :])
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            d_ok = offs_d < head_dim
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
 
         qk = mma(q, k, None, DOT_PRECISION, UPCAST_DOT)
         if HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS:

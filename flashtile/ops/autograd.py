@@ -346,7 +346,8 @@ def flash_attn_varlen_fwd(
     dropout_p: float,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed FA2 forward: ``(out, lse, rng_state)``; out (total_q, Hq, d), lse (Hq, total_q) float32."""
+    """Packed forward (FA2's kernel or the Hopper one): ``(out, lse, rng_state)``; out (total_q, Hq, d), lse
+    (Hq, total_q) float32."""
     return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
                             softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic)
 
@@ -355,10 +356,16 @@ def flash_attn_varlen_fwd(
 def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic):
     """Body of ``flashtile::flash_attn_varlen_fwd``, and the one place a packed forward picks its kernel:
-    every packed call runs the FA2 kernel (runtime/fa3_fwd.py's Hopper forward takes no packed batch yet;
-    a ``prefer_hopper``-style test belongs here when it does)."""
+    the Hopper forward where ``runtime.fa3_fwd.prefer_hopper_varlen`` says, else the FA2 kernel."""
     from flashtile.runtime.fa2_fwd import fa2_forward
+    from flashtile.runtime.fa3_fwd import fa3_varlen_forward, prefer_hopper_varlen
 
+    plain = block_table is None and alibi_slopes is None and dropout_p == 0 and softcap == 0
+    if prefer_hopper_varlen(q, k, v, causal=causal, window=(window_left, window_right), plain=plain,
+                            max_seqlen_k=max_seqlen_k):
+        out, lse = fa3_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, causal=causal)
+        return out, lse, torch.zeros(2, dtype=torch.int64)
     rng = _philox(q.device) if dropout_p > 0 else None
     out, lse = fa2_forward(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),

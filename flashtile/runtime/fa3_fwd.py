@@ -6,6 +6,8 @@ fp16, head dims 8..256 in steps of 8 (tuned at 64, 128, 256), causal or not
 (bottom-right aligned), GQA/MQA, ragged Nq / Nk, LSE output; anything else
 raises ``NotImplementedError`` so a dispatcher can fall back to the FA2 kernel.
 The public ops call it where :func:`prefer_hopper` says it beats the FA2 kernel.
+``fa3_varlen_forward`` is the same kernel on a packed batch (``flash_attn_varlen_func``'s forward,
+where :func:`prefer_hopper_varlen` says).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "launch", "smem_bytes",
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
+           "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
-           "GLUON", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+           "GLUON", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -98,6 +101,10 @@ def ensure_allocator() -> None:
 ENABLED = True
 # False keeps the Triton Hopper kernel where the Gluon one would run (benchmarks and tests compare them)
 GLUON = True
+# the packed forward's grid: "max" B * cdiv(max_seqlen_q, BLOCK_M) tiles per head (idle past each sequence's end),
+# "packed" total_q // BLOCK_M + B slots per head (a binary search over cu_seqlens_q per program), "auto" packed
+# where the max grid has over twice the slots (an idle program costs a launch and the cu_seqlens loads)
+VARLEN_GRID = "auto"
 
 
 def use_gluon(d: int, causal: bool) -> bool:
@@ -147,16 +154,38 @@ def prefer_hopper(
 
     ``plain``: no softcap, ALiBi, bias, dropout or block mask (the kernel has none of them);
     the window must be unbounded, or causal; then :func:`hopper_wins` decides."""
+    return _prefer(q, k, v, causal, window, plain, k.shape[2], capability)
+
+
+def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, capability) -> bool:
+    """:func:`prefer_hopper` on (B, H, N, d) views with ``nk`` keys per sequence."""
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window
     if left != -1 or right != (0 if causal else -1):
         return False
-    if not hopper_wins(q.shape[3], causal, k.shape[2]):
+    if not hopper_wins(q.shape[3], causal, nk):
         return False
     if capability is None:
         capability = device_capability(q.get_device())
     return capability == (9, 0) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
+
+
+def packed_view(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's (1, H, total, d) view of a packed (total, H, d) tensor."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def prefer_hopper_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window: tuple[int, int], plain: bool,
+    max_seqlen_k: int, capability: tuple[int, int] | None = None,
+) -> bool:
+    """Whether the forward on a packed batch (q (total_q, Hq, d), k, v (total_k, Hk, d)) runs the Hopper kernel:
+    :func:`prefer_hopper`'s rule with the longest sequence's ``max_seqlen_k`` keys as Nk (the long sequences
+    hold most of the FLOPs).  ``plain`` also excludes a ``block_table``; no keys at all stays with FA2."""
+    if k.shape[0] == 0:
+        return False
+    return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, capability)
 
 
 def prefer_hopper_fp8(
@@ -298,18 +327,84 @@ def fa3_forward(
     return out, lse
 
 
-def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, descales=None, err=None) -> None:
+def fa3_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hopper forward on a packed batch: q (total_q, Hq, d), k, v (total_k, Hk, d), int32 (B + 1,)
+    ``cu_seqlens_*`` on q's device; returns ``(out, lse)``, out (total_q, Hq, d) in q's dtype, lse
+    (Hq, total_q) float32 -- :func:`flashtile.runtime.fa2_fwd.fa2_forward`'s packed contract (causal
+    bottom-right per sequence).  The cu_seqlens values are not read on the host: the kernel clamps each
+    sequence to the tensors and ``max_seqlen_*`` and sets ``ERR_CU_SEQLENS`` in the device error word
+    (word 1: it can only store) for values that break the contract.  Callers check
+    :func:`prefer_hopper_varlen` first; what it refuses raises as in :func:`fa3_forward`."""
+    from flashtile.runtime.decode import error_flags
+
+    qv, kv, vv = packed_view(q), packed_view(k), packed_view(v)
+    _check(qv, kv, vv, None)
+    total_q, hq, d = q.shape
+    b = cu_seqlens_q.shape[0] - 1
+    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0:
+        return out, lse
+    if b == 0 or max_q == 0:  # no program has a row to write
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    q, softmax_scale = positive_scale(q, softmax_scale)
+    qv = packed_view(q)
+    if k.shape[0] == 0:  # every key range clamps to empty and no K/V row is read: q's rows stand in
+        kv = vv = qv[:, : kv.shape[1], :0]
+        max_k = 0
+    err = error_flags(q.device, caller="flash_attn_varlen_func")[1:]  # exists already under capture, or raises
+    ensure_allocator()
+    with torch.cuda.device(q.device):
+        launch(qv, kv, vv, packed_view(out), lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, max_q, max_k),
+               err=err, varlen=(cu_seqlens_q, cu_seqlens_k, max_q, max_k))
+    return out, lse
+
+
+def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, descales=None, err=None,
+           varlen=None) -> None:
     """One kernel launch on checked (B, H, N, d) views (also used by the interpreter test on CPU tensors).
 
     FP8: ``v`` is V transposed, (B, Hk, d, Nk) with unit stride on Nk; ``descales`` the (q, k, v)
-    float32 descales broadcast to (B, Hk); ``err`` the device's int32 error word."""
+    float32 descales broadcast to (B, Hk); ``err`` the device's int32 error word (FP8 or packed).
+    Packed batch: ``varlen`` = ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, the views
+    (1, H, total, d) (:func:`packed_view`), ``lse`` (Hq, total_q)."""
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
     fp8 = descales is not None
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    total_q, total_k = nq, nk
+    packed_grid, search_steps = False, 0
+    if varlen is not None:
+        cu_q, cu_k, nq, nk = varlen
+        b = cu_q.shape[0] - 1
+    else:
+        cu_q = cu_k = lse  # unread placeholders
+    n_batch = b
     num_m_tiles = triton.cdiv(nq, cfg.block_m)
+    if varlen is not None and b > 0:
+        slots = total_q // cfg.block_m + b  # per head: every sequence's tiles, at most b idle
+        packed_grid = VARLEN_GRID == "packed" or (VARLEN_GRID == "auto" and b * num_m_tiles > 2 * slots)
+        if packed_grid:  # one "batch" of slots (kernels/fa3_fwd._packed_slot), bit_length(b - 1) halvings each
+            num_m_tiles, b, search_steps = slots, 1, (b - 1).bit_length()
     grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
@@ -317,21 +412,25 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
         qs, ks, vs = descales
         scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
     else:  # unread placeholders
-        qs = ks = vs = err = lse
+        qs = ks = vs = lse
         scale_strides = (0,) * 6
+    if err is None:
+        err = lse
     # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
     # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
-    dynamic = (q, k, v, out, lse, qs, ks, vs, err, float(qk_scale))
+    dynamic = (q, k, v, out, lse, qs, ks, vs, err, cu_q, cu_k, float(qk_scale))
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         *scale_strides,
-        hq, hq // hk, nq, nk, num_m_tiles,
+        hq, hq // hk, nq, nk, num_m_tiles, n_batch, total_q, total_k, search_steps,
         # constexprs, in the kernel's order: HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N,
-        # WARP_SPEC, O_TMA, FP8, EXACT_E4M3
+        # WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN (packed: lengths unknown on the host, so never EVEN_N),
+        # PACKED_GRID
         d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_m.bit_length() - 1, cfg.block_n,
-        bool(causal), nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma, fp8, fp8 and not q.is_cuda,
+        bool(causal), varlen is None and nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma, fp8, fp8 and not q.is_cuda,
+        varlen is not None, packed_grid,
     )
     run_kernel(fa3_fwd_kernel, grid, dynamic, static, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -437,9 +437,14 @@ def _check_slices(got, q, k, v, dout, lens_q, lens_k, picks, dtype, **ref_kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_large_packed_batch_bf16(causal):
+@pytest.mark.parametrize("hopper", [True, False])
+def test_gpu_large_packed_batch_bf16(monkeypatch, causal, hopper):
     """64k tokens, lengths 128..8k, H 16 / Hk 4, d 128, bf16: forward + backward vs the oracle on
-    the shortest, the longest and a middle sequence."""
+    the shortest, the longest and a middle sequence; the forward on the Hopper kernel (on sm_90) or forced
+    onto the FA2 kernel."""
+    from flashtile.runtime import fa3_fwd
+
+    monkeypatch.setattr(fa3_fwd, "ENABLED", hopper)
     lens = _lengths(65536, 128, 8192, seed=13)
     q, k, v, dout = _packed(lens, lens, 16, 4, 128, "cuda", torch.bfloat16, seed=14)
     got = _run(q, k, v, dout, _cu(lens, "cuda"), _cu(lens, "cuda"), max(lens), max(lens), causal=causal)
