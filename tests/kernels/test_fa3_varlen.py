@@ -227,6 +227,15 @@ def test_prefer_hopper_varlen_gates():
     assert not prefer_hopper_varlen(q, q[:0], q[:0], **kw)
 
 
+def test_prefer_hopper_varlen_leaves_causal_to_fa2(monkeypatch):
+    """Where the fixed-length rule says yes, a causal packed batch still runs FA2 (measured faster there)."""
+    q = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a: True)
+    kw = dict(plain=True, max_seqlen_k=8192, capability=(9, 0))
+    assert prefer_hopper_varlen(q, q, q, causal=False, window=(-1, -1), **kw)
+    assert not prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
+
+
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
@@ -272,8 +281,8 @@ def test_gpu_varlen_one_sequence_and_many_tiny_ones(causal):
 @pytest.mark.gpu
 @hopper
 def test_gpu_public_op_runs_hopper_varlen_then_fa2_backward(monkeypatch):
-    """flash_attn_varlen_func, bf16, d 128, sequences up to 4k: the forward takes the Hopper kernel, the FA2
-    backward its out and LSE; out, LSE and gradients match the oracle."""
+    """flash_attn_varlen_func, bf16, d 128, sequences up to 4k: the forward takes the Hopper kernel without a
+    mask (FA2 causal), the FA2 backward its out and LSE; out, LSE and gradients match the oracle."""
     from flashtile import flash_attn_varlen_func
     from tests._oracle import rounding_slack
 
@@ -288,7 +297,10 @@ def test_gpu_public_op_runs_hopper_varlen_then_fa2_backward(monkeypatch):
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         out, lse = flash_attn_varlen_func(qg, kg, vg, cu, cu, 4096, 4096, causal=causal, return_lse=True)
         out.backward(dout)
-        assert launched and launched[-1] is not None, "the Hopper packed forward was not used"
+        if causal:  # measured faster on FA2 (prefer_hopper_varlen)
+            assert not any(v is not None for v in launched), "a causal packed forward ran the Hopper kernel"
+        else:
+            assert launched and launched[-1] is not None, "the Hopper packed forward was not used"
         launched.clear()
         pick = slice(4097, 4797)  # sequence 2: the float64 oracle of the 4k one is large
         ref = attention_varlen_ref_grads(q[pick], k[pick], v[pick], dout[pick], [0, 700], [0, 700], causal=causal)
