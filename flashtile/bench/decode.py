@@ -15,6 +15,8 @@ random inputs:
 * ``sdpa-flash``       — SDPA, FLASH_ATTENTION backend, ``enable_gqa=True``, on (B, H, L, d) views of the contiguous cache
 * ``sdpa-cudnn``       — SDPA, CUDNN_ATTENTION backend, same views
 * ``gather+sdpa``      — the paged baseline: gather the pages into a contiguous cache, then SDPA flash
+* ``fa3``              — FlashAttention-3's ``flash_attn_with_kvcache`` on the contiguous cache (``fa3_fwd_interface``,
+  when importable; ``speedup["fa3"]`` and ``speedup["clean L2: fa3"]`` = t_fa3 / t_ours)
 * ``flashtile-graph`` / ``flashtile-paged-graph`` / ``sdpa-flash-graph`` — ``flashtile``, ``flashtile-paged``
   and ``sdpa-flash`` captured in a CUDA graph and replayed: device time without the host
   (``speedup["graph: sdpa-flash"]`` and ``speedup["graph: paged/contiguous"]`` pair them)
@@ -87,7 +89,7 @@ PROVIDERS = (
 )
 ROUNDS = 3  # eager medians per provider, taken in interleaved rounds; the point reports their median
 HOST_TIMED = ("flashtile", "flashtile-paged", "sdpa-flash")
-CLEAN_TIMED = ("flashtile", "flashtile-paged", "flashtile-pp", "sdpa-flash", "sdpa-cudnn")  # also timed after a read-only L2 flush
+CLEAN_TIMED = ("flashtile", "flashtile-paged", "flashtile-pp", "sdpa-flash", "sdpa-cudnn", "fa3")  # also timed after a read-only L2 flush
 # that flush reads 1 GB (~0.35 ms on an H100): long enough that the host has enqueued the timed call (50-100 us
 # on the bench host) before the GPU reaches it, so a short-cache call is timed on the device, not the host
 CLEAN_FLUSH = 1 << 30
@@ -148,7 +150,7 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
     ours = lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)  # noqa: E731
     paged = lambda: flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, block_table=table, causal=True)  # noqa: E731
     sdpa = lambda: flash(qh, kh, vh).transpose(1, 2)  # noqa: E731
-    return {
+    fns = {
         "flashtile": ours,
         "flashtile-paged": paged,
         "flashtile-pp": lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, unified_max=0.0),
@@ -160,6 +162,10 @@ def _providers(q, k, v, k_pool, v_pool, table, lens) -> dict[str, Callable[[], t
         "flashtile-paged-graph": _graphed(paged),
         "sdpa-flash-graph": _graphed(sdpa),
     }
+    fa3, _why = _fa3_kvcache()
+    if fa3 is not None:  # FA3's split-KV decode on the same contiguous cache and lengths
+        fns["fa3"] = lambda: _first(fa3(q, k, v, cache_seqlens=lens, causal=True))
+    return fns
 
 
 def forced_decode(
@@ -286,8 +292,9 @@ def _point(batch: int, cache: int, copy_gbps: float) -> dict:
     row["copy_gbps_same_bytes_clean_l2"] = copy_bandwidth(
         kv_bytes // 2, timer=lambda fn: median_ms_clean_l2(fn, flush_bytes=CLEAN_FLUSH)
     )
-    if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get("sdpa-flash"):
-        row["speedup"]["clean L2: sdpa-flash"] = row["ms_clean_l2"]["sdpa-flash"] / row["ms_clean_l2"]["flashtile"]
+    for peer in ("sdpa-flash", "fa3"):
+        if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get(peer):
+            row["speedup"][f"clean L2: {peer}"] = row["ms_clean_l2"][peer] / row["ms_clean_l2"]["flashtile"]
     if row["ms_clean_l2"].get("flashtile") and row["ms_clean_l2"].get("flashtile-pp"):
         # FlashDecoding++'s speed against our safe path (> 1: the unified max is faster)
         row["speedup"]["clean L2: unified/safe"] = row["ms_clean_l2"]["flashtile"] / row["ms_clean_l2"]["flashtile-pp"]
