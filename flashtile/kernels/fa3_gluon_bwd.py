@@ -357,21 +357,23 @@ def fa3_gluon_bwd_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "stride_acc_h"])
+@triton.jit(do_not_specialize=["stride_acc_h", "seqlen_q", "num_tiles"])
 def dq_postprocess_kernel(
     DQacc, DQ, scale,
-    stride_acc_h, stride_dqb, stride_dqh, stride_dqm,
-    n_heads, seqlen_q,
+    stride_acc_h, stride_acc_m, stride_dqb, stride_dqh, stride_dqm,
+    n_heads, seqlen_q, num_tiles,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """dQ = scale * accumulator, cast to dQ's dtype.  Grid (cdiv(Nq, BLOCK), B * Hq); the accumulator is
-    (B * Hq, rows >= Nq, BLOCK_D) fp32, dQ (B, Hq, Nq, HEAD_DIM) with unit stride on d."""
-    bh = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """dQ = scale * accumulator, cast to dQ's dtype.  1-D grid of B * Hq * ``num_tiles`` programs of ``BLOCK``
+    rows; the accumulator is (B * Hq, rows >= Nq, BLOCK_D) fp32, dQ (B, Hq, Nq, HEAD_DIM), unit stride on d."""
+    pid = tl.program_id(0)
+    bh = pid // num_tiles
+    rows = (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK_D)
-    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows[:, None] * BLOCK_D + cols[None, :],
-                  mask=(rows < seqlen_q)[:, None], other=0.0)
+    row_ok = rows < seqlen_q
+    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows[:, None] * stride_acc_m + cols[None, :],
+                  mask=row_ok[:, None], other=0.0)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
     ptrs = DQ + b * stride_dqb + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + cols[None, :]
-    tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=(rows < seqlen_q)[:, None] & (cols < HEAD_DIM)[None, :])
+    tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (cols < HEAD_DIM)[None, :])
