@@ -11,17 +11,20 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
   ``q_ready`` / ``do_ready`` (tx-count) and ``qdo_empty`` (both consumers release a slot after its last GEMM);
 * two consumer warpgroups (the default partition and a 4-warp worker), each owning 64 of the 128 kv rows:
   Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e) (masked on the causal diagonal and past Nk; rows that see
-  no key and rows past Nq have LSE treated as +inf, so P = 0 there), dV += Pᵀ dO (Pᵀ the register A
-  operand), dPᵀ = V dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (register A operand); dSᵀ also goes to this
-  warpgroup's shared tile and dQ_i += dS K_half is one wgmma reading it transposed, its fp32 result added
-  into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by ``gl.atomic_add`` (relaxed, unmasked: the
-  accumulator's padding absorbs rows past Nq and columns past d).
+  no key and rows past Nq have LSE treated as +inf, so P = 0 there), dPᵀ − D = V dOᵀ accumulated onto −D,
+  dV += Pᵀ dO (Pᵀ through shared memory), dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (the register A operand); dSᵀ also
+  goes to this warpgroup's shared tile and dQ_i += dS K_half is wgmmas reading it transposed, 64 columns at a
+  time, each fp32 result added into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by vector reductions
+  (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
 preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
+
+Status: compiles for sm_90a with Triton 3.6 (d = 8..128; ``scratch/cc_gluon_bwd.py``, docs/gluon_bwd.md), not yet
+run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
 """
 
 from __future__ import annotations

@@ -166,6 +166,21 @@ def test_dq_postprocess_scales_and_casts(dtype, d):
     assert_close(dq, ref, dtype, "cpu", "dq", tol=torch.finfo(dtype).eps)  # one rounding to dtype
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_twin_at_the_kernels_tiling(causal):
+    """The kernel's algorithm (kv tiles of 128 outer, q tiles of 64 inner, dQ summed over kv tiles) is
+    reference.backward.flash_attn_backward with block_sizes = (64, 128): equal to the oracle on ragged GQA shapes
+    whose tiles cross Nq, Nk and the diagonal."""
+    from flashtile.reference.backward import flash_attn_backward
+
+    for nq, nk in [(133, 300), (300, 133)]:
+        q, k, v, do = inputs(1, 4, 2, nq, nk, 16, torch.float64, "cpu", seed=nq)
+        out, lse, dq, dk, dv = attention_ref_grads(q, k, v, do, scale=0.3, causal=causal)
+        got = flash_attn_backward(q, k, v, out, do, lse, softmax_scale=0.3, causal=causal, block_sizes=(64, 128))
+        for name, a, r in zip(("dq", "dk", "dv"), got[:3], (dq, dk, dv)):
+            assert_close(a, r, torch.float64, "cpu", name)
+
+
 def test_dispatch_switch_is_off_by_default_and_forced_by_the_flag(monkeypatch):
     """``_bwd_impl`` calls the Gluon backward only with ``ENABLED`` and ``prefer_gluon_bwd`` True; by default the
     FA2 path runs (interpreted) and the Gluon one is never called."""
