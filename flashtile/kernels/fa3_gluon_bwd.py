@@ -118,10 +118,11 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
 
 
 @gluon.jit
-def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, LSE, Delta, DQacc,
+def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
+            LSE, Delta, DQacc,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            MASKED: gl.constexpr):
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator.  LSE, Delta, DQacc point at this (batch, q head)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -133,12 +134,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
 
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
-    # this warpgroup's K, V, dS tiles indexed by WG + an opaque zero: with a constant index LLVM hoists their
+    # this warpgroup's K, V, dS, Pᵀ tiles indexed by WG + an opaque zero: with a constant index LLVM hoists their
     # 28 wgmma descriptors (64-bit each) out of the q loop and ptxas spills them at d = 128
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
     k_wg = k_smem.index(WG + z)
     v_wg = v_smem.index(WG + z)
-    ds_wg = ds_smem.index(WG + z)
     m0 = (first_m + it) * 64
     # row statistics of the q tile read before the waits in a compact layout (1 register each), moved to the
     # score columns' layout (16 registers each) only where used: kept early, they spill at d = 128
@@ -173,43 +173,71 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         pt = gl.where(keep, pt, 0.0)
     # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
     # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait
-    pt_wg = ds_smem.index(2 + WG + z)
+    NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
+    pt_wg = ds_smem.index(2 * NDS + WG + z)
     pt_wg.store(pt.to(dtype))
     fence_async_shared()
     dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
     dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
     dst = pt * dpt
     dst16 = dst.to(dtype)
+    if DQ_SPLIT:
+        # both warpgroups read each other's dSᵀ: two buffers, a buffer rewritten once both dQ GEMMs of two
+        # steps ago retired (the first round passes on fresh barriers)
+        buf = it % 2
+        mbarrier.wait(ds_empty.index(buf), ((it // 2) & 1) ^ 1)
+        ds_wg = ds_smem.index(2 * buf + WG + z)
+    else:
+        # the previous step's dQ GEMMs reading this tile retired at its final wait
+        ds_wg = ds_smem.index(WG + z)
     ds_wg.store(dst16)
     fence_async_shared()
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
-    # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK and dV
-    DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_CHUNK, 16])
-    dq_zero = gl.zeros([64, DQ_CHUNK], gl.float32, layout=dq_layout)
     # the accumulator has BLOCK_D columns and its rows padded to a multiple of 64: no mask
     acc_tile = DQacc + m0 * BLOCK_D
-    ds_t = ds_wg.permute((1, 0))
-    dq = warpgroup_mma(ds_t, k_wg.slice(0, DQ_CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-    # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
-    dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-    _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-    for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
-        dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
-        _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    if DQ_SPLIT:
+        # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
+        HALF: gl.constexpr = BLOCK_D // 2
+        gl.static_assert(HALF == 64)  # a whole 128-byte swizzle atom of K per slice
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])
+        mbarrier.arrive(ds_full.index(buf))
+        mbarrier.wait(ds_full.index(buf), (it // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(2 * buf + z).permute((1, 0)), k_smem.index(z).slice(WG * HALF, HALF, dim=1),
+                           gl.zeros([64, HALF], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * buf + 1 + z).permute((1, 0)),
+                           k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        mbarrier.arrive(ds_empty.index(buf))
+        _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    else:
+        # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK, dV
+        DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_CHUNK, 16])
+        dq_zero = gl.zeros([64, DQ_CHUNK], gl.float32, layout=dq_layout)
+        ds_t = ds_wg.permute((1, 0))
+        dq = warpgroup_mma(ds_t, k_wg.slice(0, DQ_CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
+            dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
+            _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     return dk, dv
 
 
 @gluon.jit
 def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, start_n, first_m,
-              n_masked, n_iters,
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -224,13 +252,15 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
-            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, LSE,
+            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
+                             ds_full, ds_empty, LSE,
                              Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True)
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT)
         for it in range(n_masked, n_iters):
-            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, LSE,
+            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
+                             ds_full, ds_empty, LSE,
                              Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False)
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT)
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -245,22 +275,26 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
 
 @gluon.jit
 def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, start_n,
-                  first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+                  start_n, first_m, n_masked, n_iters,
+                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_SPLIT: gl.constexpr):
     _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, start_n, first_m,
-              n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL)
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
 
 
 @gluon.jit
 def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, start_n,
-                  first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+                  start_n, first_m, n_masked, n_iters,
+                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_SPLIT: gl.constexpr):
     _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, start_n, first_m,
-              n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL)
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
@@ -277,7 +311,7 @@ def fa3_gluon_bwd_kernel(
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
@@ -321,12 +355,20 @@ def fa3_gluon_bwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [4, 64, 64], ds_layout)  # dSᵀ of warpgroup w at w, its Pᵀ at 2 + w
+    gl.static_assert(not DQ_SPLIT or BLOCK_D == 128)  # d halves of K: whole 128-byte swizzle atoms
+    NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
+    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):  # DQ_SPLIT: each warpgroup arrives once per use of a dSᵀ buffer
+        mbarrier.init(ds_full.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -349,11 +391,11 @@ def fa3_gluon_bwd_kernel(
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     gl.warp_specialize([
         (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-         start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL)),
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
         (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-         start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL)),
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
         (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
          qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
          HEAD_DIM, BLOCK_D, NUM_STAGES)),

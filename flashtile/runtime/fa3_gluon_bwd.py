@@ -50,15 +50,19 @@ class GluonBwdConfig:
     num_stages: int = 2
     consumer_regs: int = 240  # the worker consumer; the default one gets what is left, at least as much
     producer_regs: int = 24
+    # d = 128 only: each warpgroup adds dQ's half of d over all 128 keys (both warpgroups' dSᵀ shared, two
+    # buffers, mbarriers between the consumers) instead of all of d over its 64 keys: half the reductions
+    dq_split: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of 64 rows (all
-    ``block_d(d)`` wide), four 64 x 64 tiles (each warpgroup's Pᵀ and dSᵀ), under 1 KB of mbarriers
-    (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3; 99008 / 131824 at d = 64
-    with 2 / 4)."""
+    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), under 1 KB
+    of mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3
+    and dq_split; 99008 / 131824 at d = 64 with 2 / 4)."""
     bd = block_d(d)
-    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + 4 * 64 * 64 * esize + 1024
+    tiles = 6 if cfg.dq_split else 4
+    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + 1024
 
 
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
@@ -86,6 +90,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
+    if not isinstance(cfg.dq_split, bool) or (cfg.dq_split and block_d(d) != 128):
+        # the split cuts K's 128-byte swizzle rows in halves: whole atoms only with 128-wide tiles
+        raise ValueError(f"config: dq_split must be a bool, True only for 64 < head_dim <= 128, got {cfg} at "
+                         f"head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")
@@ -206,7 +214,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
-        d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs,
+        d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

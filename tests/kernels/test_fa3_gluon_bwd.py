@@ -51,6 +51,8 @@ def test_smem_estimate_matches_compile_reports():
     for stages, d, reported in [(2, 128, 164544), (3, 128, 197360), (2, 64, 99008), (3, 64, 115440),
                                 (4, 64, 131824), (2, 16, 49856), (2, 96, 164544)]:
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
+    for stages, reported in [(2, 180960), (3, 213776)]:
+        assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
 
 
 def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
@@ -87,6 +89,8 @@ def test_refusals_name_the_argument(monkeypatch):
     with pytest.raises(ValueError, match="shared memory"):
         d128 = _args(d=128)
         fa3_gluon_backward(*d128, softmax_scale=0.125, config=GluonBwdConfig(num_stages=5))
+    with pytest.raises(ValueError, match="dq_split"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_split=True))  # d 64
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
     with pytest.raises(TypeError, match="dq"):
@@ -99,8 +103,8 @@ def test_head_dims_past_128_refused_before_the_device():
         fa3_gluon_backward(*_args(d=136), softmax_scale=0.125)
 
 
-@pytest.mark.parametrize("d,hq,hk,causal", [(40, 4, 2, True), (128, 2, 2, False)])
-def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal):
+@pytest.mark.parametrize("d,hq,hk,causal,split", [(40, 4, 2, True, False), (128, 2, 2, False, True)])
+def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, split):
     """The launchers' runtime arguments and constexprs, bound to the kernels' signatures by position (as
     runtime.launch passes them): a mismatch would only show on a GPU."""
     import flashtile.runtime.fa3_fwd as fa3_fwd
@@ -116,7 +120,8 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal):
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
     lse = torch.zeros(b, hq, nq)
-    dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal)
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True) if split else None
+    dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal, config=cfg)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == BF16
     kernels = [c[0][0] for c in calls]
     assert kernels[1:] == [fa3_gluon_bwd_kernel, dq_postprocess_kernel]  # after FA2's preprocess (D)
@@ -130,9 +135,9 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal):
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, hq // hk, nq, nk)
     assert bound["stride_qm"] == hq * d and bound["stride_kn"] == d and bound["num_n_tiles"] == 4
     assert grid == (b * hq * 4,)
-    cfg = gluon_bwd_config(d, causal)
-    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"]) == (
-        d, block_d(d), cfg.num_stages, causal)
+    cfg = cfg or gluon_bwd_config(d, causal)
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"]) == (
+        d, block_d(d), cfg.num_stages, causal, split)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
     acc = bound["DQacc"]
     assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
@@ -259,11 +264,25 @@ def test_gpu_head_dims_not_a_power_of_two(d):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d,stages", [(64, 2), (64, 3), (128, 2)])
-def test_gpu_ring_depths(d, stages):
+@pytest.mark.parametrize("d,stages,split", [(64, 2, False), (64, 3, False), (128, 2, False), (128, 2, True),
+                                            (128, 3, True)])
+def test_gpu_ring_depths_and_dq_split(d, stages, split):
     q, k, v, do = inputs(1, 2, 2, 700, 600, d, BF16, "cuda", seed=stages)
-    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages))
+    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages, dq_split=split))
     assert_grads(got, ref)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333)])
+def test_gpu_dq_split_matches_oracle(causal, nq, nk):
+    """dq_split: the consumers share their dSᵀ tiles through two buffers and four mbarriers; odd and even step
+    counts per program, GQA 4:2."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, 128, BF16, "cuda", seed=nq)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=3, dq_split=True))
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
 
 
 @pytest.mark.gpu
