@@ -192,7 +192,8 @@ def flash_attn_bwd(
     deterministic: bool,
     seq_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward (FA2's kernels, or the Hopper ones where ``runtime.fa3_bwd.prefer_hopper_bwd`` says):
+    """Attention backward (FA2's kernels, the Hopper ones where ``runtime.fa3_bwd.prefer_hopper_bwd`` says, or the
+    Gluon one where ``runtime.fa3_gluon_bwd.prefer_gluon_bwd`` says, only with its ``ENABLED`` switch on):
     ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
 
     Replays the forward's dropout from ``rng_state`` (read on the device); ``deterministic=True``
@@ -206,6 +207,7 @@ def flash_attn_bwd(
 def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
               softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
+    from flashtile.runtime import fa3_gluon_bwd
     from flashtile.runtime.fa2_bwd import fa2_backward
     from flashtile.runtime.fa3_bwd import fa3_backward, prefer_hopper_bwd
 
@@ -216,6 +218,14 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     dob, qb, kb, vb = _bhnd(dout, seq_major), _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
+    # the Gluon backward only where its switch is on (runtime.fa3_gluon_bwd.ENABLED, off by default)
+    if fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(
+        qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain, deterministic=deterministic
+    ):
+        fa3_gluon_bwd.fa3_gluon_backward(dob, qb, kb, vb, _bhnd(out, seq_major), lse, softmax_scale=softmax_scale,
+                                         causal=causal, dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major),
+                                         dv=_bhnd(dv, seq_major))
+        return dq, dk, dv
     if prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain):
         fa3_backward(dob, qb, kb, vb, _bhnd(out, seq_major), lse, softmax_scale=softmax_scale, causal=causal,
                      deterministic=deterministic, dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major),

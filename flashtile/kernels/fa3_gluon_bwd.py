@@ -1,0 +1,424 @@
+"""Hopper (sm_90a) attention backward in Gluon: FA3's dK/dV-stationary schedule with dQ by fp32 atomics
+(FA3, Shah et al. 2024, Algorithm 3 and its appendix; the math is FA2's Algorithm 2, whose float64 twin is
+:func:`flashtile.reference.backward.flash_attn_backward`: kv tiles outer, q tiles inner, dQ accumulated).
+
+One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and runs three partitions
+(``gl.warp_specialize``):
+
+* a producer (1 warp): TMA loads of K_j and V_j once (two 64-row boxes each, one per consumer), then Q_i and
+  dO_i (64-row boxes) into a ``NUM_STAGES``-deep ring for every q tile i that sees the kv tile (causal,
+  bottom-right: from the first q tile whose last row reaches the tile's first key); slots guarded by
+  ``q_ready`` / ``do_ready`` (tx-count) and ``qdo_empty`` (both consumers release a slot after its last GEMM);
+* two consumer warpgroups (the default partition and a 4-warp worker), each owning 64 of the 128 kv rows:
+  Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e) (masked on the causal diagonal and past Nk; rows that see
+  no key and rows past Nq have LSE treated as +inf, so P = 0 there), dPᵀ − D = V dOᵀ accumulated onto −D,
+  dV += Pᵀ dO (Pᵀ through shared memory), dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (the register A operand); dSᵀ also
+  goes to this warpgroup's shared tile and dQ_i += dS K_half is wgmmas reading it transposed, 64 columns at a
+  time, each fp32 result added into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by vector reductions
+  (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
+
+dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
+or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
+``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
+preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
+The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
+
+Status: compiles for sm_90a with Triton 3.6 (d = 8..128; ``scratch/cc_gluon_bwd.py``, docs/gluon_bwd.md), not yet
+run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from flashtile.kernels._common import LOG2E
+
+__all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "WG_N", "BLOCK_M"]
+
+WG_N = 64  # kv rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
+BLOCK_M = 64  # q rows per inner step (the N of the Sᵀ / dPᵀ wgmmas)
+_LOG2E = gl.constexpr(LOG2E)
+
+
+@gluon.constexpr_function
+def _red_asm(n, row_stride):
+    """PTX adding a thread's n // 2 elements of a [64, n] fp32 tile in the wgmma accumulator layout to a
+    row-major tile of ``row_stride`` floats per row at ``$base``, as ``n // 4`` vector reductions
+    (red.v2.f32, sm_90).  Element 2p + e sits at row r + 8 (p % 2), column c + 8 (p // 2) + e, where
+    r = 16 (warp % 4) + lane // 4 and c = 2 (lane % 4) (Triton's layout, checked on the PTX of a load).
+    One asm for the whole tile: the address is one register plus immediates, where per-element pointer
+    tensors made ptxas hoist 32 64-bit addresses per tile and spill at d = 128."""
+    per_thread = n // 2
+    body = ["{", ".reg .b32 gbt, gbr, gbc;", ".reg .b64 gba;"]
+    body += [f"mov.b32 ${i}, 0;" for i in range(per_thread)]
+    body += ["mov.u32 gbt, %tid.x;", "shr.u32 gbr, gbt, 1;", "and.b32 gbr, gbr, 48;", "bfe.u32 gbc, gbt, 2, 3;",
+             "or.b32 gbr, gbr, gbc;", "shl.b32 gbc, gbt, 1;", "and.b32 gbc, gbc, 6;",
+             f"mad.lo.u32 gbr, gbr, {row_stride}, gbc;", f"mad.wide.u32 gba, gbr, 4, ${2 * per_thread};"]
+    for p in range(per_thread // 2):
+        off = 4 * (8 * (p % 2) * row_stride + 8 * (p // 2))
+        v0, v1 = per_thread + 2 * p, per_thread + 2 * p + 1
+        body.append(f"red.global.add.relaxed.gpu.v2.f32 [gba+{off}], {{${v0}, ${v1}}};")
+    body.append("}")
+    return "\n".join(body)
+
+
+@gluon.constexpr_function
+def _red_constraints(n):
+    """Output and input constraints of :func:`_red_asm`'s asm: a dummy result, the values, the address."""
+    return ",".join(["=r"] * (n // 2) + ["r"] * (n // 2) + ["l"] * (n // 2))
+
+
+@gluon.jit
+def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.constexpr):
+    """``*base[r, c] += tile[r, c]`` for a [64, N] fp32 tile in the wgmma accumulator layout, rows
+    ``ROW_STRIDE`` floats apart; no mask (the caller's buffer covers the whole tile)."""
+    addr = base.to(gl.int64) + gl.zeros([64, N], gl.int64, layout=LAYOUT)
+    gl.inline_asm_elementwise(_red_asm(N, ROW_STRIDE), _red_constraints(N), [tile, addr], dtype=gl.int32,
+                              is_pure=False, pack=N // 2)
+
+
+@gluon.jit
+def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty,
+              stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
+              HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K, V halves once, then Q_i, dO_i for the ``n_iters`` q tiles from ``first_m`` into ring slot
+    it % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
+    do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
+    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], box_layout)
+    v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
+    # a box's transaction bytes count its zero-filled part too
+    box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
+    has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
+    mbarrier.expect(kv_bar, 4 * box_bytes, pred=has_work)
+    for w in gl.static_range(2):
+        # a half wholly past Nk re-reads the tile's first rows (no box lies wholly out of bounds); its keys
+        # are masked by index and its dK / dV rows never stored
+        k_row = start_n + w * 64
+        k_row = gl.where(k_row < seqlen_k, k_row, start_n)
+        tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem.index(w), pred=has_work)
+        tma.async_copy_global_to_shared(v_desc, [k_row, 0], kv_bar, v_smem.index(w), pred=has_work)
+    for it in range(n_iters):
+        slot = it % NUM_STAGES
+        m0 = (first_m + it) * 64
+        # parity of the previous round of this slot; the first round passes on fresh barriers
+        mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), box_bytes)
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), box_bytes)
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
+            LSE, Delta, DQacc,
+            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+            WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
+    dQ's partial added into the accumulator.  LSE, Delta, DQacc point at this (batch, q head)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_D, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = ds_smem.dtype
+
+    slot = it % NUM_STAGES
+    phase = (it // NUM_STAGES) & 1
+    # this warpgroup's K, V, dS, Pᵀ tiles indexed by WG + an opaque zero: with a constant index LLVM hoists their
+    # 28 wgmma descriptors (64-bit each) out of the q loop and ptxas spills them at d = 128
+    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    k_wg = k_smem.index(WG + z)
+    v_wg = v_smem.index(WG + z)
+    m0 = (first_m + it) * 64
+    # row statistics of the q tile read before the waits in a compact layout (1 register each), moved to the
+    # score columns' layout (16 registers each) only where used: kept early, they spill at d = 128
+    vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+    rows_v = m0 + gl.arange(0, 64, layout=vec)
+    # past Nq and on rows that see no key (LSE -inf) the +inf makes P = 0
+    lse_v = gl.load(LSE + rows_v, mask=rows_v < seqlen_q, other=float("inf"))
+    lse_v = gl.where(lse_v == float("-inf"), float("inf"), lse_v * _LOG2E)
+    delta_v = gl.load(Delta + rows_v, mask=rows_v < seqlen_q, other=0.0)
+    zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
+
+    q_s = q_smem.index(slot)
+    do_s = do_smem.index(slot)
+    # dPᵀ - D: the GEMM accumulates onto -D, so D is not held beside Pᵀ and dPᵀ (spills at d = 128).  The
+    # rows of -D are equal: an asm per element makes them distinct registers (shared ones are copied into
+    # the accumulator, and ptxas then waits for the Sᵀ GEMM before issuing this one)
+    d_cols = gl.expand_dims(gl.convert_layout(delta_v, col_s), 0) + zero_s
+    minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
+                                        pack=1)
+    mbarrier.wait(q_ready.index(slot), phase)
+    st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: Sᵀ done, dPᵀ may still run
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(gl.convert_layout(lse_v, col_s), 0))
+    if MASKED:
+        cols = m0 + gl.arange(0, 64, layout=col_s)
+        # key n is seen by row m iff n < Nk and, causal, n <= m + Nk - Nq (bottom-right)
+        keep = gl.expand_dims(kv_rows < seqlen_k, 1)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(kv_rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+        pt = gl.where(keep, pt, 0.0)
+    # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
+    # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait
+    NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
+    pt_wg = ds_smem.index(2 * NDS + WG + z)
+    pt_wg.store(pt.to(dtype))
+    fence_async_shared()
+    dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
+    dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
+    dst = pt * dpt
+    dst16 = dst.to(dtype)
+    if DQ_SPLIT:
+        # both warpgroups read each other's dSᵀ: two buffers, a buffer rewritten once both dQ GEMMs of two
+        # steps ago retired (the first round passes on fresh barriers)
+        buf = it % 2
+        mbarrier.wait(ds_empty.index(buf), ((it // 2) & 1) ^ 1)
+        ds_wg = ds_smem.index(2 * buf + WG + z)
+    else:
+        # the previous step's dQ GEMMs reading this tile retired at its final wait
+        ds_wg = ds_smem.index(WG + z)
+    ds_wg.store(dst16)
+    fence_async_shared()
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ds_a = gl.convert_layout(dst16, a_layout)
+    dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
+    # the accumulator has BLOCK_D columns and its rows padded to a multiple of 64: no mask
+    acc_tile = DQacc + m0 * BLOCK_D
+    if DQ_SPLIT:
+        # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
+        HALF: gl.constexpr = BLOCK_D // 2
+        gl.static_assert(HALF == 64)  # a whole 128-byte swizzle atom of K per slice
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])
+        mbarrier.arrive(ds_full.index(buf))
+        mbarrier.wait(ds_full.index(buf), (it // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(2 * buf + z).permute((1, 0)), k_smem.index(z).slice(WG * HALF, HALF, dim=1),
+                           gl.zeros([64, HALF], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * buf + 1 + z).permute((1, 0)),
+                           k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        mbarrier.arrive(ds_empty.index(buf))
+        _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    else:
+        # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK, dV
+        DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_CHUNK, 16])
+        dq_zero = gl.zeros([64, DQ_CHUNK], gl.float32, layout=dq_layout)
+        ds_t = ds_wg.permute((1, 0))
+        dq = warpgroup_mma(ds_t, k_wg.slice(0, DQ_CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
+            dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
+            _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
+    step when the kv tile crosses Nk), then dK · scale and dV stored."""
+    gl.static_assert(gl.num_warps() == 4)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    row0 = start_n + WG * 64
+    kv_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
+    if n_iters > 0:
+        mbarrier.wait(kv_bar, 0)
+        for it in range(0, n_masked):
+            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
+                             ds_full, ds_empty, LSE,
+                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT)
+        for it in range(n_masked, n_iters):
+            dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
+                             ds_full, ds_empty, LSE,
+                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT)
+    dk = dk * softmax_scale
+    out_dtype: gl.constexpr = DK.dtype.element_ty
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    mask = gl.expand_dims(rows < seqlen_k, 1)
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & gl.expand_dims(cols < HEAD_DIM, 0)
+    rows64 = rows.to(gl.int64)
+    gl.store(DK + gl.expand_dims(rows64 * stride_dkn, 1) + gl.expand_dims(cols, 0), dk.to(out_dtype), mask=mask)
+    gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
+
+
+@gluon.jit
+def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+                  start_n, first_m, n_masked, n_iters,
+                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_SPLIT: gl.constexpr):
+    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
+
+
+@gluon.jit
+def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+                  start_n, first_m, n_masked, n_iters,
+                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_SPLIT: gl.constexpr):
+    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
+              start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
+def fa3_gluon_bwd_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc,
+    qk_scale,  # softmax_scale * log2(e), any sign
+    softmax_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
+):
+    """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
+    Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
+    accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16).  Launch with ``num_warps=4``."""
+    gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
+    gl.static_assert(BLOCK_D >= HEAD_DIM)
+    gl.static_assert(BLOCK_D >= 16)
+    gl.static_assert(BLOCK_D <= 128)  # dK and dV halves: 2 x BLOCK_D / 2 fp32 registers per consumer thread
+    # a slot is refilled only after both consumers release it: one slot would serialise load and compute
+    gl.static_assert(NUM_STAGES >= 2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid = gl.program_id(0)
+    bh = pid // num_n_tiles
+    tile = pid % num_n_tiles
+    off_b = (bh // n_heads).to(gl.int64)
+    off_h = (bh % n_heads).to(gl.int64)
+    off_hk = off_h // kv_group
+    start_n = tile * 128
+
+    # q tiles: from the first whose last row sees key start_n (causal), the first
+    # n_masked crossing the diagonal or, when the kv tile crosses Nk, all of them
+    num_m_tiles = gl.cdiv(seqlen_q, 64)
+    shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
+    if CAUSAL:
+        first_m = gl.maximum(start_n - shift, 0) // 64
+        # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + 127 - shift
+        full_m = gl.cdiv(gl.maximum(start_n + 127 - shift, 0), 64)
+    else:
+        first_m = 0
+        full_m = 0
+    first_m = gl.minimum(first_m, num_m_tiles)
+    n_iters = num_m_tiles - first_m
+    n_masked = gl.minimum(gl.maximum(full_m - first_m, 0), n_iters)
+    if start_n + 128 > seqlen_k:
+        n_masked = n_iters
+
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    gl.static_assert(not DQ_SPLIT or BLOCK_D == 128)  # d halves of K: whole 128-byte swizzle atoms
+    NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
+    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):  # DQ_SPLIT: each warpgroup arrives once per use of a dSᵀ buffer
+        mbarrier.init(ds_full.index(i), count=2)
+        mbarrier.init(ds_empty.index(i), count=2)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if GQA_PARTIAL:
+        dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
+        dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
+    else:
+        dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
+        dv_base = DV + off_b * stride_dvb + off_hk * stride_dvh
+    bh64 = bh.to(gl.int64)
+    lse_base = LSE + bh64 * seqlen_q
+    delta_base = Delta + bh64 * seqlen_q
+    acc_base = DQacc + bh64 * stride_acc_h
+    # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
+    gl.warp_specialize([
+        (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
+        (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
+        (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
+         qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
+         HEAD_DIM, BLOCK_D, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@triton.jit(do_not_specialize=["stride_acc_h", "seqlen_q", "num_tiles"])
+def dq_postprocess_kernel(
+    DQacc, DQ, scale,
+    stride_acc_h, stride_acc_m, stride_dqb, stride_dqh, stride_dqm,
+    n_heads, seqlen_q, num_tiles,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dQ = scale * accumulator, cast to dQ's dtype.  1-D grid of B * Hq * ``num_tiles`` programs of ``BLOCK``
+    rows; the accumulator is (B * Hq, rows >= Nq, BLOCK_D) fp32, dQ (B, Hq, Nq, HEAD_DIM), unit stride on d."""
+    pid = tl.program_id(0)
+    bh = pid // num_tiles
+    rows = (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen_q
+    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows[:, None] * stride_acc_m + cols[None, :],
+                  mask=row_ok[:, None], other=0.0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    ptrs = DQ + b * stride_dqb + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + cols[None, :]
+    tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (cols < HEAD_DIM)[None, :])

@@ -1,0 +1,338 @@
+"""Gluon Hopper backward (kernels/fa3_gluon_bwd.py, runtime/fa3_gluon_bwd.py).
+
+Gluon kernels do not run in Triton's interpreter, so on the CPU: the config table, the wrapper's refusals, the
+launcher's argument lists (bound to the kernels' signatures), the dQ postprocess (plain Triton, interpreted) and
+the autograd hook (off by default).  Gradients against the float64 oracle are GPU-only (``pytest -m gpu``, sm_90).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashtile.runtime import fa3_gluon_bwd
+from flashtile.runtime.fa3_gluon_bwd import (
+    GLUON_BWD_HEAD_DIMS, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward, gluon_bwd_config,
+    smem_bytes,
+)
+from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
+from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# --------------------------------------------------------------------------- #
+# CPU: config table, refusals, argument lists, postprocess, dispatch switch
+# --------------------------------------------------------------------------- #
+def test_config_table_fits():
+    assert GLUON_BWD_HEAD_DIMS == tuple(range(8, 129, 8))
+    for d in GLUON_BWD_HEAD_DIMS:
+        for causal in (False, True):
+            cfg = gluon_bwd_config(d, causal)
+            assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
+            assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
+    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=3)
+    assert gluon_bwd_config(64, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
+    for d in (0, 4, 100, 136, 256):
+        with pytest.raises(NotImplementedError, match="head_dim"):
+            gluon_bwd_config(d, False)
+
+
+def test_smem_estimate_matches_compile_reports():
+    # Triton 3.6, sm_90a, bf16 (metadata.shared from scratch/cc_gluon_bwd.py): the estimate is above by < 1 KB
+    for stages, d, reported in [(2, 128, 164544), (3, 128, 197360), (2, 64, 99008), (3, 64, 115440),
+                                (4, 64, 131824), (2, 16, 49856), (2, 96, 164544)]:
+        assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
+    for stages, reported in [(2, 180960), (3, 213776)]:
+        assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
+
+
+def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
+    q = torch.zeros(1, hq, nq, d, dtype=dtype)
+    k = torch.zeros(1, hk, nk, d, dtype=dtype)
+    return q, k, k, q, q, torch.zeros(1, hq, nq)  # dout, q, k, v, out, lse
+
+
+def test_refusals_name_the_argument(monkeypatch):
+    dout, q, k, v, out, lse = _args()
+    with pytest.raises(NotImplementedError):
+        fa3_gluon_backward(*(x.float() for x in (dout, q, k, v, out)), lse, softmax_scale=0.125)  # fp32
+    with pytest.raises(NotImplementedError, match="device"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125)  # not an sm_90 CUDA device
+    with pytest.raises(ValueError, match="q must be"):
+        fa3_gluon_backward(dout, q[0], k, v, out, lse, softmax_scale=0.125)
+    with pytest.raises(ValueError, match="lse"):
+        fa3_gluon_backward(dout, q, k, v, out, lse[0], softmax_scale=0.125)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=float("inf"))
+    with pytest.raises(TypeError, match="softmax_scale"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="causal"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, causal=1)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, deterministic=True)
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # past the device check
+    with pytest.raises(TypeError, match="config"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=(2,))
+    with pytest.raises(ValueError, match="num_stages"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(num_stages=1))
+    with pytest.raises(ValueError, match="consumer_regs"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(consumer_regs=256))
+    with pytest.raises(ValueError, match="shared memory"):
+        d128 = _args(d=128)
+        fa3_gluon_backward(*d128, softmax_scale=0.125, config=GluonBwdConfig(num_stages=5))
+    with pytest.raises(ValueError, match="dq_split"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_split=True))  # d 64
+    with pytest.raises(ValueError, match="dk"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
+    with pytest.raises(TypeError, match="dq"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dq=[0.0])
+
+
+def test_head_dims_past_128_refused_before_the_device():
+    """d = 136 passes runtime.fa3_bwd's checks (it covers 256) and is refused here, naming head_dim."""
+    with pytest.raises(NotImplementedError, match="head_dim 136"):
+        fa3_gluon_backward(*_args(d=136), softmax_scale=0.125)
+
+
+@pytest.mark.parametrize("d,hq,hk,causal,split", [(40, 4, 2, True, False), (128, 2, 2, False, True)])
+def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, split):
+    """The launchers' runtime arguments and constexprs, bound to the kernels' signatures by position (as
+    runtime.launch passes them): a mismatch would only show on a GPU."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, fa3_gluon_bwd_kernel
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    b, nq, nk = 2, 300, 500
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
+    k = torch.zeros(b, hk, nk, d, dtype=BF16)
+    lse = torch.zeros(b, hq, nq)
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True) if split else None
+    dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal, config=cfg)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == BF16
+    kernels = [c[0][0] for c in calls]
+    assert kernels[1:] == [fa3_gluon_bwd_kernel, dq_postprocess_kernel]  # after FA2's preprocess (D)
+
+    (kernel, grid, dynamic, static), kw = calls[1]
+    params = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(params, (*dynamic, *static)))
+    assert kernel.is_gluon() and kw["num_warps"] == 4 and kw["bind"] and len(params) == len(dynamic) + len(static)
+    assert bound["Q"] is q and bound["K"] is k and bound["DO"] is q and bound["LSE"] is lse  # fp32, contiguous
+    assert bound["qk_scale"] == pytest.approx(-0.5 * 1.4426950408889634) and bound["softmax_scale"] == -0.5
+    assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, hq // hk, nq, nk)
+    assert bound["stride_qm"] == hq * d and bound["stride_kn"] == d and bound["num_n_tiles"] == 4
+    assert grid == (b * hq * 4,)
+    cfg = cfg or gluon_bwd_config(d, causal)
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"]) == (
+        d, block_d(d), cfg.num_stages, causal, split)
+    assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
+    acc = bound["DQacc"]
+    assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
+    assert not acc.any()  # zeroed: the kernel only adds
+    if hq > hk:  # GQA: fp32 partials per q head, summed on the host
+        assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
+    else:
+        assert not bound["GQA_PARTIAL"] and bound["DK"] is dk and bound["DV"] is dv
+    assert bound["Delta"].shape == (b, hq, nq) and bound["Delta"].dtype == F32
+
+    (kernel, grid, dynamic, static), kw = calls[2]
+    post = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert post["DQacc"] is acc and post["DQ"] is dq and post["scale"] == -0.5
+    assert (post["stride_acc_h"], post["stride_acc_m"], post["n_heads"], post["seqlen_q"]) == (
+        320 * block_d(d), block_d(d), hq, nq)
+    assert (post["HEAD_DIM"], post["BLOCK_D"]) == (d, block_d(d)) and grid == (b * hq * post["num_tiles"],)
+    assert post["num_tiles"] * post["BLOCK"] >= nq > (post["num_tiles"] - 1) * post["BLOCK"]
+
+
+@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
+def test_dq_postprocess_scales_and_casts(dtype, d):
+    """Interpreted: dq = scale * acc[:, :Nq, :d] into a (B, N, H, d)-strided view; padding rows and columns unread."""
+    b, h, nq, bd = 2, 3, 100, block_d(d)
+    g = torch.Generator().manual_seed(d)
+    acc = torch.randn(b * h, 128, bd, generator=g)
+    acc[:, nq:] = float("nan")  # padding: never read
+    acc[:, :, d:] = float("nan")
+    dq = torch.full((b, nq, h, d), float("nan"), dtype=dtype).transpose(1, 2)
+    dq_postprocess(acc, dq, -0.3)
+    ref = acc.double().view(b, h, 128, bd)[:, :, :nq, :d] * -0.3
+    assert_close(dq, ref, dtype, "cpu", "dq", tol=torch.finfo(dtype).eps)  # one rounding to dtype
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float64_twin_at_the_kernels_tiling(causal):
+    """The kernel's algorithm (kv tiles of 128 outer, q tiles of 64 inner, dQ summed over kv tiles) is
+    reference.backward.flash_attn_backward with block_sizes = (64, 128): equal to the oracle on ragged GQA shapes
+    whose tiles cross Nq, Nk and the diagonal."""
+    from flashtile.reference.backward import flash_attn_backward
+
+    for nq, nk in [(133, 300), (300, 133)]:
+        q, k, v, do = inputs(1, 4, 2, nq, nk, 16, torch.float64, "cpu", seed=nq)
+        out, lse, dq, dk, dv = attention_ref_grads(q, k, v, do, scale=0.3, causal=causal)
+        got = flash_attn_backward(q, k, v, out, do, lse, softmax_scale=0.3, causal=causal, block_sizes=(64, 128))
+        for name, a, r in zip(("dq", "dk", "dv"), got[:3], (dq, dk, dv)):
+            assert_close(a, r, torch.float64, "cpu", name)
+
+
+def test_dispatch_switch_is_off_by_default_and_forced_by_the_flag(monkeypatch):
+    """``_bwd_impl`` calls the Gluon backward only with ``ENABLED`` and ``prefer_gluon_bwd`` True; by default the
+    FA2 path runs (interpreted) and the Gluon one is never called."""
+    from flashtile import flash_attn_func
+
+    assert fa3_gluon_bwd.ENABLED is False
+    q, k, v = (torch.randn(1, 8, 1, 16, dtype=F32, requires_grad=True) for _ in range(3))
+    assert not fa3_gluon_bwd.prefer_gluon_bwd(q, k, v, q, causal=False, window=(-1, -1), plain=True,
+                                              deterministic=False, capability=(9, 0))
+    seen = []
+
+    def fake(dout, q, k, v, out, lse, *, softmax_scale, causal, dq, dk, dv):
+        seen.append((q.shape, softmax_scale, causal))
+        for g in (dq, dk, dv):
+            g.fill_(7.0)
+
+    monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *a, **kw: True)
+    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_backward", fake)
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert not seen and not (q.grad == 7.0).all()  # the switch is off: FA2's backward ran
+
+    monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", True)
+    q.grad = k.grad = v.grad = None
+    flash_attn_func(q, k, v, causal=True, softmax_scale=0.3).sum().backward()
+    assert seen == [((1, 1, 8, 16), 0.3, True)] and all((x.grad == 7.0).all() for x in (q, k, v))
+
+
+def test_env_var_turns_the_switch_on():
+    code = "import flashtile.runtime.fa3_gluon_bwd as m; print(m.ENABLED)"
+    env = {**os.environ, "FLASHTILE_GLUON_BWD": "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- #
+# GPU (sm_90)
+# --------------------------------------------------------------------------- #
+def run(q, k, v, dout, *, causal=False, config=None, scale=None, **views):
+    """Kernel gradients (from the oracle's O and LSE) and the oracle's, as tests/kernels/test_fa3_bwd.py's ``run``."""
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    out, lse, dq, dk, dv = attention_ref_grads(q, k, v, dout, scale=scale, causal=causal)
+    f64 = [x.detach().double() for x in (q, k, v, dout)]
+    ref = Ref(dq, dk, dv, rounding_slack(*f64, q.dtype, scale=scale, causal=causal))
+    visible = torch.isfinite(scores_ref(*f64[:2], scale=scale, causal=causal)).cpu()
+    got = fa3_gluon_backward(dout, q, k, v, out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=F32),
+                             softmax_scale=scale, causal=causal, config=config, **views)
+    torch.cuda.synchronize()
+    run.last_out_lse = (out, lse)  # the oracle's O and LSE, for a second backward on the same inputs
+    return got, ref, visible
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 300), (333, 517), (517, 333)])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2)])
+def test_gpu_matches_oracle(d, causal, nq, nk, hq, hk):
+    q, k, v, do = inputs(2, hq, hk, nq, nk, d, BF16, "cuda", seed=d + nq)
+    got, ref, visible = run(q, k, v, do, causal=causal)
+    assert all(g.dtype == BF16 for g in got)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [8, 40, 72, 96, 120])
+def test_gpu_head_dims_not_a_power_of_two(d):
+    """Columns past d: zero-filled loads, masked dK / dV stores, the accumulator's padding never copied."""
+    q, k, v, do = inputs(1, 4, 1, 300, 200, d, BF16, "cuda", seed=d)
+    got, ref, visible = run(q, k, v, do, causal=True)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,stages,split", [(64, 2, False), (64, 3, False), (128, 2, False), (128, 2, True),
+                                            (128, 3, True)])
+def test_gpu_ring_depths_and_dq_split(d, stages, split):
+    q, k, v, do = inputs(1, 2, 2, 700, 600, d, BF16, "cuda", seed=stages)
+    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages, dq_split=split))
+    assert_grads(got, ref)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333)])
+def test_gpu_dq_split_matches_oracle(causal, nq, nk):
+    """dq_split: the consumers share their dSᵀ tiles through two buffers and four mbarriers; odd and even step
+    counts per program, GQA 4:2."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, 128, BF16, "cuda", seed=nq)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=3, dq_split=True))
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_fp16_negative_scale_strided_outputs_and_empty_keys():
+    d = 128
+    q, k, v, do = inputs(2, 2, 1, 257, 129, d, F16, "cuda", seed=5)
+    grads = [torch.full((2, x.shape[2], x.shape[1], d), float("nan"), dtype=F16, device="cuda").transpose(1, 2)
+             for x in (q, k, v)]
+    got, ref, _ = run(q, k, v, do, scale=-0.2, causal=True, dq=grads[0], dk=grads[1], dv=grads[2])
+    assert all(g is w for g, w in zip(got, grads))
+    assert_grads(got, ref)
+    k0 = k[:, :, :0]
+    dq, dk, dv = fa3_gluon_backward(do, q, k0, k0, q, torch.zeros(2, 2, 257, device="cuda"), softmax_scale=0.1)
+    assert (dq == 0).all() and dk.numel() == 0
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_long_sequence_against_fa2(causal):
+    """N = 8k, d = 128: against the oracle and FA2's backward (many kv-tile programs adding into one dQ row)."""
+    from flashtile.runtime.fa2_bwd import fa2_backward
+
+    q, k, v, do = inputs(1, 2, 1, 8192, 8192, 128, BF16, "cuda", seed=11)
+    got, ref, _ = run(q, k, v, do, causal=causal)
+    assert_grads(got, ref)
+    out, lse = run.last_out_lse
+    fa2 = fa2_backward(do, q, k, v, out.to("cuda", BF16), lse.to("cuda", F32), softmax_scale=128 ** -0.5,
+                       causal=causal, deterministic=True)
+    assert_grads(got, Ref(*fa2, ref.slack))
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_autograd_hook(monkeypatch):
+    """With the switch on, flash_attn_func's backward runs the Gluon kernel and matches the default path."""
+    from flashtile import flash_attn_func
+
+    q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in inputs(2, 8, 2, 1000, 1000, 128, BF16,
+                                                                                    "cuda", seed=3))
+    called = []
+    real = fa3_gluon_bwd.fa3_gluon_backward
+    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_backward", lambda *a, **kw: called.append(1) or real(*a, **kw))
+    base = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do.detach())
+    assert not called
+    monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", True)
+    mine = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do.detach())
+    assert called
+    size = max(float(g.abs().max()) for g in base)
+    for name, a, b in zip(("dq", "dk", "dv"), mine, base):
+        assert_close(a, b.double(), what=name, magnitude=size)
