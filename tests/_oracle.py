@@ -346,7 +346,7 @@ def rounding_slack(
     p = torch.exp(scores_ref(q, k, **score_kw) - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
     delta = u * (dout.to(torch.float64) * out).abs().sum(-1)  # (B, Hq, Nq)
     scale = kwargs.get("scale")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)  # a bound: |scale| (negative scales too)
     if not delta.numel() or not k.numel():
         return 0.0, 0.0, 0.0
     b, hq, nq, _ = q.shape
