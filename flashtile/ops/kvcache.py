@@ -73,7 +73,7 @@ from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
-    default_unified_range, on_tuning_change, run_decode, take_errors,
+    default_unified_range, on_tuning_change, run_decode, take_errors, tuning_generation,
 )
 from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_CU_SEQLENS_Q, NO_FEATURES, KVFeatures, Rotary
 
@@ -561,7 +561,16 @@ def _call_key(
 _CALLS: dict[tuple, _Call] = {}
 _CALLS_MAX = 64
 _CALLS_LOCK = threading.Lock()
-on_tuning_change(_CALLS.clear)  # a memoised call holds a launch planned under DECODE_TUNING
+
+
+def _forget_calls() -> None:
+    """A memoised call holds a launch planned under DECODE_TUNING: dropped when the table changes (the keys
+    also carry the table's generation, so a call planned concurrently with the change is never found)."""
+    with _CALLS_LOCK:
+        _CALLS.clear()
+
+
+on_tuning_change(_forget_calls)
 
 
 def _remember(key: tuple, call: _Call) -> None:
@@ -667,6 +676,8 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q,
     )
     key = _call_key(*args)
+    if key is not None:
+        key = (tuning_generation(), *key)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
         call = prepare_call(*args)

@@ -42,6 +42,7 @@ __all__ = [
     "decode_splits",
     "DecodeTuning",
     "DECODE_TUNING",
+    "tuning_generation",
     "set_decode_tuning",
     "default_unified_range",
     "arrival_counters",
@@ -108,6 +109,12 @@ DECODE_TUNING: dict[str, DecodeTuning] = {
 }
 # called after DECODE_TUNING changes, to drop what was planned under the old entries (the ops' memos register here)
 _TUNING_LISTENERS: list = []
+_TUNING_GENERATION = 0  # bumped by every change: part of the ops' memo keys, so no racing call keeps a stale entry
+
+
+def tuning_generation() -> int:
+    """How many times :func:`set_decode_tuning` has changed :data:`DECODE_TUNING` (memo keys include it)."""
+    return _TUNING_GENERATION
 
 
 def on_tuning_change(forget) -> None:
@@ -125,20 +132,22 @@ def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) 
         raise TypeError(f"tuning must be a DecodeTuning, got {type(tuning).__name__}")
     old = DECODE_TUNING[kind]
     new = (tuning if tuning is not None else old)._replace(**changes)
-    for name in ("block_n", "num_warps", "num_stages", "per_sm", "per_sm_paged"):
+    for name, top in (("block_n", 256), ("num_warps", 16), ("num_stages", 6), ("per_sm", 32), ("per_sm_paged", 32)):
         value = getattr(new, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+            raise ValueError(f"{name} must be an int in [1, {top}], got {value!r}")
     if new.block_n & (new.block_n - 1) or new.block_n < 16 or new.num_warps & (new.num_warps - 1):
         raise ValueError(f"block_n (>= 16) and num_warps must be powers of two, got {new.block_n}, {new.num_warps}")
     for name in ("f16_mma", "v_smem16"):
         if not isinstance(getattr(new, name), bool):
             raise TypeError(f"{name} must be a bool, got {type(getattr(new, name)).__name__}")
-    if not isinstance(new.fill, int) or isinstance(new.fill, bool) or new.fill < 0:
-        raise ValueError(f"fill must be an int >= 0, got {new.fill!r}")
+    if not isinstance(new.fill, int) or isinstance(new.fill, bool) or not 0 <= new.fill <= 64:
+        raise ValueError(f"fill must be an int in [0, 64], got {new.fill!r}")
+    global _TUNING_GENERATION
     with _LOCK:
         DECODE_TUNING[kind] = new
-        decode_plan.cache_clear()
+        _TUNING_GENERATION += 1
+        _decode_plan.cache_clear()
         _decode_launch.cache_clear()
         for forget in _TUNING_LISTENERS:
             forget()
@@ -147,6 +156,7 @@ def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) 
 
 def decode_config(
     d: int, rows: int, page_size: int | None, device: torch.device | str, fp8: bool = False,
+    tuning: DecodeTuning | None = None,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows = G * Nq`` packed rows.
 
@@ -159,16 +169,19 @@ def decode_config(
     BLOCK_N, warps, stages: :data:`DECODE_TUNING` of the cache kind (``fp8``); for a
     16-bit cache 64 keys at d > 64 and 128 at d <= 64 keep 16 KB per operand in
     flight per stage with 3 stages (on an H100 no tile, warp or stage count swept
-    beat this by more than noise).  It is shrunk to divide ``page_size`` so a tile
-    never crosses a page.  Interpreter: 16-key tiles so small test caches span
+    beat this by more than noise).  At most 16K elements per K or V tile (the FP8 entry's 128 keys at
+    d = 256 take 64).  It is shrunk to divide ``page_size`` so a tile
+    never crosses a page.  ``tuning``: the entry to use (default: the table's, read once).  Interpreter: 16-key tiles so small test caches span
     many tiles.  64- and 128-row tiles run on at least 8 warps (register spills at 4).
     """
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    tuning = DECODE_TUNING["fp8" if fp8 else "default"]
+    if tuning is None:
+        tuning = DECODE_TUNING["fp8" if fp8 else "default"]
     if interpreting(device):
         block_n, warps, stages = 16, 4, 1
     else:
         block_n, warps, stages = tuning.block_n * (2 if d <= 64 else 1), tuning.num_warps, tuning.num_stages
+        block_n = max(16, min(block_n, 16384 // max(16, triton.next_power_of_2(d))))
     if block_m >= 64 and not interpreting(device):
         # 64- and 128-row tiles (many query tokens, or a cascade's shared prefix) on 8 warps: at 4, ptxas
         # (sm_90a, d = 128) spills 1.2 KB a thread for 64 rows (2 KB paged), none at 8 (0.3 KB paged)
@@ -211,12 +224,14 @@ def num_splits_heuristic(
 def decode_splits(
     batch: int, kv_heads: int, cache_len: int, kv_dtype: torch.dtype, sm_count: int, *,
     row_tiles: int = 1, paged: bool = False, block_n: int | None = None, d: int = 128,
+    tuning: DecodeTuning | None = None,
 ) -> int:
     """The split count ``num_splits=0`` picks: :func:`num_splits_heuristic` with the knobs of
     :data:`DECODE_TUNING` for a cache of ``kv_dtype`` (``torch.float8_e4m3fn``: the "fp8" entry),
     its ``block_n`` at head dim ``d`` (or ``block_n``) and ``per_sm`` / ``per_sm_paged``.
-    A pure function of its arguments and the table."""
-    tuning = DECODE_TUNING["fp8" if kv_dtype == torch.float8_e4m3fn else "default"]
+    A pure function of its arguments and the table (or the given ``tuning`` entry)."""
+    if tuning is None:
+        tuning = DECODE_TUNING["fp8" if kv_dtype == torch.float8_e4m3fn else "default"]
     if block_n is None:
         block_n = tuning.block_n * (2 if d <= 64 else 1)
     per_sm = tuning.per_sm_paged if paged else tuning.per_sm
@@ -266,22 +281,30 @@ class DecodePlan(NamedTuple):
 _MERGE_TILE = 8192
 
 
-@functools.lru_cache(maxsize=1024)
 def decode_plan(
     b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
     device: torch.device, fp8: bool = False,
 ) -> DecodePlan:
     """:func:`decode_config`, the split count and the merge tile for one shape (``fp8``: float8_e4m3fn
-    caches, :data:`DECODE_TUNING`'s "fp8" entry).  Pure function of its arguments and the table,
-    memoised: a decoding loop asks for the same shape every step, and a short-cache step's host time
-    is comparable to its device time."""
+    caches, :data:`DECODE_TUNING`'s "fp8" entry, read once).  Pure function of its arguments and the
+    entry, memoised on both: a decoding loop asks for the same shape every step, and a short-cache
+    step's host time is comparable to its device time."""
+    tuning = DECODE_TUNING["fp8" if fp8 else "default"]
+    return _decode_plan(b, nq, hq, hk, d, page_size, capacity, num_splits, device, fp8, tuning)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_plan(
+    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
+    device: torch.device, fp8: bool, tuning: DecodeTuning,
+) -> DecodePlan:
     rows = (hq // hk) * nq
-    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device, fp8)
+    block_m, block_n, warps, stages = decode_config(d, rows, page_size, device, fp8, tuning)
     row_tiles = triton.cdiv(rows, block_m)
     if num_splits == 0:
         num_splits = decode_splits(
             b, hk, capacity, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
-            row_tiles=row_tiles, paged=page_size is not None, block_n=block_n,
+            row_tiles=row_tiles, paged=page_size is not None, block_n=block_n, tuning=tuning,
         )
     block_d = max(16, triton.next_power_of_2(d))
     # the merge loads (MERGE_M, MERGE_S, BLOCK_D) fp32 partials at once: at most _MERGE_TILE elements
@@ -289,7 +312,7 @@ def decode_plan(
     merge_m = max(2, min(triton.next_power_of_2(min(rows, block_m)), _MERGE_TILE // (merge_s * block_d)))
     return DecodePlan(
         block_m, block_n, block_d, warps, stages, num_splits, row_tiles, merge_m, merge_s, interpreting(device),
-        fp8 and DECODE_TUNING["fp8"].f16_mma, fp8 and DECODE_TUNING["fp8"].v_smem16,
+        fp8 and tuning.f16_mma, fp8 and tuning.v_smem16,
     )
 
 

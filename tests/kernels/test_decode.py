@@ -692,3 +692,35 @@ def test_feature_arguments_sit_in_their_named_slots(monkeypatch):
     named = dict(zip(decode_module.APPEND_DYNAMIC, got[0]))
     assert named["CacheBatchIdx"] is extra[0] and named["RotCos"] is extra[3] and named["RotSin"] is extra[4]
     assert dict(app.arguments.static)["HAS_BATCH_IDX"] and dict(app.arguments.static)["rot_half"] == 4
+
+
+def test_plans_are_keyed_on_the_tuning_entry(restore_tuning, monkeypatch):
+    """A plan memoised under an old entry is never returned for a new one, even when nothing clears the memo
+    (a thread that planned while the table changed); every change bumps the generation in the ops' memo keys;
+    out-of-range knobs are refused by name before any launch."""
+    from flashtile.runtime.decode import DecodeTuning, set_decode_tuning, tuning_generation
+
+    dev = torch.device("cpu")
+    set_decode_tuning("fp8", DecodeTuning())
+    before = decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, True)
+    monkeypatch.setattr(decode_module._decode_plan, "cache_clear", lambda: None)
+    gen = tuning_generation()
+    set_decode_tuning("fp8", per_sm=4)
+    assert tuning_generation() == gen + 1
+    after = decode_module.decode_plan(1, 1, 32, 8, 128, None, 32768, 0, dev, True)
+    assert (before.n_splits, after.n_splits) == (1, 4)
+    for bad, name in ((dict(block_n=512), "block_n"), (dict(num_warps=32), "num_warps"), (dict(num_stages=7), "num_stages"),
+                      (dict(per_sm=33), "per_sm"), (dict(fill=65), "fill")):
+        with pytest.raises(ValueError, match=name):
+            set_decode_tuning("fp8", **bad)
+
+
+def test_fp8_tiles_hold_at_most_16k_elements(monkeypatch):
+    """The FP8 entry's 128-key tiles (256 at d <= 64) stay within 16K elements per K / V tile at d = 256."""
+    from flashtile.runtime.decode import DECODE_TUNING, decode_config
+
+    monkeypatch.setattr(decode_module, "interpreting", lambda device=None: False)  # the compiled path's tiles
+    gpu = "cuda"
+    for d, want in ((64, 2 * DECODE_TUNING["fp8"].block_n), (128, DECODE_TUNING["fp8"].block_n), (256, 64)):
+        block_n = decode_config(d, 4, None, gpu, fp8=True)[1]
+        assert block_n * max(16, 1 << (d - 1).bit_length()) <= 16384 and block_n == min(want, 16384 // max(16, 1 << (d - 1).bit_length()))
