@@ -136,14 +136,15 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
 
     Through the kernels on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
     dispatch" and "Forward dispatch"), against the FA2 kernel: d > 128 1.4-2.6x at every N; 64 < d <= 128
-    1.05-1.4x without a mask from 1k keys, causal 0.86-1.09x at 1k, 0.97-1.2x at 2k, 1.2-1.5x from 4k;
-    32 < d <= 64 (three consumer warpgroups) 0.93x at 1k, 1.05-1.24x from 2k without a mask, causal
-    0.7-0.9x up to 4k and 1.2x at 16k.  d <= 32 was not measured: FA2."""
+    1.05-1.4x without a mask from 1k keys, causal 0.86-1.09x at 1k, at 2k 1.2x for d = 96 and 0.97x for
+    d = 128 (which keeps FA2 there), 1.2-1.5x from 4k; 32 < d <= 64 (three consumer warpgroups) 0.93x at
+    1k, 1.05-1.24x from 2k without a mask, causal 0.73-0.85x at 1k-2k, at 4k 0.9x and 1.1x in two runs,
+    1.2x at 16k: from 8k keys.  d <= 32 was not measured: FA2."""
     if d not in SUPPORTED_HEAD_DIMS or d <= 32:
         return False
     if d <= 64:
         return nk >= (8192 if causal else 2048)
-    return d > 128 or not causal or nk >= 2048
+    return d > 128 or not causal or nk >= (2048 if d < 128 else 4096)
 
 
 def prefer_hopper(
@@ -182,10 +183,11 @@ def prefer_hopper_varlen(
 ) -> bool:
     """Whether the forward on a packed batch (q (total_q, Hq, d), k, v (total_k, Hk, d)) runs the Hopper kernel:
     :func:`prefer_hopper`'s rule with the longest sequence's ``max_seqlen_k`` keys as Nk (the long sequences
-    hold most of the FLOPs).  ``plain`` also excludes a ``block_table``; no keys at all stays with FA2, and so
-    does causal: H100, 64k tokens of 128..8k-token sequences, d = 128 (bench/NOTES.md, "Hopper varlen"), the
+    hold most of the FLOPs), for d >= 128 (the head dims whose packed forward was measured, or whose
+    fixed-length Hopper kernel wins by 1.4x and more).  ``plain`` also excludes a ``block_table``; no keys at
+    all stays with FA2, and so does causal: H100, 64k tokens of 128..8k-token sequences, d = 128 (bench/NOTES.md, "Hopper varlen"), the
     Triton Hopper kernel ran 378 TFLOP/s causal against FA2's 410 (454 vs 450 without a mask)."""
-    if k.shape[0] == 0 or causal:
+    if k.shape[0] == 0 or causal or q.shape[-1] < 128:  # measured at d = 128 (above: 1.4-2.6x FA2 fixed-length)
         return False
     return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, capability)
 
@@ -348,13 +350,15 @@ def fa3_varlen_forward(
     sequence to the tensors and ``max_seqlen_*`` and sets ``ERR_CU_SEQLENS`` in the device error word
     (word 1: it can only store) for values that break the contract.  Callers check
     :func:`prefer_hopper_varlen` first; what it refuses raises as in :func:`fa3_forward`."""
+    from flashtile.ops.validate import check_cu_seqlens, check_max_seqlen
     from flashtile.runtime.decode import error_flags
 
     qv, kv, vv = packed_view(q), packed_view(k), packed_view(v)
     _check(qv, kv, vv, None)
     total_q, hq, d = q.shape
-    b = cu_seqlens_q.shape[0] - 1
-    max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+    b = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)  # types, shapes, device: the kernel reads B + 1 of each
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    max_q, max_k = check_max_seqlen(max_seqlen_q, "max_seqlen_q"), check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0:

@@ -234,6 +234,21 @@ def test_prefer_hopper_varlen_leaves_causal_to_fa2(monkeypatch):
     kw = dict(plain=True, max_seqlen_k=8192, capability=(9, 0))
     assert prefer_hopper_varlen(q, q, q, causal=False, window=(-1, -1), **kw)
     assert not prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
+    q64 = q[..., :64]
+    assert not prefer_hopper_varlen(q64, q64, q64, causal=False, window=(-1, -1), **kw)  # d < 128: not measured
+
+
+def test_varlen_forward_checks_its_cu_seqlens(monkeypatch):
+    """The packed Hopper entry point refuses cu_seqlens that would make the kernel read past them, by name."""
+    monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)  # no sm_90 device here; these checks come after it
+    q = torch.empty(8, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    for bad_q, bad_k, match in ((cu, cu[:2], "same length"), (cu.long(), cu, "cu_seqlens_q must have dtype"),
+                                (cu, cu.view(1, 3), "cu_seqlens_k must be 1-D")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fa3_fwd.fa3_varlen_forward(q, q, q, bad_q, bad_k, 4, 4, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fa3_fwd.fa3_varlen_forward(q, q, q, cu, cu, -1, 4, softmax_scale=0.1)
 
 
 # --------------------------------------------------------------------------- #
