@@ -144,7 +144,7 @@ def _rotary_load(
 @triton.jit
 def _pow2_rows(q):
     """``(q16, q_row)``: the rows of q (bf16) in fp16 as ``q16 = q / q_row`` with ``q_row`` ((BLOCK_M, 1) fp32)
-    the power of two taking each row's largest |q| into [2^14, 2^15) (1 for a zero row).  Both steps are
+    the power of two taking each row's largest |q| into [2^14, 2^15) (2^-126 for a zero row: any finite scale is exact there).  Both steps are
     exact but for entries below 2^-28 of their row's largest (fp16 subnormals), so no row overflows fp16
     and ``q16 . k = (q . k) / q_row`` to fp32 accumulation.  The exponent is read from the bits (no log2)."""
     qf = q.to(tl.float32)

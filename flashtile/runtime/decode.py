@@ -101,8 +101,8 @@ class DecodeTuning(NamedTuple):
 
 # The defaults, by cache kind ("fp8": float8_e4m3fn caches; "default": caches of q's dtype), from the H100
 # probe (bench/NOTES.md, "FP8 cache and the B64 gap"; scratch/fp8kv_probe.py swaps entries through
-# set_decode_tuning): fill 4 takes B64 from 0.92x to 1.01x FA3 at 16k-32k; FP8 128-key tiles, fp16 MMAs and
-# 2 programs per SM 1.5-1.9x the FP8 kernel's old speed at >= 16k (v_smem16 and 3-4 stages lost to them).
+# set_decode_tuning): fill 4 (B64 split in two) 1.01x FA3 at 16k-32k, 0.92x unsplit; FP8 128-key tiles, fp16
+# MMAs and 2 programs per SM 1.5-1.9x 64-key tiles with bf16 MMAs at >= 16k (v_smem16, 3-4 stages: slower).
 DECODE_TUNING: dict[str, DecodeTuning] = {
     "default": DecodeTuning(fill=4),
     "fp8": DecodeTuning(block_n=128, per_sm=2, f16_mma=True),

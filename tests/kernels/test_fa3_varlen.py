@@ -65,6 +65,13 @@ def host_on_cpu(monkeypatch):
     monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
     monkeypatch.setattr(fa3_fwd, "fa3_config", lambda d, causal, nq, nk: SMALL)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # outputs NaN until written: an unwritten row fails _assert_matches
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 # --------------------------------------------------------------------------- #
