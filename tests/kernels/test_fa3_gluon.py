@@ -186,12 +186,12 @@ SCHEDULES = {
 }
 
 
-def _gpu_case(d, causal, cfg, nq, nk, seed=0):
+def _gpu_case(d, causal, cfg, nq, nk, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(d + nq + seed)
-    q = torch.randn(2, nq, 4, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)  # GQA 4:2, BNHD storage
-    k = torch.randn(2, nk, 2, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
-    v = torch.randn(2, nk, 2, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
-    out = torch.full((2, nq, 4, d), float("nan"), dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    q = torch.randn(2, nq, 4, d, generator=g).to("cuda", dtype).transpose(1, 2)  # GQA 4:2, BNHD storage
+    k = torch.randn(2, nk, 2, d, generator=g).to("cuda", dtype).transpose(1, 2)
+    v = torch.randn(2, nk, 2, d, generator=g).to("cuda", dtype).transpose(1, 2)
+    out = torch.full((2, nq, 4, d), float("nan"), dtype=dtype, device="cuda").transpose(1, 2)
     o, lse = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
     ref_o, ref_lse = attention_ref(*(x.double().cpu() for x in (q, k, v)), scale=d ** -0.5, causal=causal)
     assert o is out and not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -218,7 +218,7 @@ def test_gpu_matches_float64(d, causal, schedule, nq, nk):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [8, 40, 72, 96, 136, 192])
+@pytest.mark.parametrize("d", [8, 40, 48, 56, 72, 96, 136, 192])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("store", ["plain", "coalesced", "tma"])
 def test_gpu_head_dims_not_a_power_of_two(d, causal, store):
@@ -278,3 +278,38 @@ def test_gpu_fp16_negative_scale_and_empty_keys():
     k = q[:, :, :0]
     o, lse = fa3_gluon_forward(q, k, k, softmax_scale=0.125)
     assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [48, 64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fp16_table_configs(d, causal):
+    """fp16 through each head-dim row of the table (three consumer warpgroups at d <= 64, split tiles at 48 / 96 /
+    192), ragged GQA shapes against the float64 oracle."""
+    cfg = gluon_config(d, causal)
+    for nq, nk in [(333, 517), (517, 333)]:
+        _gpu_case(d, causal, cfg, nq, nk, dtype=torch.float16)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96])
+def test_gpu_back_to_back_on_two_streams(d):
+    """Many launches in flight on two streams (CTAs of different launches sharing SMs): no hang, and every
+    result equals the single launch's bit for bit (the kernel is deterministic)."""
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    want, _ = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for i in range(40):
+        s = streams[i % 2]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o in outs)
+
