@@ -37,6 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
+from triton._C.libtriton import ir as _ir
+from triton.experimental.gluon.language._core import builtin as _builtin
+
 from flashtile.kernels._common import LOG2E
 
 __all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "WG_N", "BLOCK_M"]
@@ -74,6 +77,15 @@ def _red_constraints(n):
     return ",".join(["=r"] * (n // 2) + ["r"] * (n // 2) + ["l"] * (n // 2))
 
 
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``cp.reduce.async.bulk.tensor ... .add`` of the shared tile ``src`` into ``tensor_desc``'s box at ``coord``
+    (one bulk group; ``tma.store_wait`` waits for its read of ``src``).  Triton 3.6's Gluon builder has the op,
+    its ``tma`` module does not name it (3.9's ``tma.async_atomic_add`` is this call)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
 def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.constexpr):
     """``*base[r, c] += tile[r, c]`` for a [64, N] fp32 tile in the wgmma accumulator layout, rows
@@ -81,6 +93,18 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
     addr = base.to(gl.int64) + gl.zeros([64, N], gl.int64, layout=LAYOUT)
     gl.inline_asm_elementwise(_red_asm(N, ROW_STRIDE), _red_constraints(N), [tile, addr], dtype=gl.int32,
                               is_pure=False, pack=N // 2)
+
+
+@gluon.jit
+def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
+    """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
+    reduce-add from the warpgroup's shared tile ``dq_tile``."""
+    tma.store_wait(0)  # the issuing thread's previous reduce has read the tile (a step ago: no stall expected)
+    gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
+    dq_tile.store(dq)
+    fence_async_shared()  # generic-proxy writes visible to the bulk copy
+    gl.thread_barrier()  # every thread's part written before the one-thread issue
+    _tma_reduce_add(dq_desc, [row, col], dq_tile)
 
 
 @gluon.jit
@@ -93,7 +117,7 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
     do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
-    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], box_layout)
+    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
     v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
     # a box's transaction bytes count its zero-filled part too
     box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
@@ -119,12 +143,13 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
-            LSE, Delta, DQacc,
+            LSE, Delta, DQacc, dq_desc, dq_smem,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr):
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
-    dQ's partial added into the accumulator.  LSE, Delta, DQacc point at this (batch, q head)."""
+    dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
+    point at this (batch, q head)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -200,7 +225,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     if DQ_SPLIT:
         # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
         HALF: gl.constexpr = BLOCK_D // 2
-        gl.static_assert(HALF == 64)  # a whole 128-byte swizzle atom of K per slice
+        # K's swizzle is HALF elements wide (kernel body): each slice starts on a swizzle atom
+        gl.static_assert(HALF * dtype.primitive_bitwidth // 8 == k_smem.layout.swizzle_byte_width)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
         mbarrier.arrive(ds_full.index(buf))
@@ -213,7 +239,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         mbarrier.arrive(ds_empty.index(buf))
-        _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        if DQ_TMA:
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
+        else:
+            _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     else:
         # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK, dV
         DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
@@ -225,19 +254,23 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-        for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
-            dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
-            _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        if DQ_TMA:
+            gl.static_assert(DQ_CHUNK == BLOCK_D)  # one 64 x BLOCK_D fp32 tile per warpgroup and step
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, 0)
+        else:
+            _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+            for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
+                dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
+                _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters,
+def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
+              do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -249,18 +282,26 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     kv_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
+    if DQ_TMA:
+        # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
+        dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1],
+                                             [64, dq_smem.shape[2]], dq_smem.layout)
+    else:
+        dq_desc = None
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE,
-                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT)
+                             ds_full, ds_empty, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
+                             seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
+                             MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE,
-                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT)
+                             ds_full, ds_empty, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
+                             seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
+                             MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
+        if DQ_TMA:
+            tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -274,27 +315,27 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
 
 
 @gluon.jit
-def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-                  start_n, first_m, n_masked, n_iters,
+def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                  do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+                  seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
               qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
+              acc_rows, start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
 
 
 @gluon.jit
-def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-                  start_n, first_m, n_masked, n_iters,
+def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
+                  do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+                  seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
+                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
               qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
+              acc_rows, start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
@@ -312,6 +353,7 @@ def fa3_gluon_bwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
@@ -351,14 +393,29 @@ def fa3_gluon_bwd_kernel(
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
+    # DQ_SPLIT: warpgroup w reads K's columns [w, w + 1) * BLOCK_D / 2, so K is swizzled in half-rows (128 B at
+    # d = 128, the default; 64 B at d = 64) and each slice starts on a swizzle atom
+    gl.static_assert(not DQ_SPLIT or BLOCK_D == 64 or BLOCK_D == 128)
+    if DQ_SPLIT:
+        k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_D * dtype.primitive_bitwidth // 16,
+                                                      element_bitwidth=dtype.primitive_bitwidth, rank=2)
+    else:
+        k_layout: gl.constexpr = box_layout
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    gl.static_assert(not DQ_SPLIT or BLOCK_D == 128)  # d halves of K: whole 128-byte swizzle atoms
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
     # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
     ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+    if DQ_TMA:
+        # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split, else BLOCK_D) dQ part, bulk reduce-added
+        gl.static_assert(DQ_SPLIT or BLOCK_D <= 64)  # d = 128 unsplit: two 32 KB tiles do not fit beside the ring
+        DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT else BLOCK_D
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN],
+                                            gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32))
+    else:
+        dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -388,14 +445,17 @@ def fa3_gluon_bwd_kernel(
     lse_base = LSE + bh64 * seqlen_q
     delta_base = Delta + bh64 * seqlen_q
     acc_base = DQacc + bh64 * stride_acc_h
+    acc_rows = stride_acc_h // BLOCK_D
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     gl.warp_specialize([
         (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn,
+         stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES,
+         CAUSAL, DQ_SPLIT, DQ_TMA)),
         (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn,
+         stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES,
+         CAUSAL, DQ_SPLIT, DQ_TMA)),
         (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
          qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
          HEAD_DIM, BLOCK_D, NUM_STAGES)),

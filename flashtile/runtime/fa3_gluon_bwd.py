@@ -50,31 +50,38 @@ class GluonBwdConfig:
     num_stages: int = 2
     consumer_regs: int = 240  # the worker consumer; the default one gets what is left, at least as much
     producer_regs: int = 24
-    # d = 128 only: each warpgroup adds dQ's half of d over all 128 keys (both warpgroups' dSᵀ shared, two
+    # 32 < d <= 128: each warpgroup adds dQ's half of d over all 128 keys (both warpgroups' dSᵀ shared, two
     # buffers, mbarriers between the consumers) instead of all of d over its 64 keys: half the reductions
     dq_split: bool = False
+    # dQ parts through an fp32 shared tile per warpgroup and one TMA bulk reduce-add per step, instead of
+    # red.global.add.v2.f32 from registers; with dq_split, or d <= 64 (one 64 x 64 tile per warpgroup)
+    dq_tma: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of 64 rows (all
-    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), under 1 KB
-    of mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3
-    and dq_split; 99008 / 131824 at d = 64 with 2 / 4)."""
+    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with ``dq_tma``
+    each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), under 1 KB of
+    mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and
+    dq_split, 213728 with 2, dq_split and dq_tma; 99008 / 131824 at d = 64 with 2 / 4)."""
     bd = block_d(d)
     tiles = 6 if cfg.dq_split else 4
-    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + 1024
+    dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
+    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + 1024
 
 
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
-    """The config for head dim ``d`` (CPU-testable).  Not yet from timings: one program per SM either way
-    (12 warps x 168 registers fill the register file), so the ring is as deep as shared memory allows, up
-    to 4 stages: 4 at d <= 64, 3 at d <= 128 (``scratch/gbwd_probe.py`` times 2 against them)."""
+    """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
+    fill the register file), so the ring is as deep as shared memory allows, up to 4 stages: 4 at d <= 64, 3 at
+    d <= 128.  ``dq_split`` at d > 64: +37-140 % on an H100 at d = 128 (bench/NOTES.md, "Gluon backward");
+    ``scratch/gbwd_probe.py`` times 2 stages, ``dq_split`` at d <= 64 and ``dq_tma`` against the table."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 128, got head_dim {d}")
-    cfg = GluonBwdConfig(num_stages=4)
+    split = block_d(d) == 128
+    cfg = GluonBwdConfig(num_stages=4, dq_split=split)
     while smem_bytes(cfg, d) > SMEM_LIMIT or (cfg.num_stages > 3 and block_d(d) > 64):
-        cfg = GluonBwdConfig(num_stages=cfg.num_stages - 1)
+        cfg = GluonBwdConfig(num_stages=cfg.num_stages - 1, dq_split=split)
     return cfg
 
 
@@ -90,9 +97,13 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    if not isinstance(cfg.dq_split, bool) or (cfg.dq_split and block_d(d) != 128):
-        # the split cuts K's 128-byte swizzle rows in halves: whole atoms only with 128-wide tiles
-        raise ValueError(f"config: dq_split must be a bool, True only for 64 < head_dim <= 128, got {cfg} at "
+    if not isinstance(cfg.dq_split, bool) or (cfg.dq_split and block_d(d) not in (64, 128)):
+        # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
+        raise ValueError(f"config: dq_split must be a bool, True only for 32 < head_dim <= 128, got {cfg} at "
+                         f"head_dim {d}")
+    if not isinstance(cfg.dq_tma, bool) or (cfg.dq_tma and not cfg.dq_split and block_d(d) > 64):
+        # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
+        raise ValueError(f"config: dq_tma must be a bool, True only with dq_split or head_dim <= 64, got {cfg} at "
                          f"head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
@@ -215,6 +226,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
+        cfg.dq_tma,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
