@@ -17,14 +17,21 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
   time, each fp32 result added into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by vector reductions
   (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
 
+``DQ_SPLIT`` (BLOCK_D 64 or 128): warpgroup w computes dQ_i[:, w·BLOCK_D/2 : (w+1)·BLOCK_D/2] over all 128
+keys from both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empty``), half the reductions; K is
+swizzled in half-rows so each warpgroup's column slice is whole swizzle atoms.  ``DQ_TMA`` (with ``DQ_SPLIT``, or
+BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA bulk reduce-add
+(``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
+
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
 preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
-Status: compiles for sm_90a with Triton 3.6 (d = 8..128; ``scratch/cc_gluon_bwd.py``, docs/gluon_bwd.md), not yet
-run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
+Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
+backward"); ``DQ_SPLIT`` at d <= 64 and ``DQ_TMA`` compile for sm_90a with Triton 3.6 (``scratch/cc_gluon_bwd.py``,
+docs/gluon_bwd.md) and are not yet run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
 """
 
 from __future__ import annotations
@@ -358,7 +365,8 @@ def fa3_gluon_bwd_kernel(
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
-    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16).  Launch with ``num_warps=4``."""
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA`` as in the module's
+    docstring.  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)

@@ -1,10 +1,11 @@
 """Host side of the Gluon Hopper backward (:mod:`flashtile.kernels.fa3_gluon_bwd`, FA3's Algorithm 3 with dQ by
 fp32 atomic reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
-Status: compiles for sm_90a with Triton 3.6 at every head dim it covers (``scratch/cc_gluon_bwd.py``; docs/gluon_bwd.md
-has the registers / spills / shared memory); not yet run on a GPU, so **not dispatched**: :func:`prefer_gluon_bwd`
-says False unless ``ENABLED`` is set (the probe sets ``flashtile.runtime.fa3_gluon_bwd.ENABLED = True``, or the
-environment has ``FLASHTILE_GLUON_BWD=1`` when this module is first imported).
+Status: correct on an H100 (52 GPU tests; ``dq_split`` at d <= 64 and ``dq_tma`` compile for sm_90a with Triton 3.6
+and wait for their GPU run, docs/gluon_bwd.md) but slower than FA2's backward, so **not dispatched**:
+:func:`prefer_gluon_bwd` says False unless ``ENABLED`` is set (the probe sets
+``flashtile.runtime.fa3_gluon_bwd.ENABLED = True``, or the environment has ``FLASHTILE_GLUON_BWD=1`` when this
+module is first imported).
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
 (B, H, N, d) views, head dims multiple of 8 up to 128, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
