@@ -98,14 +98,15 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    if not isinstance(cfg.dq_split, bool) or (cfg.dq_split and block_d(d) not in (64, 128)):
+    for name in ("dq_split", "dq_tma"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
+    if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
-        raise ValueError(f"config: dq_split must be a bool, True only for 32 < head_dim <= 128, got {cfg} at "
-                         f"head_dim {d}")
-    if not isinstance(cfg.dq_tma, bool) or (cfg.dq_tma and not cfg.dq_split and block_d(d) > 64):
+        raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
+    if cfg.dq_tma and not cfg.dq_split and block_d(d) > 64:
         # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
-        raise ValueError(f"config: dq_tma must be a bool, True only with dq_split or head_dim <= 64, got {cfg} at "
-                         f"head_dim {d}")
+        raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")

@@ -57,7 +57,8 @@ def test_smem_estimate_matches_compile_reports():
     # dq_split at d = 64 (K swizzled in 64-byte half-rows), dq_tma's fp32 dQ tiles (one per warpgroup)
     for stages, d, split, tma, reported in [(4, 64, True, False, 148240), (4, 64, False, True, 164592),
                                             (4, 64, True, True, 164624), (2, 64, True, True, 131808),
-                                            (4, 16, False, True, 66288), (2, 128, True, True, 213728)]:
+                                            (4, 16, False, True, 66288), (4, 32, False, True, 99056),
+                                            (3, 64, True, False, 131856), (2, 128, True, True, 213728)]:
         cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024, cfg
     assert smem_bytes(GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True), 128) > SMEM_LIMIT
@@ -99,11 +100,11 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(*d128, softmax_scale=0.125, config=GluonBwdConfig(num_stages=5))
     with pytest.raises(ValueError, match="dq_split"):  # d = 32: 32-byte half-rows of K
         fa3_gluon_backward(*_args(d=32), softmax_scale=0.125, config=GluonBwdConfig(dq_split=True))
-    with pytest.raises(ValueError, match="dq_split"):
+    with pytest.raises(TypeError, match="dq_split"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_split=1))
     with pytest.raises(ValueError, match="dq_tma"):  # d = 128 unsplit: two 32 KB fp32 tiles
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125, config=GluonBwdConfig(num_stages=2, dq_tma=True))
-    with pytest.raises(ValueError, match="dq_tma"):
+    with pytest.raises(TypeError, match="dq_tma"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_tma="yes"))
     with pytest.raises(ValueError, match="shared memory"):
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125,
@@ -290,7 +291,8 @@ def test_gpu_head_dims_not_a_power_of_two(d):
 @pytest.mark.parametrize("d,stages,split,tma", [(64, 2, False, False), (64, 3, False, False), (128, 2, False, False),
                                                 (128, 2, True, False), (128, 3, True, False), (128, 2, True, True),
                                                 (64, 4, True, False), (64, 2, True, False), (64, 4, False, True),
-                                                (64, 4, True, True), (40, 4, True, True), (16, 4, False, True)])
+                                                (64, 4, True, True), (40, 4, True, True), (16, 4, False, True),
+                                                (24, 4, False, True)])
 def test_gpu_ring_depths_dq_split_and_dq_tma(d, stages, split, tma):
     q, k, v, do = inputs(1, 2, 2, 700, 600, d, BF16, "cuda", seed=stages)
     cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma)
