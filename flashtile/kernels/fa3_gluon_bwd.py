@@ -22,6 +22,8 @@ keys from both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empt
 swizzled in half-rows so each warpgroup's column slice is whole swizzle atoms.  ``DQ_TMA`` (with ``DQ_SPLIT``, or
 BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA bulk reduce-add
 (``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
+``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
+one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
@@ -115,6 +117,25 @@ def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
 
 
 @gluon.jit
+def _turn_wait(turn_bars, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait for this warpgroup's turn to issue step ``it``'s Sᵀ and dPᵀ GEMMs.  Warpgroup 0 goes first
+    (step 0 waits for parity 1: a fresh barrier passes), then each waits for the other's pass of the same step
+    (warpgroup 1) or of the previous one (warpgroup 0); the two are never more than one phase apart."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (it + 1) & 1)
+        else:
+            mbarrier.wait(turn_bars.index(1), it & 1)
+
+
+@gluon.jit
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this step's first GEMMs are queued; the other warpgroup's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG))
+
+
+@gluon.jit
 def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty,
               stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
               HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
@@ -150,10 +171,10 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
-            LSE, Delta, DQacc, dq_desc, dq_smem,
+            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
     point at this (batch, q head)."""
@@ -191,9 +212,12 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
                                         pack=1)
     mbarrier.wait(q_ready.index(slot), phase)
+    # PINGPONG: the tensor cores take one warpgroup's Sᵀ, dPᵀ before the other's, so its exp2 and dSᵀ run beside them
+    _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
+    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: Sᵀ done, dPᵀ may still run
     pt = gl.exp2(st * qk_scale - gl.expand_dims(gl.convert_layout(lse_v, col_s), 0))
     if MASKED:
@@ -274,10 +298,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
 
 @gluon.jit
 def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-              do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+              do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+              seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -299,14 +323,14 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
-                             seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
-                             MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
+                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                             CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
-                             seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
-                             MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
+                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                             CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -323,26 +347,26 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
 
 @gluon.jit
 def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                  do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-                  seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+                  do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+                  seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              acc_rows, start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
+              qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
 
 
 @gluon.jit
 def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                  do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-                  seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+                  do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+                  seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              acc_rows, start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA)
+              qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
@@ -360,7 +384,7 @@ def fa3_gluon_bwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
-    DQ_TMA: gl.constexpr,
+    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
@@ -430,10 +454,12 @@ def fa3_gluon_bwd_kernel(
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per consumer
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):  # DQ_SPLIT: each warpgroup arrives once per use of a dSᵀ buffer
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
+        mbarrier.init(turn_bars.index(i), count=1)  # PINGPONG: the other warpgroup's pass
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -457,13 +483,13 @@ def fa3_gluon_bwd_kernel(
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     gl.warp_specialize([
         (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn,
-         stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES,
-         CAUSAL, DQ_SPLIT, DQ_TMA)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D,
+         NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
         (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn,
-         stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES,
-         CAUSAL, DQ_SPLIT, DQ_TMA)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D,
+         NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
         (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
          qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
          HEAD_DIM, BLOCK_D, NUM_STAGES)),

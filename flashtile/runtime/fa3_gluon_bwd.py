@@ -57,6 +57,8 @@ class GluonBwdConfig:
     # dQ parts through an fp32 shared tile per warpgroup and one TMA bulk reduce-add per step, instead of
     # red.global.add.v2.f32 from registers; with dq_split, or d <= 64 (one 64 x 64 tile per warpgroup)
     dq_tma: bool = False
+    # the consumers take turns issuing each step's first two GEMMs (an mbarrier each), as the forward's ping-pong
+    pingpong: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -98,7 +100,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    for name in ("dq_split", "dq_tma"):
+    for name in ("dq_split", "dq_tma", "pingpong"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if cfg.dq_split and block_d(d) not in (64, 128):
@@ -228,7 +230,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
-        cfg.dq_tma,
+        cfg.dq_tma, cfg.pingpong,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

@@ -106,12 +106,14 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125, config=GluonBwdConfig(num_stages=2, dq_tma=True))
     with pytest.raises(TypeError, match="dq_tma"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_tma="yes"))
+    with pytest.raises(TypeError, match="pingpong"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(pingpong=None))
     with pytest.raises(ValueError, match="shared memory"):
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125,
                            config=GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True))
     for d, cfg in [(64, GluonBwdConfig(dq_split=True)), (40, GluonBwdConfig(dq_tma=True)),
                    (64, GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True)),
-                   (128, GluonBwdConfig(dq_split=True, dq_tma=True))]:
+                   (128, GluonBwdConfig(dq_split=True, dq_tma=True)), (8, GluonBwdConfig(pingpong=True))]:
         fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
@@ -143,7 +145,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
     lse = torch.zeros(b, hq, nq)
-    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=tma) if split else None
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=tma, pingpong=tma) if split else None
     dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal, config=cfg)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == BF16
     kernels = [c[0][0] for c in calls]
@@ -160,7 +162,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     assert grid == (b * hq * 4,)
     cfg = cfg or gluon_bwd_config(d, causal)
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"],
-            bound["DQ_TMA"]) == (d, block_d(d), cfg.num_stages, causal, cfg.dq_split, tma)
+            bound["DQ_TMA"], bound["PINGPONG"]) == (d, block_d(d), cfg.num_stages, causal, cfg.dq_split, tma, tma)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
     acc = bound["DQacc"]
     assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
@@ -295,22 +297,35 @@ def test_gpu_head_dims_not_a_power_of_two(d):
                                                 (24, 4, False, True)])
 def test_gpu_ring_depths_dq_split_and_dq_tma(d, stages, split, tma):
     q, k, v, do = inputs(1, 2, 2, 700, 600, d, BF16, "cuda", seed=stages)
-    cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma)
-    got, ref, _ = run(q, k, v, do, causal=False, config=cfg)
+    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma))
     assert_grads(got, ref)
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d,tma", [(128, False), (128, True), (64, False), (64, True)])
+@pytest.mark.parametrize("d,stages,split,tma", [(64, 4, False, False), (64, 4, False, True), (64, 4, True, True),
+                                                (128, 3, False, False), (128, 3, True, False), (128, 2, True, True),
+                                                (40, 4, True, True)])
+def test_gpu_pingpong(d, stages, split, tma):
+    """The consumers take turns issuing Sᵀ and dPᵀ (two mbarriers); with dq_split they also meet at ds_full."""
+    q, k, v, do = inputs(2, 4, 2, 700, 600, d, BF16, "cuda", seed=stages)
+    cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma, pingpong=True)
+    got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
+    assert_grads(got, ref)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,tma,pingpong", [(128, False, False), (128, True, False), (128, True, True), (64, False, False),
+                                             (64, True, False), (64, True, True)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333)])
-def test_gpu_dq_split_matches_oracle(d, tma, causal, nq, nk):
+def test_gpu_dq_split_matches_oracle(d, tma, pingpong, causal, nq, nk):
     """dq_split: the consumers share their dSᵀ tiles through two buffers and four mbarriers (d = 64: K in 64-byte
     swizzled half-rows); dq_tma: each warpgroup's dQ part through its shared tile and a TMA bulk reduce-add.  Odd
-    and even step counts per program, GQA 4:2."""
+    and even step counts per program, GQA 4:2; pingpong: the consumers' turns."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq)
-    cfg = GluonBwdConfig(num_stages=2 if tma and d == 128 else 3, dq_split=True, dq_tma=tma)
+    cfg = GluonBwdConfig(num_stages=2 if tma and d == 128 else 3, dq_split=True, dq_tma=tma, pingpong=pingpong)
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
@@ -320,10 +335,10 @@ def test_gpu_dq_split_matches_oracle(d, tma, causal, nq, nk):
 @hopper
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_dq_tma_long_sequence_many_programs_per_row(causal):
-    """N = 4k, d = 64, no split: 32 kv-tile programs bulk-add into each dQ row (the accumulator's reduce-adds
-    race only with each other)."""
+    """N = 4k, d = 64, no split, ping-pong: 32 kv-tile programs bulk-add into each dQ row (the accumulator's
+    reduce-adds race only with each other); 64 steps of turns per program."""
     q, k, v, do = inputs(1, 2, 2, 4096, 4096, 64, BF16, "cuda", seed=13)
-    got, ref, _ = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=4, dq_tma=True))
+    got, ref, _ = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=4, dq_tma=True, pingpong=True))
     assert_grads(got, ref)
 
 
