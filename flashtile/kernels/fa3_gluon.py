@@ -32,6 +32,14 @@ per-head device-side tensor descriptors of the (N, d) head zero-fill loads past 
 the output goes out through masked stores (``O_STORE`` 0: from the wgmma layout, 1: through a
 row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
 :mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
+
+Persistent (``PERSISTENT``): min(tiles, SMs) programs, program p running tiles p, p + P, ... of the same tile
+order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), so a program's prologue
+(barriers, setmaxnreg) is paid once and tile t's epilogue (O / LSE stores) overlaps the loads of tile t + 1.
+Ring slots and parities follow a running kv-iteration count, the Q barrier's parity a running count of
+tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
+and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
+descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
 """
 
 from __future__ import annotations
@@ -73,10 +81,10 @@ def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q,
                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr):
     """(bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles) of tile ``tile_id`` of ``total_tiles`` =
     B * Hq * num_m_tiles: the query tiles of one (batch, head) pair ``bh`` adjacent (they share its K and V
-    in L2); causal runs each head's tiles last-first, the longest rows first, or with ``LPT_GROUP`` > 0 the longest tiles of each
-    group of that many heads first.  Kv tiles [0, full_tiles) are seen in full by every row of the tile,
-    [full_tiles, n_tiles) masked; n_tiles = 0 when no row sees a key.  Batch, query head and kv head
-    (``off_*``) are int64 (offsets into multi-GB tensors)."""
+    in L2); causal runs each head's tiles last-first, the longest rows first, or with ``LPT_GROUP`` > 0 the
+    longest tiles of each group of that many heads first.  Kv tiles [0, full_tiles) are seen in full by
+    every row of the tile, [full_tiles, n_tiles) masked; n_tiles = 0 when no row sees a key.  Batch, query
+    head and kv head (``off_*``) are int64 (offsets into multi-GB tensors)."""
     bh = tile_id // num_m_tiles
     tile = tile_id % num_m_tiles
     if CAUSAL:
@@ -383,11 +391,17 @@ def _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM: gl
 
 @gluon.jit
 def _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
-                             HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr):
+                             HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
+                             CAUSAL: gl.constexpr):
     """Persistent ``O_STORE`` 2: a tile with work stages O in its Q rows, then (store complete) releases
     them on ``q_empty``; a tile without work does not own the Q tiles (the producer may be loading the
-    next tile's Q there) and stores its zeros with plain masked stores."""
-    if n_tiles > 0:
+    next tile's Q there) and stores its zeros with plain masked stores.  Not causal, every tile has work
+    (Nk >= 1: the host launches nothing otherwise)."""
+    if not CAUSAL:
+        _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                      BLOCK_D1=BLOCK_D1)
+        mbarrier.arrive(q_empty)
+    elif n_tiles > 0:
         _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                       BLOCK_D1=BLOCK_D1)
         mbarrier.arrive(q_empty)
@@ -400,8 +414,9 @@ def _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, se
 @gluon.jit
 def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
                    qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, it0, q_phase,
-                   turn0, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
-                   BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   turn0, WG: gl.constexpr, NUM_WG: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                    PERSISTENT: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
@@ -481,7 +496,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     if O_STORE == 2:
         if PERSISTENT:
             _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
-                                     HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
+                                     HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, CAUSAL=CAUSAL)
         else:
             _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                           BLOCK_D1=BLOCK_D1)
@@ -500,7 +515,8 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                    qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, 0, 0,
-                   WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
+                   WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                   BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
                    O_STORE=O_STORE, PERSISTENT=False)
 
@@ -514,25 +530,23 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                          LPT_GROUP: gl.constexpr):
     """Tiles pid, pid + P, ... (P programs), as the producer walks them: the ring index, the Q barrier's
-    parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile of n kv tiles, the same
-    for every consumer) run on across tiles."""
+    parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile of n > 0 kv tiles, the
+    same for every consumer) run on across tiles."""
     kv_it = 0
-    q_count = 0
-    turn = 0
+    turn = 0  # n + 1 per tile with n > 0 kv tiles: turn - kv_it counts the tiles with work (Q parity)
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
             tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
             BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
-        _consumer_tile(Out + off_b * stride_ob + off_h * stride_oh, LSE, q_tiles, k_tiles, v_tiles, q_bar,
-                       q_empty, k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om,
-                       bh.to(gl.int64) * seqlen_q, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it,
-                       q_count & 1, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
-                       BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
+        _consumer_tile(Out + off_b * stride_ob + off_h * stride_oh, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
+                       k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
+                       seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
+                       NUM_WG=NUM_WG,
+                       HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
+                       NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                        PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True)
-        has_work = n_tiles > 0
         kv_it += n_tiles
-        q_count += has_work.to(gl.int32)
-        turn += gl.where(has_work, n_tiles + 1, 0)
+        turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles"])
@@ -550,9 +564,11 @@ def fa3_gluon_kernel(
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, the query tiles of one head adjacent (they share
-    its K and V in L2); causal runs each head's tiles last-first, the longest rows first, or with
-    ``LPT_GROUP`` > 0 the longest tiles of each group of that many heads first.  Launch with
+    """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
+    ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
+    (``_tile_coords``): the query tiles of one head adjacent (they share its K and V in L2); causal runs each
+    head's tiles last-first, the longest rows first, or with ``LPT_GROUP`` > 0 the longest tiles of each
+    group of that many heads first.  Launch with
     ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d; the tiles cover columns
     [0, BLOCK_D0) and, when ``BLOCK_D1 > 0``, [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (powers of two >= 16; the
     columns past d are zero in Q, K, V and never stored)."""

@@ -59,7 +59,7 @@ class GluonConfig:
     intra: bool = True
     pingpong: bool = True
     consumer_regs: int = 0  # setmaxnreg of the worker consumers (the default one gets the rest); 0: regs()
-    producer_regs: int = 24
+    producer_regs: int = 0  # setmaxnreg of the producer; 0: producer()
     o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
     num_wg: int = 2  # consumer warpgroups of 64 query rows each (2 or 3; FA3 runs 3 at d = 64)
     skip_mask0: bool = True  # tile 0 unmasked when every row of the program sees all of it
@@ -76,6 +76,12 @@ class GluonConfig:
         """Worker consumers' registers: ``consumer_regs``, or 240 with 2 warpgroups and 160 with 3 (the
         most that 64K registers allow next to a 24-register producer, FA3's split)."""
         return self.consumer_regs or (240 if self.num_wg == 2 else 160)
+
+    def producer(self) -> int:
+        """Producer's registers: ``producer_regs``, or 24 (FA3's), 32 when persistent with 2 consumer
+        warpgroups (sm_90a compiles: its tile loop spills 28 B under 24 at d = 192 causal, nothing under 32;
+        with 3 warpgroups 3 x 160 + 32 would leave the default consumer 160, which spills more)."""
+        return self.producer_regs or (32 if self.persistent and self.num_wg == 2 else 24)
 
     def o_store(self) -> int:
         """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
@@ -152,11 +158,13 @@ def _check_config(cfg) -> None:
         raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
         raise ValueError(f"config: num_wg must be 2 or 3, got {cfg}")
-    if not 24 <= cfg.producer_regs <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer_regs % 8:
+    if not isinstance(cfg.producer_regs, int) or not isinstance(cfg.consumer_regs, int):
+        raise TypeError(f"config: consumer_regs / producer_regs must be ints, got {cfg}")
+    if not 24 <= cfg.producer() <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer() % 8:
         raise ValueError(f"config: consumer_regs / producer_regs must be multiples of 8 in [24, 256], got {cfg}")
     # setmaxnreg: num_wg + 1 partitions of 128 threads (the producer padded to 4 warps) share 64K registers;
     # the default consumer gets what the workers leave, at least consumer_regs
-    if cfg.num_wg * cfg.regs() + cfg.producer_regs > 512:
+    if cfg.num_wg * cfg.regs() + cfg.producer() > 512:
         raise ValueError(f"config: num_wg x consumer_regs + producer_regs must be <= 512, got {cfg}")
 
 
@@ -241,7 +249,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles,
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
-        cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
+        cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
     )
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

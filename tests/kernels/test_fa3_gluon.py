@@ -180,8 +180,9 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
         True, cfg.intra, cfg.pingpong, cfg.skip_mask0)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
-        cfg.regs(), cfg.producer_regs, cfg.o_store(), cfg.lpt_group)
+        cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
+    assert cfg.producer() == (32 if cfg.persistent and cfg.num_wg == 2 else 24)  # 0 spills, scratch/cc_gluon.py
 
 
 def test_persistent_grid_is_at_most_the_tile_count(monkeypatch):
@@ -385,17 +386,20 @@ def test_gpu_persistent_matches_float64(monkeypatch, d, schedule, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_persistent_fp16_real_grid(d, causal):
     """fp16, the device's own SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles):
-    equal to the one-program-per-tile kernel up to rounding, and to the float64 oracle."""
+    the one-program-per-tile kernel's result on every head, and the float64 oracle's on two of them."""
     cfg = gluon_config(d, causal)
     g = torch.Generator().manual_seed(d)
     q = torch.randn(2, 8, 4096, d, generator=g).to("cuda", torch.float16)
     k = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
     v = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
     o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=cfg)
-    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal,
+    poisoned = torch.full_like(q, float("nan"))
+    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=poisoned,
                                  config=replace(cfg, persistent=True))
-    # the same per-tile arithmetic in the same order: equal bit for bit
-    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    # the same per-tile arithmetic in the same order (every head, not just the oracle's two): equal up to the
+    # rounding a different register allocation may bring; a skipped (NaN) or misplaced tile is far off
+    torch.testing.assert_close(o2, o1, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse2, lse1, atol=1e-4, rtol=1e-5)
     # query heads 0-1 share kv head 0 (GQA 8:4)
     ref_o, ref_lse = attention_ref(q[:1, :2].double().cpu(), k[:1, :1].double().cpu(), v[:1, :1].double().cpu(),
                                    scale=d ** -0.5, causal=causal)
