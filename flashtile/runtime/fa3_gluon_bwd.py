@@ -125,17 +125,6 @@ def _check(q, k, v, dout, out, lse) -> None:
         raise NotImplementedError(f"fa3_gluon_backward needs an sm_90 (Hopper) CUDA device, got q on {q.device}")
 
 
-def _grad_out(given, like: torch.Tensor, name: str) -> torch.Tensor:
-    if given is None:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    if not isinstance(given, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(given).__name__}")
-    if tuple(given.shape) != tuple(like.shape) or given.dtype != like.dtype or given.device != like.device:
-        raise ValueError(f"{name} must have the shape, dtype and device of its input, got {tuple(given.shape)}, "
-                         f"{given.dtype}, {given.device}")
-    return given
-
-
 def fa3_gluon_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -171,23 +160,18 @@ def fa3_gluon_backward(
     if config is not None:
         _check_config(config, d, q.element_size())
     cfg = config if config is not None else gluon_bwd_config(d, causal)
-    dq_ret, dk_ret, dv_ret = _grad_out(dq, q, "dq"), _grad_out(dk, k, "dk"), _grad_out(dv, v, "dv")
-    if b * hq * nq == 0 or nk == 0:
-        for ret in (dq_ret, dk_ret, dv_ret):
-            ret.zero_()
-        return dq_ret, dk_ret, dv_ret
-    from flashtile.runtime.fa3_bwd import _preprocess
+    from flashtile.runtime.fa3_bwd import _preprocess, grad_buffers, grad_outputs, write_back
     from flashtile.runtime.fa3_fwd import ensure_allocator
 
-    group = hq // hk
+    rets = grad_outputs(dq, dk, dv, q, k, v)
+    if b * hq * nq == 0 or nk == 0:
+        for ret in rets:
+            ret.zero_()
+        return rets
     lse = lse.to(dtype=torch.float32).contiguous()
-    dq_buf = dq_ret if dq_ret.stride(-1) == 1 else torch.empty_like(q)
-    if group == 1:
-        dk_buf = dk_ret if dk_ret.stride(-1) == 1 else torch.empty_like(k)
-        dv_buf = dv_ret if dv_ret.stride(-1) == 1 else torch.empty_like(v)
-    else:  # fp32 partials per q head (one program per q head and kv tile), summed per group below
-        dk_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=q.device)
-        dv_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=q.device)
+    # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back
+    partials = hq > hk
+    dq_buf, dk_buf, dv_buf = bufs = grad_buffers(rets, q, k, v, partials)
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     with torch.cuda.device(q.device):
         delta = _preprocess(out, dout, b, hq, nq, d)
@@ -196,17 +180,7 @@ def fa3_gluon_backward(
                              device=q.device)
         gluon_bwd_launch(q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, softmax_scale, causal, cfg)
         dq_postprocess(dq_acc, dq_buf, softmax_scale)
-    if group > 1:
-        dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
-        dv_ret.copy_(dv_buf.view(b, hk, group, nk, d).sum(2))
-    else:
-        if dk_buf is not dk_ret:
-            dk_ret.copy_(dk_buf)
-        if dv_buf is not dv_ret:
-            dv_ret.copy_(dv_buf)
-    if dq_buf is not dq_ret:
-        dq_ret.copy_(dq_buf)
-    return dq_ret, dk_ret, dv_ret
+    return write_back(rets, bufs, partials)
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
