@@ -345,30 +345,6 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
 
 
-@gluon.jit
-def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                  do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-                  seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
-
-
-@gluon.jit
-def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-                  do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-                  seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-              seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
-
-
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
 def fa3_gluon_bwd_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQacc,
@@ -481,15 +457,16 @@ def fa3_gluon_bwd_kernel(
     acc_base = DQacc + bh64 * stride_acc_h
     acc_rows = stride_acc_h // BLOCK_D
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
+    # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
-        (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+        (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D,
-         NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
-        (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
+        (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D,
-         NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
         (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
          qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
          HEAD_DIM, BLOCK_D, NUM_STAGES)),
