@@ -30,9 +30,11 @@ def test_config_table_fits():
             assert smem_bytes(cfg, d) <= SMEM_LIMIT
             assert cfg.num_stages >= 2 and cfg.block_n % 16 == 0 and cfg.num_wg in (2, 3)
     assert GLUON_HEAD_DIMS == tuple(range(8, 257, 8))
-    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3)
+    assert gluon_config(128, True) == GluonConfig(block_n=128, num_stages=3)
+    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3, persistent=True)  # non-causal >= 128
     assert gluon_config(96, False) == GluonConfig(block_n=128, num_stages=4)  # 64 + 32 columns: a 4th stage fits
-    assert gluon_config(112, False) == replace(gluon_config(128, False), split_d=False)  # 64 + 64: nothing saved
+    assert gluon_config(112, True) == replace(gluon_config(128, True), split_d=False)  # 64 + 64: nothing saved
+    assert gluon_config(192, False) == GluonConfig(block_n=64, num_stages=3, persistent=True)
     assert gluon_config(192, True) == GluonConfig(block_n=64, num_stages=3)  # 128 + 64 columns: a 3rd stage fits
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
     assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
