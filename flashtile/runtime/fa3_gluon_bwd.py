@@ -1,11 +1,9 @@
 """Host side of the Gluon Hopper backward (:mod:`flashtile.kernels.fa3_gluon_bwd`, FA3's Algorithm 3 with dQ by
-fp32 atomic reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
+fp32 reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
-Status: correct on an H100 (52 GPU tests; ``dq_split`` at d <= 64 and ``dq_tma`` compile for sm_90a with Triton 3.6
-and wait for their GPU run, docs/gluon_bwd.md) but slower than FA2's backward, so **not dispatched**:
-:func:`prefer_gluon_bwd` says False unless ``ENABLED`` is set (the probe sets
-``flashtile.runtime.fa3_gluon_bwd.ENABLED = True``, or the environment has ``FLASHTILE_GLUON_BWD=1`` when this
-module is first imported).
+Dispatched where :func:`gluon_bwd_wins` says (H100 probe, bench/NOTES.md "Gluon backward, dQ through TMA"): every
+head dim from 72 to 128, and 40-64 from 8k keys; ``ENABLED`` (environment ``FLASHTILE_GLUON_BWD=0`` when this
+module is first imported turns it off) gates the dispatch.
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
 (B, H, N, d) views, head dims multiple of 8 up to 128, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
@@ -19,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -27,7 +25,7 @@ import triton
 from flashtile.kernels._common import LOG2E
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "gluon_bwd_launch",
-           "prefer_gluon_bwd", "GLUON_BWD_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
+           "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
 GLUON_BWD_HEAD_DIMS = tuple(range(8, 129, 8))  # TMA: 16-byte rows; dK and dV halves fill the registers at 128
 BLOCK_N = 128  # kv rows per program (two consumer warpgroups of 64)
@@ -35,8 +33,8 @@ BLOCK_M = 64  # q rows per inner step
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's kernel[grid] on every call
 POST_BLOCK = 64  # rows per program of the dQ postprocess
-# the dispatch switch (prefer_gluon_bwd): off until a GPU run has checked the kernel
-ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "0") == "1"
+# the dispatch switch (prefer_gluon_bwd)
+ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
 
 
 def block_d(d: int) -> int:
@@ -75,17 +73,28 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
 
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
-    fill the register file), so the ring is as deep as shared memory allows, up to 4 stages: 4 at d <= 64, 3 at
-    d <= 128.  ``dq_split`` at d > 64: +37-140 % on an H100 at d = 128 (bench/NOTES.md, "Gluon backward");
-    ``scratch/gbwd_probe.py`` times 2 stages, ``dq_split`` at d <= 64 and ``dq_tma`` against the table."""
+    fill the register file), so the ring is as deep as shared memory allows: 4 stages at d <= 64, 2 at d <= 128
+    (what fits beside the fp32 dQ tiles).  dQ split between the consumers (half the reductions each), staged in
+    shared memory and reduced by TMA, and ping-pong: H100, bf16, B*N = 16k, H*d = 2048 (``scratch/gbwd_probe.py``,
+    bench/NOTES.md): d = 128 443 TFLOP/s at 16k non-causal vs 371 for register reductions; d = 64 352 vs 235."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 128, got head_dim {d}")
-    split = block_d(d) == 128
-    cfg = GluonBwdConfig(num_stages=4, dq_split=split)
-    while smem_bytes(cfg, d) > SMEM_LIMIT or (cfg.num_stages > 3 and block_d(d) > 64):
-        cfg = GluonBwdConfig(num_stages=cfg.num_stages - 1, dq_split=split)
+    if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
+        return GluonBwdConfig(num_stages=4)
+    cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True)
+    while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
+    """The measured part of :func:`prefer_gluon_bwd`, backward alone against FA2's (H100, bf16, B*N = 16k,
+    H*d = 2048, ``scratch/gbwd_probe.py``): 128-wide tiles (d = 72-128) 1.04-1.20x at 1k-16k, causal or not;
+    64-wide tiles 1.09-1.10x at 16k but 0.95x at 4k and 0.85x at 1k; narrower tiles unmeasured (FA2)."""
+    del causal
+    width = block_d(d)
+    return width == 128 or (width == 64 and nk >= 8192)
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
@@ -228,9 +237,9 @@ def prefer_gluon_bwd(
     window: tuple[int, int], plain: bool, deterministic: bool, capability: tuple[int, int] | None = None,
 ) -> bool:
     """Whether ``ops.autograd._bwd_impl`` runs :func:`fa3_gluon_backward` on these (B, H, N, d) views: only with
-    ``ENABLED`` (off by default), then what the kernel covers: ``plain`` (no softcap, ALiBi, bias, dropout,
+    ``ENABLED``, then what the kernel covers: ``plain`` (no softcap, ALiBi, bias, dropout,
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
-    to 128, descriptor-ready q, k, v, dout on an sm_90 device."""
+    to 128, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
     if not ENABLED:
         return False
     from flashtile.runtime.common import capability as device_capability
@@ -240,6 +249,8 @@ def prefer_gluon_bwd(
         return False
     left, right = window
     if left != -1 or right != (0 if causal else -1) or q.shape[3] not in GLUON_BWD_HEAD_DIMS:
+        return False
+    if not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
     if capability is None:
         capability = device_capability(q.get_device())

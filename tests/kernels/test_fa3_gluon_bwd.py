@@ -39,9 +39,11 @@ def test_config_table_fits():
             cfg = gluon_bwd_config(d, causal)
             assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
             assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
-    # dq_split is the default where the tiles are 128 wide (measured +37-140 % at d = 128); dq_tma waits for timings
-    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=3, dq_split=True)
-    assert gluon_bwd_config(64, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
+    # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128
+    both = dict(dq_split=True, dq_tma=True, pingpong=True)
+    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **both)
+    assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, **both)
+    assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
     for d in (0, 4, 100, 136, 256):
         with pytest.raises(NotImplementedError, match="head_dim"):
             gluon_bwd_config(d, False)
@@ -162,7 +164,8 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     assert grid == (b * hq * 4,)
     cfg = cfg or gluon_bwd_config(d, causal)
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"],
-            bound["DQ_TMA"], bound["PINGPONG"]) == (d, block_d(d), cfg.num_stages, causal, cfg.dq_split, tma, tma)
+            bound["DQ_TMA"], bound["PINGPONG"]) == (d, block_d(d), cfg.num_stages, causal, cfg.dq_split, cfg.dq_tma,
+                                                cfg.pingpong)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
     acc = bound["DQacc"]
     assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
@@ -211,15 +214,27 @@ def test_float64_twin_at_the_kernels_tiling(causal):
             assert_close(a, r, torch.float64, "cpu", name)
 
 
-def test_dispatch_switch_is_off_by_default_and_forced_by_the_flag(monkeypatch):
-    """``_bwd_impl`` calls the Gluon backward only with ``ENABLED`` and ``prefer_gluon_bwd`` True; by default the
-    FA2 path runs (interpreted) and the Gluon one is never called."""
+def test_dispatch_rule():
+    """Measured (``gluon_bwd_wins``): 128-wide tiles at every length, 64-wide from 8k keys, narrower never (the
+    rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
+    wins = fa3_gluon_bwd.gluon_bwd_wins
+    assert all(wins(d, c, 1) for d in (72, 96, 128) for c in (False, True))
+    assert wins(64, False, 8192) and wins(40, True, 16384) and not wins(64, False, 4096)
+    assert not wins(32, False, 1 << 20) and not wins(136, False, 1 << 20)
+    assert fa3_gluon_bwd.ENABLED is True
+
+    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True,
+                                              deterministic=False, capability=(9, 0))  # a CPU tensor
+
+
+def test_dispatch_switch_off_keeps_fa2(monkeypatch):
+    """``_bwd_impl`` calls the Gluon backward only with ``ENABLED`` and ``prefer_gluon_bwd`` True: with the switch
+    off the FA2 path runs (interpreted) and the Gluon one is never called."""
     from flashtile import flash_attn_func
 
-    assert fa3_gluon_bwd.ENABLED is False
+    monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", False)
     q, k, v = (torch.randn(1, 8, 1, 16, dtype=F32, requires_grad=True) for _ in range(3))
-    assert not fa3_gluon_bwd.prefer_gluon_bwd(q, k, v, q, causal=False, window=(-1, -1), plain=True,
-                                              deterministic=False, capability=(9, 0))
     seen = []
 
     def fake(dout, q, k, v, out, lse, *, softmax_scale, causal, dq, dk, dv):
@@ -238,12 +253,12 @@ def test_dispatch_switch_is_off_by_default_and_forced_by_the_flag(monkeypatch):
     assert seen == [((1, 1, 8, 16), 0.3, True)] and all((x.grad == 7.0).all() for x in (q, k, v))
 
 
-def test_env_var_turns_the_switch_on():
+def test_env_var_turns_the_switch_off():
     code = "import flashtile.runtime.fa3_gluon_bwd as m; print(m.ENABLED)"
-    env = {**os.environ, "FLASHTILE_GLUON_BWD": "1"}
+    env = {**os.environ, "FLASHTILE_GLUON_BWD": "0"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- #
@@ -375,10 +390,25 @@ def test_gpu_long_sequence_against_fa2(causal):
 
 @pytest.mark.gpu
 @hopper
+def test_gpu_dispatch_rule():
+    def prefer(dtype=BF16, d=128, n=64, **kw):
+        q = torch.empty(1, 2, n, d, dtype=dtype, device="cuda")
+        args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False)
+        return fa3_gluon_bwd.prefer_gluon_bwd(q, q, q, q, **{**args, **kw})
+
+    assert prefer() and prefer(d=96, causal=True, window=(-1, 0)) and prefer(d=64, n=8192) and prefer(dtype=torch.float16)
+    assert not prefer(d=64) and not prefer(d=32, n=8192) and not prefer(d=136) and not prefer(dtype=torch.float32)
+    assert not prefer(window=(8, -1)) and not prefer(plain=False) and not prefer(deterministic=True)
+    assert not prefer(capability=(10, 0)) and not prefer(causal=True)  # causal needs window (-1, 0)
+
+
+@pytest.mark.gpu
+@hopper
 def test_gpu_autograd_hook(monkeypatch):
-    """With the switch on, flash_attn_func's backward runs the Gluon kernel and matches the default path."""
+    """With the switch on, flash_attn_func's backward runs the Gluon kernel and matches FA2's (switch off)."""
     from flashtile import flash_attn_func
 
+    monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", False)
     q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in inputs(2, 8, 2, 1000, 1000, 128, BF16,
                                                                                     "cuda", seed=3))
     called = []
