@@ -13,6 +13,7 @@ and the caller passes ``deterministic=False``.  ``ops.autograd._bwd_impl`` calls
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,8 +22,9 @@ import triton
 
 from flashtile.runtime.common import capability as device_capability
 from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, SMEM_LIMIT, SUPPORTED_HEAD_DIMS, ensure_allocator, _tma_ready
+from flashtile.runtime.fa3_gluon import block_d, head_split
 
-__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "fa3_backward", "prefer_hopper_bwd", "hopper_bwd_wins", "ENABLED",
+__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "bwd_widths", "fa3_backward", "prefer_hopper_bwd", "hopper_bwd_wins", "ENABLED",
            "smem_bytes_dkdv", "smem_bytes_dq"]
 
 
@@ -42,6 +44,19 @@ class Fa3BwdConfig:
     dq_num_stages: int
     dq_warp_spec: bool
     atomic_dq: bool = False  # unspecialised dK/dV only, when the caller allows non-determinism: dQ by fp32 atomics
+    split_d: bool = True  # a head dim that is not a power of two as two power-of-two column parts (head_split)
+
+    def widths(self, d: int) -> tuple[int, int]:
+        """The kernels' (BLOCK_D0, BLOCK_D1) at head dim ``d`` (:func:`bwd_widths`)."""
+        return bwd_widths(d, self.split_d)
+
+
+@functools.lru_cache(maxsize=None)  # on every launch
+def bwd_widths(d: int, split: bool = True) -> tuple[int, int]:
+    """(BLOCK_D0, BLOCK_D1) at head dim ``d``: ``head_split`` where its two parts are narrower than
+    ``block_d(d)`` (d = 136-192: 128 + 16..64; 40-48, 72-96), else one part of ``block_d(d)`` (BLOCK_D1 = 0)."""
+    d0, d1 = head_split(d, split)
+    return (d0, d1) if d0 + d1 < block_d(d) else (block_d(d), 0)
 
 
 def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
@@ -59,16 +74,17 @@ def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
 
 def smem_bytes_dkdv(cfg: Fa3BwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of the dK/dV kernel as Triton 3.6 lays it out for sm_90a (compile reports, offline):
-    K, V tiles, a ring of ``num_stages`` Q, dO tiles, with specialisation one more (BLOCK_N, BLOCK_M) tile
-    (a score tile staged between the consumers' wgmmas), under 1 KB of barriers."""
-    bd = max(16, 1 << (d - 1).bit_length())
+    K, V tiles, a ring of ``num_stages`` Q, dO tiles (all ``sum(cfg.widths(d))`` wide), with specialisation
+    one more (BLOCK_N, BLOCK_M) tile (a score tile staged between the consumers' wgmmas), under 1 KB of barriers."""
+    bd = sum(cfg.widths(d))
     ws = cfg.block_n * cfg.block_m * esize if cfg.warp_spec else 0
     return 2 * cfg.block_n * bd * esize + cfg.num_stages * 2 * cfg.block_m * bd * esize + ws + 1024
 
 
 def smem_bytes_dq(cfg: Fa3BwdConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of the unspecialised dQ kernel: Q, dO tiles, a ring of K, V tiles, under 1 KB of barriers."""
-    bd = max(16, 1 << (d - 1).bit_length())
+    """Shared memory of the unspecialised dQ kernel: Q, dO tiles, a ring of K, V tiles (``sum(cfg.widths(d))``
+    wide), under 1 KB of barriers."""
+    bd = sum(cfg.widths(d))
     return 2 * cfg.dq_block_m * bd * esize + cfg.dq_num_stages * 2 * cfg.dq_block_n * bd * esize + 1024
 
 
@@ -278,8 +294,8 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, c
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)),
         hq, hq // hk, nq, nk, num_n_tiles,
-        # HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC, GROUP_LOOP, ATOMIC_DQ
-        d, max(16, triton.next_power_of_2(d)), cfg.block_m, cfg.block_n, cfg.block_n.bit_length() - 1,
+        # HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, BLOCK_N, LOG2_BLOCK_N, CAUSAL, WARP_SPEC, GROUP_LOOP, ATOMIC_DQ
+        d, *cfg.widths(d), cfg.block_m, cfg.block_n, cfg.block_n.bit_length() - 1,
         bool(causal), cfg.warp_spec, bool(group_loop), dq_acc is not None,
     )
     acc = dq_acc if dq_acc is not None else delta  # unread placeholder without atomics
@@ -301,8 +317,8 @@ def launch_dq(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, cfg: Fa
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
         hq, hq // hk, nq, nk, num_m_tiles,
-        # HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, WARP_SPEC
-        d, max(16, triton.next_power_of_2(d)), cfg.dq_block_m, cfg.dq_block_m.bit_length() - 1, cfg.dq_block_n,
+        # HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, WARP_SPEC
+        d, *cfg.widths(d), cfg.dq_block_m, cfg.dq_block_m.bit_length() - 1, cfg.dq_block_n,
         bool(causal), cfg.dq_warp_spec,
     )
     run_kernel(fa3_bwd_dq_kernel, grid, (q, k, v, dout, lse, delta, dq, float(scale)), static,

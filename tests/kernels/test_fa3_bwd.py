@@ -13,7 +13,9 @@ import torch
 
 from flashtile.runtime import fa3_bwd
 from flashtile.runtime.fa2_bwd import fa2_backward
-from flashtile.runtime.fa3_bwd import Fa3BwdConfig, fa3_backward, fa3_bwd_config, smem_bytes_dkdv, smem_bytes_dq
+from flashtile.runtime.fa3_bwd import (Fa3BwdConfig, bwd_widths, fa3_backward, fa3_bwd_config, smem_bytes_dkdv,
+                                       smem_bytes_dq)
+from flashtile.runtime.fa3_gluon import block_d, head_split
 from flashtile.runtime.fa3_fwd import SMEM_LIMIT, SUPPORTED_HEAD_DIMS
 from tests._oracle import attention_ref_grads, rounding_slack, scores_ref
 from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs, make
@@ -83,6 +85,45 @@ def test_refuses_what_it_does_not_cover():
         fa3_backward(h3, h3, h2, h2, h3, torch.zeros(1, 3, 16), softmax_scale=0.125)
 
 
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+def test_head_dim_split_widths(d):
+    """Two power-of-two column parts (``head_split``) exactly where they are narrower than ``block_d(d)``
+    (d = 192: 128 + 64; 200: one 256-wide part), one part otherwise and with ``split_d=False``."""
+    d0, d1 = bwd_widths(d)
+    assert d0 & (d0 - 1) == 0 and d1 & (d1 - 1) == 0 and d0 >= 16 and d0 + d1 >= d
+    if sum(head_split(d)) < block_d(d):
+        assert (d0, d1) == head_split(d) and d1 > 0 and d0 < d
+    else:
+        assert (d0, d1) == (block_d(d), 0)
+    for causal in (False, True):
+        cfg = fa3_bwd_config(d, causal)
+        assert cfg.widths(d) == (d0, d1)
+        assert Fa3BwdConfig(**{**cfg.__dict__, "split_d": False}).widths(d) == (block_d(d), 0)
+
+
+@pytest.mark.parametrize("d", [128, 160, 192, 256])
+def test_launch_passes_the_column_parts(monkeypatch, d):
+    """Both kernels get BLOCK_D0 / BLOCK_D1 = ``cfg.widths(d)`` (d = 160: 128 + 32, d = 192: 128 + 64), and the
+    unsplit width with ``split_d=False`` (launches recorded, not run)."""
+    import flashtile.runtime.launch as launch_mod
+    seen = []
+    monkeypatch.setattr(launch_mod, "launch", lambda kernel, grid, dynamic, static, **kw: seen.append(
+        (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__,
+         dict(zip(kernel.arg_names[len(dynamic):], static)))))
+    q, k, v, do = inputs(1, 2, 1, 40, 30, d, F16, "cpu", seed=0)
+    lse = torch.zeros(1, 2, 40)
+    for split in (True, False):
+        seen.clear()
+        cfg = Fa3BwdConfig(**{**fa3_bwd_config(d, False).__dict__, "split_d": split})
+        fa3_backward(do, q, k, v, do, lse, softmax_scale=0.1, config=cfg)
+        kernels = {name: args for name, args in seen}
+        assert set(kernels) >= {"fa3_bwd_dkdv_kernel", "fa3_bwd_dq_kernel"}
+        want = head_split(d) if split and d & (d - 1) else (block_d(d), 0)
+        for name in ("fa3_bwd_dkdv_kernel", "fa3_bwd_dq_kernel"):
+            args = kernels[name]
+            assert (args["HEAD_DIM"], args["BLOCK_D0"], args["BLOCK_D1"]) == (d, *want), (name, split)
+
+
 def test_prefer_hopper_bwd_off_the_gpu():
     q = torch.zeros(1, 1, 16, 64, dtype=BF16)
     assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, causal=False, window=(-1, -1), plain=True)
@@ -130,6 +171,33 @@ def test_interpreter_table_tiles(d):
     causal with Nq > Nk: kv tiles cut by the diagonal and a ragged last tile on both sides."""
     q, k, v, do = inputs(1, 1, 1, 140, 130, d, F16, "cpu", seed=d)
     got, ref, visible = run(q, k, v, do, causal=True, config=fa3_bwd_config(d, True))
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("d,causal,warp_spec,nq,nk", [(160, True, False, 70, 100), (192, False, True, 100, 45)])
+def test_interpreter_head_split(d, causal, warp_spec, nq, nk):
+    """Head dims tiled as two column parts (160 = 128 + 32, 192 = 128 + 64; columns 160-255 never loaded):
+    GQA, ragged tails, against the oracle and against the same config unsplit."""
+    cfg = CPU_CFG[warp_spec]
+    assert cfg.widths(d) == head_split(d)
+    q, k, v, do = inputs(1, 2, 1, nq, nk, d, F16, "cpu", seed=d)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+    whole, _, _ = run(q, k, v, do, causal=causal, config=Fa3BwdConfig(**{**cfg.__dict__, "split_d": False}))
+    for a, b in zip(got, whole):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("causal", [False, True])
+def test_interpreter_head_split_atomic_dq(causal):
+    """dQ by fp32 atomics per column part (d = 136 = 128 + 16: 8 columns of the second part past d)."""
+    cfg = Fa3BwdConfig(32, 64, 4, 1, False, 64, 32, 4, 1, False, atomic_dq=True)
+    q, k, v, do = inputs(1, 2, 1, 50, 40, 136, F16, "cpu", seed=5)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg, deterministic=False)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
@@ -226,3 +294,22 @@ def test_gpu_deterministic_bitwise(d):
             for _ in range(2)]
     for a, c in zip(*runs):
         assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [136, 160, 192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(333, 517), (1100, 700)])
+def test_gpu_head_split_matches_oracle(d, causal, nq, nk):
+    """Head dims above 128 through the table's config (split into 128 + 16..64 where that narrows the tiles),
+    GQA, ragged Nq / Nk both ways; the split result also against the unsplit config."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq)
+    cfg = fa3_bwd_config(d, causal)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    torch.cuda.synchronize()
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+    if cfg.widths(d)[1]:
+        whole, _, _ = run(q, k, v, do, causal=causal, config=Fa3BwdConfig(**{**cfg.__dict__, "split_d": False}))
+        assert_grads(whole, ref)
