@@ -24,7 +24,7 @@ from flashtile.runtime.common import capability as device_capability
 from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, SMEM_LIMIT, SUPPORTED_HEAD_DIMS, ensure_allocator, _tma_ready
 from flashtile.runtime.fa3_gluon import block_d, head_split
 
-__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "bwd_widths", "fa3_backward", "prefer_hopper_bwd", "hopper_bwd_wins", "ENABLED",
+__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "bwd_widths", "FA3_BWD_WIDE", "fa3_backward", "prefer_hopper_bwd", "hopper_bwd_wins", "ENABLED",
            "smem_bytes_dkdv", "smem_bytes_dq"]
 
 
@@ -59,16 +59,26 @@ def bwd_widths(d: int, split: bool = True) -> tuple[int, int]:
     return (d0, d1) if d0 + d1 < block_d(d) else (block_d(d), 0)
 
 
+# d > 128 before the head-dim split: one next_power_of_2(d) part (kept for the probes' A/B, scratch/bsplit_probe.py)
+FA3_BWD_WIDE = Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False, split_d=False)
+
+
 def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
     """The config for head dim ``d`` (a table, CPU-testable).  From offline compiles (Triton 3.6, sm_90a,
     ``ptxas -v``; bench/NOTES.md "Hopper backward"), not yet from timings: warp-specialised dK/dV needs
     BLOCK_N = 128 (two consumers of 64 kv rows), whose fp32 dK + dV hold d registers per consumer thread:
-    no spill at d = 64, ~600 bytes at d = 128, 5 KB at d = 256, so d = 256 runs unspecialised, 64 kv rows
-    over 8 warps (112 bytes).  dQ is unspecialised everywhere (the pass fails on it), 128 q rows over
-    8 warps (no spill to d = 128).  ``scratch/hbwd_probe.py`` on an H100 picks between the candidates."""
-    del causal  # one row per head-dim bucket so far
+    no spill at d = 64, ~600 bytes at d = 128, 5 KB at d = 256, so above 128 dK/dV runs unspecialised, 64 kv
+    rows over 8 warps.  dQ is unspecialised everywhere (the pass fails on it), 128 q rows over 8 warps (no
+    spill to d = 128).  Split widths 144-192 (d = 136-192, ``bwd_widths``): 3 stages of 32 q rows for dK/dV
+    (124 KB at d = 192, no spill causal or not; 2 stages spill 168 B non-causal) and 2 stages of 64 kv rows
+    for dQ (197 KB, no spill; 1 stage spills 24-136 B); 256 wide (d = 200-256) ``FA3_BWD_WIDE``'s tiles (dK/dV
+    spills 52-116 B, dQ 4 B).  ``scratch/hbwd_probe.py`` and ``scratch/bsplit_probe.py`` on an H100 pick
+    between the candidates."""
+    del causal  # one row per tile width so far
     if d <= 128:
         return Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 8, 2, False)
+    if sum(bwd_widths(d)) < 256:
+        return Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False)
     return Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False)
 
 

@@ -62,6 +62,11 @@ def test_smem_estimate_matches_compile_reports():
         ("dq", Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 8, 2, False), 128, 131088),
         ("dq", Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False), 256, 196616),
         ("dq", Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 8, 2, False), 64, 65552),
+        # split widths: 192 = 128 + 64, 160 = 128 + 32
+        ("dkdv", Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False), 192, 123904),
+        ("dkdv", Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False), 160, 103424),
+        ("dq", Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False), 192, 196624),
+        ("dq", Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False), 160, 163856),
     ]:
         est = smem_bytes_dkdv(cfg, d) if kind == "dkdv" else smem_bytes_dq(cfg, d)
         assert 0 <= est - reported <= 1024, (kind, cfg, d, est, reported)
@@ -165,9 +170,10 @@ def test_interpreter_atomic_dq(causal):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 192, 256])
 def test_interpreter_table_tiles(d):
-    """The table's own tiles (128-row kv tiles with specialisation at d = 64, 8-warp 32 x 64 at d = 256),
+    """The table's own tiles (128-row kv tiles with specialisation at d = 64, 8-warp 32 x 64 at d = 192, split
+    128 + 64, and 256),
     causal with Nq > Nk: kv tiles cut by the diagonal and a ragged last tile on both sides."""
     q, k, v, do = inputs(1, 1, 1, 140, 130, d, F16, "cpu", seed=d)
     got, ref, visible = run(q, k, v, do, causal=True, config=fa3_bwd_config(d, True))
