@@ -31,7 +31,7 @@ Head-dim split (``BLOCK_D1 > 0``): the head dim is tiled as columns [0, BLOCK_D0
 BLOCK_D0 + BLOCK_D1), two powers of two (d = 192: 128 + 64; ``runtime.fa3_gluon.head_split``), so no GEMM
 pays for the columns up to ``next_power_of_2(d)``: Q, K, V, dO come as two descriptor boxes per tile,
 S = Q0 K0^T + Q1 K1^T and dP = dO0 V0^T + dO1 V1^T accumulate over both, and dV, dK, dQ are one
-accumulator per part, stored per part; accumulators travel as tuples ``(dK0, dV0[, dK1, dV1])``.
+accumulator per part, stored per part; accumulators travel as tuples ``(dK0[, dK1], dV0[, dV1])``.
 With ``BLOCK_D1 = 0`` the kernels are the unsplit ones (``BLOCK_D0`` = the padded head dim).
 
 Ragged tails need no element mask: descriptors zero-fill Q, dO, K, V past the sequence, an
