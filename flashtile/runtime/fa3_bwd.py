@@ -24,8 +24,8 @@ from flashtile.runtime.common import capability as device_capability
 from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, SMEM_LIMIT, SUPPORTED_HEAD_DIMS, ensure_allocator, _tma_ready
 from flashtile.runtime.fa3_gluon import block_d, head_split
 
-__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "bwd_widths", "FA3_BWD_WIDE", "fa3_backward", "prefer_hopper_bwd", "hopper_bwd_wins", "ENABLED",
-           "smem_bytes_dkdv", "smem_bytes_dq"]
+__all__ = ["Fa3BwdConfig", "fa3_bwd_config", "bwd_widths", "FA3_BWD_WIDE", "fa3_backward", "prefer_hopper_bwd",
+           "hopper_bwd_wins", "ENABLED", "smem_bytes_dkdv", "smem_bytes_dq"]
 
 
 @dataclass(frozen=True)
