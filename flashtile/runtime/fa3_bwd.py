@@ -64,22 +64,15 @@ FA3_BWD_WIDE = Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False, split_d=F
 
 
 def fa3_bwd_config(d: int, causal: bool) -> Fa3BwdConfig:
-    """The config for head dim ``d`` (a table, CPU-testable).  From offline compiles (Triton 3.6, sm_90a,
-    ``ptxas -v``; bench/NOTES.md "Hopper backward"), not yet from timings: warp-specialised dK/dV needs
-    BLOCK_N = 128 (two consumers of 64 kv rows), whose fp32 dK + dV hold d registers per consumer thread:
-    no spill at d = 64, ~600 bytes at d = 128, 5 KB at d = 256, so above 128 dK/dV runs unspecialised, 64 kv
-    rows over 8 warps.  dQ is unspecialised everywhere (the pass fails on it), 128 q rows over 8 warps (no
-    spill to d = 128).  Split widths 144-192 (d = 136-192, ``bwd_widths``): 3 stages of 32 q rows for dK/dV
-    (124 KB at d = 192, no spill causal or not; 2 stages spill 168 B non-causal) and 2 stages of 64 kv rows
-    for dQ (197 KB, no spill; 1 stage spills 24-136 B); 256 wide (d = 200-256) ``FA3_BWD_WIDE``'s tiles (dK/dV
-    spills 52-116 B, dQ 4 B).  ``scratch/hbwd_probe.py`` and ``scratch/bsplit_probe.py`` on an H100 pick
-    between the candidates."""
+    """The config for head dim ``d`` (a table, CPU-testable).  d <= 128 (not dispatched there: the Gluon
+    backward or FA2's run): warp-specialised dK/dV with two consumers of 64 kv rows.  Above 128, the H100 probe
+    (``scratch/bsplit_probe.py``, bench/NOTES.md "Hopper backward, head-dim split"; bf16, B*N = 16k): dK/dV
+    unspecialised 64 q x 64 kv rows over 8 warps, 2 stages, dQ 128 q x 32 kv rows, 2 stages — 1.20-1.45x
+    ``FA3_BWD_WIDE`` at d = 192 (split), 1.22-1.57x at 160, 1.08-1.24x at 256, the best candidate everywhere."""
     del causal  # one row per tile width so far
     if d <= 128:
         return Fa3BwdConfig(64, 128, 4, 2, True, 128, 64, 8, 2, False)
-    if sum(bwd_widths(d)) < 256:
-        return Fa3BwdConfig(32, 64, 8, 3, False, 128, 64, 8, 2, False)
-    return Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False)
+    return Fa3BwdConfig(64, 64, 8, 2, False, 128, 32, 8, 2, False)
 
 
 def smem_bytes_dkdv(cfg: Fa3BwdConfig, d: int, esize: int = 2) -> int:

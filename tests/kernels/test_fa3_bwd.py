@@ -13,7 +13,7 @@ import torch
 
 from flashtile.runtime import fa3_bwd
 from flashtile.runtime.fa2_bwd import fa2_backward
-from flashtile.runtime.fa3_bwd import (Fa3BwdConfig, bwd_widths, fa3_backward, fa3_bwd_config, smem_bytes_dkdv,
+from flashtile.runtime.fa3_bwd import (FA3_BWD_WIDE, Fa3BwdConfig, bwd_widths, fa3_backward, fa3_bwd_config, smem_bytes_dkdv,
                                        smem_bytes_dq)
 from flashtile.runtime.fa3_gluon import block_d, head_split
 from flashtile.runtime.fa3_fwd import SMEM_LIMIT, SUPPORTED_HEAD_DIMS
@@ -309,7 +309,7 @@ def test_gpu_deterministic_bitwise(d):
 @pytest.mark.parametrize("nq,nk", [(333, 517), (1100, 700)])
 def test_gpu_head_split_matches_oracle(d, causal, nq, nk):
     """Head dims above 128 through the table's config (split into 128 + 16..64 where that narrows the tiles),
-    GQA, ragged Nq / Nk both ways; the split result also against the unsplit config."""
+    GQA, ragged Nq / Nk both ways; the split result also against the unsplit config before the split."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq)
     cfg = fa3_bwd_config(d, causal)
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
@@ -317,5 +317,5 @@ def test_gpu_head_split_matches_oracle(d, causal, nq, nk):
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
     if cfg.widths(d)[1]:
-        whole, _, _ = run(q, k, v, do, causal=causal, config=Fa3BwdConfig(**{**cfg.__dict__, "split_d": False}))
+        whole, _, _ = run(q, k, v, do, causal=causal, config=FA3_BWD_WIDE)
         assert_grads(whole, ref)
