@@ -255,6 +255,21 @@ def _desc_strides(x: torch.Tensor) -> list[int] | None:
     return strides
 
 
+@functools.lru_cache(maxsize=None)
+def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype) -> tuple:
+    """Per kernel argument ``q_desc0`` ... ``o_desc1``: (tensor index in q, k, v, out; box; its layout), or
+    None (the second part when unsplit, ``d1`` 0; O unless ``o_tma``).  Keyed on ints: hashing a GluonConfig
+    per call costs more than the descriptors."""
+    plan = []
+    for i, rows in enumerate((64, block_n, block_n, 64)):
+        for width in (d0, d1):
+            if width == 0 or (i == 3 and not o_tma):
+                plan.append(None)
+            else:
+                plan.append((i, [1, 1, rows, width], _box_layout(rows, width, dtype)))
+    return tuple(plan)
+
+
 def host_descriptors(q, k, v, out, cfg: GluonConfig):
     """The kernel's ``q_desc0`` ... ``o_desc1``: Gluon host ``TensorDescriptor`` s over the (B, H, N, d) views
     with their strides, boxes [1, 1, 64 | block_n, BLOCK_D0 | BLOCK_D1] (a box's part past a head's N or past
@@ -262,22 +277,22 @@ def host_descriptors(q, k, v, out, cfg: GluonConfig):
     when unsplit and for O unless ``o_tma``.  None where a stride rules them out (``_desc_strides``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    strides = [_desc_strides(x) for x in (q, k, v, out)]
+    xs = (q, k, v, out)
+    strides = [_desc_strides(x) for x in xs]
     if None in strides:
         return None
-    d0, d1 = cfg.widths(q.shape[3])
+    shapes = [list(x.shape) for x in xs]
     descs = []
-    for i, (x, st, rows) in enumerate(zip((q, k, v, out), strides, (64, cfg.block_n, cfg.block_n, 64))):
-        for width in (d0, d1):
-            if width == 0 or (i == 3 and not cfg.o_tma):
-                descs.append(None)
-                continue
-            # the dataclass's checks (16-byte base and strides, unit stride on d, positive dims) are
-            # fa3_fwd._check's and outputs' (work to do); built without them: ~0.3 vs 2.6 us each
-            desc = TensorDescriptor.__new__(TensorDescriptor)
-            desc.__dict__.update(base=x, shape=list(x.shape), strides=st, block_shape=[1, 1, rows, width],
-                                 layout=_box_layout(rows, width, x.dtype))
-            descs.append(desc)
+    for entry in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype):
+        if entry is None:
+            descs.append(None)
+            continue
+        i, box, layout = entry
+        # the dataclass's checks (16-byte base and strides, unit stride on d, positive dims) are
+        # fa3_fwd._check's and outputs' (work to do): built without them (~0.4 vs 2.6 us each)
+        desc = TensorDescriptor.__new__(TensorDescriptor)
+        desc.__dict__.update(base=xs[i], shape=shapes[i], strides=strides[i], block_shape=box, layout=layout)
+        descs.append(desc)
     return descs
 
 
