@@ -31,7 +31,9 @@ loop, the tiles crossed by the diagonal or the end of K a masked one.  Ragged Nq
 per-head device-side tensor descriptors of the (N, d) head zero-fill loads past the head's end and past d;
 the output goes out through masked stores (``O_STORE`` 0: from the wgmma layout, 1: through a
 row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
-:mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
+:mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.  ``HOST_DESC``: rank-4
+descriptors over the (B, H, N, d) tensors come from the host as kernel parameters instead (coordinates
+(b, h, row, column): the same zero fill past each head's N and past d), nothing is built in the kernel.
 
 Persistent (``PERSISTENT``): min(tiles, SMs) programs, program p running tiles p, p + P, ... of the same tile
 order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), so a program's prologue
@@ -39,7 +41,7 @@ order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), s
 Ring slots and parities follow a running kv-iteration count, the Q barrier's parity a running count of
 tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
 and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
-descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
+(without ``HOST_DESC``) descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
 """
 
 from __future__ import annotations
