@@ -31,7 +31,9 @@ loop, the tiles crossed by the diagonal or the end of K a masked one.  Ragged Nq
 per-head device-side tensor descriptors of the (N, d) head zero-fill loads past the head's end and past d;
 the output goes out through masked stores (``O_STORE`` 0: from the wgmma layout, 1: through a
 row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
-:mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
+:mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.  ``HOST_DESC``: rank-4
+descriptors over the (B, H, N, d) tensors come from the host as kernel parameters instead (coordinates
+(b, h, row, column): the same zero fill past each head's N and past d), nothing is built in the kernel.
 
 Persistent (``PERSISTENT``): min(tiles, SMs) programs, program p running tiles p, p + P, ... of the same tile
 order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), so a program's prologue
@@ -39,7 +41,7 @@ order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), s
 Ring slots and parities follow a running kv-iteration count, the Q barrier's parity a running count of
 tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
 and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
-descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
+(without ``HOST_DESC``) descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
 """
 
 from __future__ import annotations
@@ -67,13 +69,39 @@ def _head_desc(X, seqlen, stride, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, WI
                                       gl.NVMMASharedLayout.get_default_for([ROWS, WIDTH], dtype))
 
 
+@gluon.constexpr_function
+def _same_swizzle(a, b):
+    """Whether two NVMMA shared layouts place a tile's bytes alike (leading unit dims aside)."""
+    return (a.swizzle_byte_width, a.element_bitwidth, a.transposed) == (b.swizzle_byte_width, b.element_bitwidth,
+                                                                       b.transposed)
+
+
 @gluon.jit
-def _load(desc0, desc1, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr):
+def _unit4(tile):
+    """A [ROWS, WIDTH] shared tile as the [1, 1, ROWS, WIDTH] box of a host descriptor over (B, H, N, d): the
+    same bytes (leading unit dims), which the descriptor's swizzle must match (Triton does not check it)."""
+    view = tile.reshape([1, 1, tile.shape[0], tile.shape[1]])
+    return view
+
+
+@gluon.jit
+def _load(src, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
+          HOST_DESC: gl.constexpr):
     """TMA copies of rows [row, + box) into ``tiles[i].index(idx)``: columns [0, BLOCK_D0) and, when split,
-    [BLOCK_D0, BLOCK_D0 + BLOCK_D1), both counted on ``bar``."""
-    tma.async_copy_global_to_shared(desc0, [row, 0], bar, tiles[0].index(idx), pred=pred)
-    if BLOCK_D1 > 0:
-        tma.async_copy_global_to_shared(desc1, [row, BLOCK_D0], bar, tiles[1].index(idx), pred=pred)
+    [BLOCK_D0, BLOCK_D0 + BLOCK_D1), both counted on ``bar``.  ``src``: (desc0, desc1) of one head, or with
+    ``HOST_DESC`` (desc0, desc1, b, h) of the (B, H, N, d) tensor and the head's coordinates."""
+    if HOST_DESC:
+        gl.static_assert(_same_swizzle(src[0].layout, tiles[0].layout))
+        tma.async_copy_global_to_shared(src[0], [src[2], src[3], row, 0], bar, _unit4(tiles[0].index(idx)),
+                                        pred=pred)
+        if BLOCK_D1 > 0:
+            gl.static_assert(_same_swizzle(src[1].layout, tiles[1].layout))
+            tma.async_copy_global_to_shared(src[1], [src[2], src[3], row, BLOCK_D0], bar,
+                                            _unit4(tiles[1].index(idx)), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(src[0], [row, 0], bar, tiles[0].index(idx), pred=pred)
+        if BLOCK_D1 > 0:
+            tma.async_copy_global_to_shared(src[1], [row, BLOCK_D0], bar, tiles[1].index(idx), pred=pred)
 
 
 @gluon.jit
@@ -118,22 +146,32 @@ def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q,
 def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, it0,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
     """TMA loads of one tile's Q (one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring
     slot (it0 + j) % NUM_STAGES (``it0``: kv iterations of the program's earlier tiles).  Columns past
-    HEAD_DIM read 0, as rows past Nq / Nk do."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_desc = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D0)
-    k_desc = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D0)
-    v_desc = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D0)
-    if BLOCK_D1 > 0:
-        q_desc1 = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D1)
-        k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
-        v_desc1 = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
-    else:  # unread
-        q_desc1 = q_desc
-        k_desc1 = k_desc
-        v_desc1 = v_desc
+    HEAD_DIM read 0, as rows past Nq / Nk do.  ``Q``, ``K``, ``V``: the head's base pointers (descriptors
+    built here), or with ``HOST_DESC`` (desc0, desc1, b, h) as ``_load`` takes them."""
+    if HOST_DESC:
+        dtype: gl.constexpr = Q[0].dtype
+        q_src = Q
+        k_src = K
+        v_src = V
+    else:
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_desc = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D0)
+        k_desc = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D0)
+        v_desc = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D0)
+        if BLOCK_D1 > 0:
+            q_desc1 = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D1)
+            k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+            v_desc1 = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
+        else:  # unread
+            q_desc1 = q_desc
+            k_desc1 = k_desc
+            v_desc1 = v_desc
+        q_src = (q_desc, q_desc1)
+        k_src = (k_desc, k_desc1)
+        v_src = (v_desc, v_desc1)
     # a box's transaction bytes count its zero-filled part too
     q_bytes: gl.constexpr = NUM_WG * 64 * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
     kv_bytes: gl.constexpr = BLOCK_N * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
@@ -144,30 +182,30 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         # those rows' outputs are never stored, and no box lies wholly out of bounds
         q_row = start_m + w * 64
         q_row = gl.where(q_row < seqlen_q, q_row, start_m)
-        _load(q_desc, q_desc1, q_row, q_bar, q_tiles, w, has_work, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
+        _load(q_src, q_row, q_bar, q_tiles, w, has_work, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
     for j in range(n_tiles):
         it = it0 + j
         slot = it % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(kv_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), kv_bytes)
-        _load(k_desc, k_desc1, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True,
-              BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
+        _load(k_src, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+              HOST_DESC=HOST_DESC)
         mbarrier.expect(v_ready.index(slot), kv_bytes)
-        _load(v_desc, v_desc1, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True,
-              BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
+        _load(v_src, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+              HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
 def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
               stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
               HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
     """One program, one tile: its loads from ring slot 0 on."""
     _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, 0,
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
-                   NUM_STAGES=NUM_STAGES)
+                   NUM_STAGES=NUM_STAGES, HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -176,10 +214,11 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                          stride_vb, stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
                          total_tiles, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                          NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr):
+                         CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr):
     """Loads of tiles pid, pid + P, ... (P programs): the kv ring index runs on across tiles; a tile's Q
     waits for ``q_empty`` (every consumer done with the previous Q and every K / V load of the previous
-    tile).  Tiles that see no key load nothing (the consumers count tiles with work the same way)."""
+    tile).  Tiles that see no key load nothing (the consumers count tiles with work the same way).
+    ``HOST_DESC``: ``Q``, ``K``, ``V`` are (desc0, desc1) pairs of host descriptors, nothing is rebuilt."""
     kv_it = 0  # kv iterations issued so far: ring slot and parity
     q_count = 0  # tiles with work so far: q_empty's parity
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
@@ -189,14 +228,23 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
         if n_tiles > 0:
             # the first tile passes on the fresh barrier
             mbarrier.wait(q_empty, (q_count & 1) ^ 1)
-            # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
-            # after q_empty, when every load issued with the previous ones has completed: each consumer
-            # arrives after waiting for the previous tile's Q, last K and last V
-            _producer_tile(Q + off_b * stride_qb + off_h * stride_qh, K + off_b * stride_kb + off_hk * stride_kh,
-                           V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
-                           k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
-                           start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES)
+            if HOST_DESC:
+                b32 = off_b.to(gl.int32)
+                _producer_tile((Q[0], Q[1], b32, off_h.to(gl.int32)), (K[0], K[1], b32, off_hk.to(gl.int32)),
+                               (V[0], V[1], b32, off_hk.to(gl.int32)), q_tiles, k_tiles, v_tiles, q_bar,
+                               k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
+                               start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                               NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True)
+            else:
+                # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
+                # after q_empty, when every load issued with the previous ones has completed: each consumer
+                # arrives after waiting for the previous tile's Q, last K and last V
+                _producer_tile(Q + off_b * stride_qb + off_h * stride_qh,
+                               K + off_b * stride_kb + off_hk * stride_kh,
+                               V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
+                               k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
+                               start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                               NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False)
         kv_it += n_tiles
         q_count += (n_tiles > 0).to(gl.int32)
 
@@ -371,44 +419,75 @@ def _store_rows(Out, out, row0, stride_om, seqlen_q, COL0: gl.constexpr, HEAD_DI
 
 @gluon.jit
 def _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM: gl.constexpr,
-                  BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr):
+                  BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, HOST_DESC: gl.constexpr):
     """O through a TMA store staged in this warpgroup's Q rows (its last S GEMM has retired); the descriptor
-    drops rows past Nq and columns past HEAD_DIM."""
+    drops rows past Nq and columns past HEAD_DIM.  ``Out``: the head's base pointer, or with ``HOST_DESC``
+    (pointer, desc0, desc1, b, h), ``_out_target``'s tuple."""
     M: gl.constexpr = 64
-    o_desc = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D0)
-    if BLOCK_D1 > 0:
-        o_desc1 = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D1)
+    if not HOST_DESC:
+        o_desc = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D0)
+        if BLOCK_D1 > 0:
+            o_desc1 = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D1)
     if row0 < seqlen_q:  # no box wholly out of bounds (the last tile's upper warpgroups)
         q_wg[0].store(out0)
         if BLOCK_D1 > 0:
             q_wg[1].store(out1)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [row0, 0], q_wg[0])
-        if BLOCK_D1 > 0:
-            tma.async_copy_shared_to_global(o_desc1, [row0, BLOCK_D0], q_wg[1])
+        if HOST_DESC:
+            gl.static_assert(_same_swizzle(Out[1].layout, q_wg[0].layout))
+            tma.async_copy_shared_to_global(Out[1], [Out[3], Out[4], row0, 0], _unit4(q_wg[0]))
+            if BLOCK_D1 > 0:
+                gl.static_assert(_same_swizzle(Out[2].layout, q_wg[1].layout))
+                tma.async_copy_shared_to_global(Out[2], [Out[3], Out[4], row0, BLOCK_D0], _unit4(q_wg[1]))
+        else:
+            tma.async_copy_shared_to_global(o_desc, [row0, 0], q_wg[0])
+            if BLOCK_D1 > 0:
+                tma.async_copy_shared_to_global(o_desc1, [row0, BLOCK_D0], q_wg[1])
         tma.store_wait(0)
 
 
 @gluon.jit
 def _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
                              HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
-                             CAUSAL: gl.constexpr):
+                             CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr):
     """Persistent ``O_STORE`` 2: a tile with work stages O in its Q rows, then (store complete) releases
     them on ``q_empty``; a tile without work does not own the Q tiles (the producer may be loading the
     next tile's Q there) and stores its zeros with plain masked stores.  Not causal, every tile has work
     (Nk >= 1: the host launches nothing otherwise)."""
     if not CAUSAL:
         _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
-                      BLOCK_D1=BLOCK_D1)
+                      BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
         mbarrier.arrive(q_empty)
     elif n_tiles > 0:
         _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
-                      BLOCK_D1=BLOCK_D1)
+                      BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
         mbarrier.arrive(q_empty)
     else:
-        _store_rows(Out, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=0)
+        o_ptr = _out_ptr(Out, HOST_DESC=HOST_DESC, O_STORE=2)
+        _store_rows(o_ptr, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=0)
         if BLOCK_D1 > 0:
-            _store_rows(Out, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=0)
+            _store_rows(o_ptr, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=0)
+
+
+@gluon.jit
+def _out_target(o_ptr, o_descs, b, h, HOST_DESC: gl.constexpr, O_STORE: gl.constexpr):
+    """What a consumer stores its tile through: the head's base pointer ``o_ptr``, or with host descriptors
+    and a TMA store (``O_STORE`` 2) (o_ptr, desc0, desc1, b, h) (``o_descs``: the (desc0, desc1) pair)."""
+    if HOST_DESC and O_STORE == 2:
+        target = (o_ptr, o_descs[0], o_descs[1], b.to(gl.int32), h.to(gl.int32))
+    else:
+        target = o_ptr
+    return target
+
+
+@gluon.jit
+def _out_ptr(Out, HOST_DESC: gl.constexpr, O_STORE: gl.constexpr):
+    """The head's base pointer of an ``_out_target``."""
+    if HOST_DESC and O_STORE == 2:
+        o_ptr = Out[0]
+    else:
+        o_ptr = Out
+    return o_ptr
 
 
 @gluon.jit
@@ -418,15 +497,16 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
     staged in this warpgroup's Q rows.  ``PERSISTENT``: arrive on ``q_empty`` once done with Q and with
-    every K / V load of a tile with work."""
+    every K / V load of a tile with work.  ``Out``: an ``_out_target``."""
     gl.static_assert(gl.num_warps() == 4)
     M: gl.constexpr = 64
-    dtype: gl.constexpr = Out.dtype.element_ty
+    o_ptr = _out_ptr(Out, HOST_DESC=HOST_DESC, O_STORE=O_STORE)
+    dtype: gl.constexpr = o_ptr.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -496,14 +576,15 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     if O_STORE == 2:
         if PERSISTENT:
             _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
-                                     HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, CAUSAL=CAUSAL)
+                                     HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, CAUSAL=CAUSAL,
+                                     HOST_DESC=HOST_DESC)
         else:
             _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
-                          BLOCK_D1=BLOCK_D1)
+                          BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
     else:
-        _store_rows(Out, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
+        _store_rows(o_ptr, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
         if BLOCK_D1 > 0:
-            _store_rows(Out, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
+            _store_rows(o_ptr, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
 
 
 @gluon.jit
@@ -511,14 +592,16 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
               qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
-    """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers."""
+              INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
+              HOST_DESC: gl.constexpr):
+    """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
+    ``_out_target``."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                    qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, 0, 0,
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -528,23 +611,30 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                         LPT_GROUP: gl.constexpr):
+                         LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr):
     """Tiles pid, pid + P, ... (P programs), as the producer walks them: the ring index, the Q barrier's
     parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile of n > 0 kv tiles, the
-    same for every consumer) run on across tiles."""
+    same for every consumer) run on across tiles.  ``Out``: the output's base pointer, or with host
+    descriptors and ``O_STORE`` 2 (pointer, desc0, desc1)."""
     kv_it = 0
     turn = 0  # n + 1 per tile with n > 0 kv tiles: turn - kv_it counts the tiles with work (Q parity)
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
             tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
             BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
-        _consumer_tile(Out + off_b * stride_ob + off_h * stride_oh, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
+        if HOST_DESC and O_STORE == 2:
+            o_dst = _out_target(Out[0] + off_b * stride_ob + off_h * stride_oh, (Out[1], Out[2]), off_b, off_h,
+                                HOST_DESC=HOST_DESC, O_STORE=O_STORE)
+        else:
+            o_dst = Out + off_b * stride_ob + off_h * stride_oh
+        _consumer_tile(o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
                        k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
                        seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
                        NUM_WG=NUM_WG,
                        HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
                        NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
-                       PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True)
+                       PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
+                       HOST_DESC=HOST_DESC)
         kv_it += n_tiles
         turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
 
@@ -553,6 +643,9 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
 def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
     qk_scale,  # softmax_scale * log2(e), > 0
+    # HOST_DESC: host TMA descriptors over the (B, H, N, d) views, boxes [1, 1, rows, BLOCK_D0 | BLOCK_D1]
+    # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0; otherwise None
+    q_desc0, q_desc1, k_desc0, k_desc1, v_desc0, v_desc1, o_desc0, o_desc1,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -562,7 +655,7 @@ def fa3_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
-    O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
+    O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -571,7 +664,9 @@ def fa3_gluon_kernel(
     group of that many heads first.  Launch with
     ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d; the tiles cover columns
     [0, BLOCK_D0) and, when ``BLOCK_D1 > 0``, [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (powers of two >= 16; the
-    columns past d are zero in Q, K, V and never stored)."""
+    columns past d are zero in Q, K, V and never stored).  ``HOST_DESC``: the loads (and the O_STORE 2
+    stores) go through the host-built descriptors at coordinates (b, h, row, column), nothing is built on the
+    device (no global scratch); otherwise per-head descriptors are built in the kernel from the pointers."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
@@ -623,76 +718,115 @@ def fa3_gluon_kernel(
     for i in gl.static_range(NUM_WG):
         mbarrier.init(turn_bars.index(i), count=1)
 
+    if HOST_DESC:
+        if BLOCK_D1 > 0:
+            q_pair = (q_desc0, q_desc1)
+            k_pair = (k_desc0, k_desc1)
+            v_pair = (v_desc0, v_desc1)
+        else:  # the second of each pair unread
+            q_pair = (q_desc0, q_desc0)
+            k_pair = (k_desc0, k_desc0)
+            v_pair = (v_desc0, v_desc0)
+        if O_STORE == 2:
+            if BLOCK_D1 > 0:
+                o_pair = (o_desc0, o_desc1)
+            else:
+                o_pair = (o_desc0, o_desc0)
+
     if PERSISTENT:
+        if HOST_DESC:
+            q_src = q_pair
+            k_src = k_pair
+            v_src = v_pair
+            if O_STORE == 2:
+                o_dst = (Out, o_pair[0], o_pair[1])
+            else:
+                o_dst = Out
+        else:
+            q_src = Q
+            k_src = K
+            v_src = V
+            o_dst = Out
         # one arrival per consumer warpgroup: done with the tile's Q and its last K / V
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=NUM_WG)
         if NUM_WG == 2:
             gl.warp_specialize([
-                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
-                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
-                (_producer_persistent, (Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1, NUM_WG,
-                 BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
+                 v_ready, kv_empty, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                 stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
-                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
-                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
-                (_producer_persistent, (Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1, NUM_WG,
-                 BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
+                 v_ready, kv_empty, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                 stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        k_base = K + off_b * stride_kb + off_hk * stride_kh
-        v_base = V + off_b * stride_vb + off_hk * stride_vh
-        o_base = Out + off_b * stride_ob + off_h * stride_oh
+        if HOST_DESC:
+            b32 = off_b.to(gl.int32)
+            q_src = (q_pair[0], q_pair[1], b32, off_h.to(gl.int32))
+            k_src = (k_pair[0], k_pair[1], b32, off_hk.to(gl.int32))
+            v_src = (v_pair[0], v_pair[1], b32, off_hk.to(gl.int32))
+            if O_STORE == 2:
+                o_dst = _out_target(Out + off_b * stride_ob + off_h * stride_oh, o_pair, off_b, off_h,
+                                    HOST_DESC=HOST_DESC, O_STORE=O_STORE)
+            else:
+                o_dst = Out + off_b * stride_ob + off_h * stride_oh
+        else:
+            q_src = Q + off_b * stride_qb + off_h * stride_qh
+            k_src = K + off_b * stride_kb + off_hk * stride_kh
+            v_src = V + off_b * stride_vb + off_hk * stride_vh
+            o_dst = Out + off_b * stride_ob + off_h * stride_oh
         lse_row0 = bh.to(gl.int64) * seqlen_q
         # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
         # values): the consumers' argument tuples are spelled out, each with its WG
         if NUM_WG == 2:
             gl.warp_specialize([
-                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-                (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-                (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

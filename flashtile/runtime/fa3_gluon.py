@@ -23,8 +23,8 @@ from flashtile.kernels._common import LOG2E
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "GLUON_HEAD_DIMS",
-           "BLOCK_M", "block_d", "head_split", "sm_count"]
+__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "host_descriptors",
+           "GLUON_HEAD_DIMS", "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
 BLOCK_M = 128  # query rows of the default two consumer warpgroups (64 each); GluonConfig.block_m in general
@@ -67,6 +67,8 @@ class GluonConfig:
     lpt_group: int = 0  # causal: longest tiles first across groups of this many heads (0: per head)
     split_d: bool = True  # a head dim that is not a power of two as two power-of-two parts (head_split)
     persistent: bool = False  # min(tiles, SMs) programs looping over the tiles (sm_count), not one per tile
+    # TMA descriptors built on the host (kernel parameters over the (B, H, N, d) views), not per tile in the kernel
+    host_desc: bool = False
 
     @property
     def block_m(self) -> int:
@@ -157,6 +159,8 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: split_d must be a bool, got {cfg}")
     if not isinstance(cfg.persistent, bool):
         raise TypeError(f"config: persistent must be a bool, got {cfg}")
+    if not isinstance(cfg.host_desc, bool):
+        raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
         raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
@@ -212,7 +216,8 @@ def fa3_gluon_forward(
     out, lse, work = outputs(q, k, out, q.dtype)
     if work:
         q, softmax_scale = positive_scale(q, softmax_scale)
-        ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+        if not cfg.host_desc:
+            ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
         gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
     return out, lse
 
@@ -223,10 +228,80 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_NO_DESCS = (None,) * 8  # the kernel's q_desc0 ... o_desc1 without host descriptors (constexprs: no parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(rows: int, width: int, dtype: torch.dtype):
+    """The shared layout of a [1, 1, rows, width] descriptor box: the swizzle the kernel's [rows, width] tiles
+    have (``get_default_for``; leading unit dims change neither the bytes nor the swizzle)."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, width], gl_dtype)
+
+
+def _desc_strides(x: torch.Tensor) -> list[int] | None:
+    """``x``'s strides for a rank-4 descriptor: a 0 stride on an axis of length 1 becomes 8 elements (any
+    16-byte multiple addresses the same rows); None where an axis longer than 1 has stride 0 (an expanded
+    batch or head axis, left to the in-kernel descriptors)."""
+    strides = list(x.stride())
+    if 0 in strides:
+        for i, (n, st) in enumerate(zip(x.shape, strides)):
+            if st == 0:
+                if n > 1:
+                    return None
+                strides[i] = 8
+    return strides
+
+
+@functools.lru_cache(maxsize=None)
+def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype) -> tuple:
+    """Per kernel argument ``q_desc0`` ... ``o_desc1``: (tensor index in q, k, v, out; box; its layout), or
+    None (the second part when unsplit, ``d1`` 0; O unless ``o_tma``).  Keyed on ints: hashing a GluonConfig
+    per call costs more than the descriptors."""
+    plan = []
+    for i, rows in enumerate((64, block_n, block_n, 64)):
+        for width in (d0, d1):
+            if width == 0 or (i == 3 and not o_tma):
+                plan.append(None)
+            else:
+                plan.append((i, [1, 1, rows, width], _box_layout(rows, width, dtype)))
+    return tuple(plan)
+
+
+def host_descriptors(q, k, v, out, cfg: GluonConfig):
+    """The kernel's ``q_desc0`` ... ``o_desc1``: Gluon host ``TensorDescriptor`` s over the (B, H, N, d) views
+    with their strides, boxes [1, 1, 64 | block_n, BLOCK_D0 | BLOCK_D1] (a box's part past a head's N or past
+    d reads 0 and is dropped when stored; it never reaches another batch or head); None for the second part
+    when unsplit and for O unless ``o_tma``.  None where a stride rules them out (``_desc_strides``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    xs = (q, k, v, out)
+    strides = [_desc_strides(x) for x in xs]
+    if None in strides:
+        return None
+    shapes = [list(x.shape) for x in xs]
+    descs = []
+    for entry in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype):
+        if entry is None:
+            descs.append(None)
+            continue
+        i, box, layout = entry
+        # the dataclass's checks (16-byte base and strides, unit stride on d, positive dims) are
+        # fa3_fwd._check's and outputs' (work to do): built without them (~0.4 vs 2.6 us each)
+        desc = TensorDescriptor.__new__(TensorDescriptor)
+        desc.__dict__.update(base=xs[i], shape=shapes[i], strides=strides[i], block_shape=box, layout=layout)
+        descs.append(desc)
+    return descs
+
+
 def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig) -> None:
     """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
-    the descriptor allocator installed (``fa3_fwd.ensure_allocator``).  ``cfg.persistent``: a grid of
-    min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the kernel's tile order."""
+    unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
+    ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
+    kernel's tile order.  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
+    stride rules them out, in the kernel as without it."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
@@ -243,7 +318,12 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
-    dynamic = (q, k, v, out, lse, softmax_scale * LOG2E)
+    descs = host_descriptors(q, k, v, out, cfg) if cfg.host_desc else None
+    if descs is None:
+        if cfg.host_desc:
+            ensure_allocator()
+        descs = _NO_DESCS
+    dynamic = (q, k, v, out, lse, softmax_scale * LOG2E, *descs)
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -253,6 +333,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
+        descs is not _NO_DESCS,
     )
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

@@ -124,6 +124,8 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, split_d=1))
     with pytest.raises(TypeError, match="persistent"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=1))
+    with pytest.raises(TypeError, match="host_desc"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, host_desc=1))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
     for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
@@ -185,6 +187,86 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
         cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
     assert cfg.producer() == (32 if cfg.persistent and cfg.num_wg == 2 else 24)  # 0 spills, scratch/cc_gluon.py
+    assert bound["HOST_DESC"] is False and all(bound[f"{t}_desc{i}"] is None for t in "qkvo" for i in (0, 1))
+
+
+def _capture_launch(monkeypatch):
+    """fa3_gluon_forward on CPU tensors up to the launch: the calls' (grid, bound arguments), and how often the
+    descriptor scratch allocator was installed."""
+    import contextlib
+
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+    from flashtile.runtime import fa3_gluon
+
+    calls, allocs = [], []
+    names = list(inspect.signature(fa3_gluon_kernel.fn).parameters)
+    monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)
+    monkeypatch.setattr(fa3_gluon, "ensure_allocator", lambda: allocs.append(1))
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: allocs.append(1))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(launch_mod, "launch", lambda kernel, grid, dynamic, static, **kw: calls.append(
+        (grid, dict(zip(names, (*dynamic, *static))))))
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 5)
+    return calls, allocs
+
+
+@pytest.mark.parametrize("d,cfg", [
+    (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True, host_desc=True)),  # split 64 + 32, O by TMA
+    (128, GluonConfig(128, 3, host_desc=True)),
+    (192, GluonConfig(64, 3, o_tma=True, host_desc=True)),  # split 128 + 64
+])
+def test_launcher_passes_host_descriptors(monkeypatch, d, cfg):
+    """host_desc: rank-4 descriptors over the (B, H, N, d) views with their own strides (here (B, N, H, d)
+    storage, GQA 4:2), boxes [1, 1, 64 | block_n, D0 | D1] whose swizzle is the kernel tiles' (the kernel
+    asserts it at compile time), the second part only when split, O only with o_tma; no scratch allocator."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    calls, allocs = _capture_launch(monkeypatch)
+    q = torch.zeros(2, 300, 4, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.zeros(2, 500, 2, d, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.zeros(2, 2, 500, d, dtype=torch.bfloat16)  # contiguous (B, H, N, d)
+    out = torch.zeros(2, 300, 4, d, dtype=torch.bfloat16).transpose(1, 2)
+    fa3_gluon_forward(q, k, v, softmax_scale=0.5, causal=True, out=out, config=cfg)
+    (_, bound), = calls
+    assert bound["HOST_DESC"] is True and not allocs
+    widths = head_split(d, cfg.split_d)
+    assert (bound["BLOCK_D0"], bound["BLOCK_D1"]) == widths
+    for t, x, rows in [("q", q, 64), ("k", k, cfg.block_n), ("v", v, cfg.block_n), ("o", out, 64)]:
+        for i, width in enumerate(widths):
+            desc = bound[f"{t}_desc{i}"]
+            if width == 0 or (t == "o" and not cfg.o_tma):
+                assert desc is None, (t, i)
+                continue
+            assert isinstance(desc, TensorDescriptor) and desc.base is x
+            assert desc.shape == list(x.shape) and desc.strides == list(x.stride())
+            assert desc.block_shape == [1, 1, rows, width]
+            layout = gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16)  # the kernel tile's
+            assert desc.layout.rank == 4 and desc.layout.swizzle_byte_width == layout.swizzle_byte_width
+            # the unchecked construction equals the dataclass's own (its checks pass on these views)
+            assert desc == TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, width], desc.layout)
+    assert bound["Q"] is q and bound["Out"] is out and bound["stride_om"] == 4 * d
+
+
+def test_host_descriptors_strides_of_unit_and_expanded_axes(monkeypatch):
+    """A 0 stride on an axis of length 1 becomes a 16-byte one (same rows); an expanded axis (stride 0, length
+    > 1: kv heads broadcast) cannot be a descriptor's: that launch builds its descriptors in the kernel,
+    with the scratch allocator."""
+    calls, allocs = _capture_launch(monkeypatch)
+    cfg = GluonConfig(128, 3, host_desc=True)
+    q = torch.zeros(1, 4, 1, 128, dtype=torch.float16).expand(2, 4, 1, 128)  # batch expanded: stride 0
+    k = torch.zeros(1, 2, 300, 128, dtype=torch.float16)[:, :1]  # one kv head
+    k0 = k.as_strided(k.shape, (0, 0, 128, 1))  # length-1 batch and head axes with stride 0
+    fa3_gluon_forward(q[:1], k0, k0, softmax_scale=0.5, config=cfg)
+    (_, bound), = calls
+    assert bound["HOST_DESC"] is True and not allocs
+    assert bound["k_desc0"].strides == [8, 8, 128, 1] and bound["q_desc0"].strides == [8, 128, 128, 1]
+    fa3_gluon_forward(q, k.expand(2, 1, 300, 128), k.expand(2, 1, 300, 128), softmax_scale=0.5, config=cfg)
+    _, bound = calls[-1]
+    assert bound["HOST_DESC"] is False and allocs == [1]
+    assert all(bound[f"{t}_desc{i}"] is None for t in "qkvo" for i in (0, 1))
 
 
 def test_persistent_grid_is_at_most_the_tile_count(monkeypatch):
@@ -201,14 +283,14 @@ def test_persistent_grid_is_at_most_the_tile_count(monkeypatch):
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(launch_mod, "launch", lambda kernel, grid, dynamic, static, **kw: grids.append(
-        (grid, static)))
+        (grid, dynamic, static)))
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 132)
     cfg = GluonConfig(128, 3, persistent=True)
     for nq, tiles in [(1, 6), (128, 6), (129, 12), (30000, 3 * 2 * 235)]:
         q = torch.zeros(3, 2, nq, 64, dtype=torch.float16)
         fa3_gluon_forward(q, q, q, softmax_scale=0.125, config=cfg)
-        grid, static = grids[-1]
-        bound = dict(zip(list(inspect.signature(fa3_gluon_kernel.fn).parameters)[6:], static))
+        grid, dynamic, static = grids[-1]
+        bound = dict(zip(list(inspect.signature(fa3_gluon_kernel.fn).parameters)[len(dynamic):], static))
         assert grid == (min(tiles, 132),) and bound["total_tiles"] == tiles and bound["PERSISTENT"] is True
 
 
@@ -224,12 +306,19 @@ SCHEDULES = {
 }
 
 
-def _gpu_case(d, causal, cfg, nq, nk, seed=0, dtype=torch.bfloat16):
+def _gpu_case(d, causal, cfg, nq, nk, seed=0, dtype=torch.bfloat16, contiguous=False):
+    """GQA 4:2 (B, H, N, d) views of (B, N, H, d) storage, or with ``contiguous`` (B, H, N, d) tensors, against
+    the float64 oracle; the output NaN-poisoned first.  Returns (out, lse)."""
     g = torch.Generator().manual_seed(d + nq + seed)
-    q = torch.randn(2, nq, 4, d, generator=g).to("cuda", dtype).transpose(1, 2)  # GQA 4:2, BNHD storage
-    k = torch.randn(2, nk, 2, d, generator=g).to("cuda", dtype).transpose(1, 2)
-    v = torch.randn(2, nk, 2, d, generator=g).to("cuda", dtype).transpose(1, 2)
-    out = torch.full((2, nq, 4, d), float("nan"), dtype=dtype, device="cuda").transpose(1, 2)
+
+    def make(h, n, fill=None):
+        shape = (2, h, n, d) if contiguous else (2, n, h, d)
+        x = torch.randn(shape, generator=g).to("cuda", dtype) if fill is None else torch.full(
+            shape, fill, dtype=dtype, device="cuda")
+        return x if contiguous else x.transpose(1, 2)
+
+    q, k, v = make(4, nq), make(2, nk), make(2, nk)
+    out = make(4, nq, float("nan"))
     o, lse = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
     ref_o, ref_lse = attention_ref(*(x.double().cpu() for x in (q, k, v)), scale=d ** -0.5, causal=causal)
     assert o is out and not torch.isnan(o).any() and not torch.isnan(lse).any()
@@ -237,6 +326,7 @@ def _gpu_case(d, causal, cfg, nq, nk, seed=0, dtype=torch.bfloat16):
     assert torch.equal(torch.isneginf(lse.cpu()), empty) and (o.cpu()[empty] == 0).all()
     assert_close(o, ref_o, o.dtype, o.device, "out")
     assert_close(lse, ref_lse, torch.float32, lse.device, "lse")
+    return o, lse
 
 
 @pytest.mark.gpu
@@ -430,3 +520,66 @@ def test_gpu_persistent_back_to_back_on_two_streams(d):
             outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)[0])
     torch.cuda.synchronize()
     assert all(torch.equal(o, want) for o in outs)
+
+
+
+# --------------------------------------------------------------------------- #
+# GPU (sm_90): host-built TMA descriptors (GluonConfig.host_desc)
+# --------------------------------------------------------------------------- #
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("store", ["plain", "tma"])
+def test_gpu_host_descriptors_match_float64(monkeypatch, d, causal, persistent, store):
+    """host_desc on and off against the float64 oracle and each other (the same arithmetic: equal bit for bit):
+    rank-4 boxes zero-filled past each head's Nq / Nk and past d (split tiles at 96 / 192), GQA 4:2, ragged
+    517 x 333 (causal: tiles that see no key) and 333 x 517, one query, (B, N, H, d) storage and contiguous
+    (B, H, N, d), O by masked stores or by TMA; persistent with 3 programs (many tiles each: Q reloads after
+    q_empty with no descriptor rebuild)."""
+    from flashtile.runtime import fa3_gluon
+
+    cfg = replace(gluon_config(d, causal), persistent=persistent, o_tma=store == "tma")
+    while smem_bytes(cfg, d) > SMEM_LIMIT:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    if persistent:
+        monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
+    for contiguous in (False, True):
+        for nq, nk in [(517, 333), (333, 517), (1, 300)]:
+            o_host, lse_host = _gpu_case(d, causal, replace(cfg, host_desc=True), nq, nk, contiguous=contiguous)
+            o_dev, lse_dev = _gpu_case(d, causal, cfg, nq, nk, contiguous=contiguous)
+            assert torch.equal(o_host, o_dev) and torch.equal(lse_host, lse_dev), (contiguous, nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_host_descriptors_per_call(persistent):
+    """The bound launch (runtime.launch) takes each call's descriptors: one signature, new tensors every
+    call (a descriptor kept from the first call would read its tensors)."""
+    cfg = replace(gluon_config(128, False), persistent=persistent, host_desc=True)
+    for seed in range(3):
+        _gpu_case(128, False, cfg, 300, 700, seed=seed)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_host_descriptors_expanded_and_unit_axes():
+    """An expanded kv batch axis (stride 0, length 2) falls back to in-kernel descriptors; length-1 axes
+    with stride 0 take host descriptors (stride replaced); fp16; both against the float64 oracle."""
+    cfg = replace(gluon_config(96, True), host_desc=True)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 200, 96, generator=g).to("cuda", torch.float16)
+    kv = torch.randn(1, 2, 300, 96, generator=g).to("cuda", torch.float16)
+    k, v = kv.expand(2, 2, 300, 96), (kv + 1).expand(2, 2, 300, 96)
+    o, lse = fa3_gluon_forward(q, k, v, softmax_scale=0.1, causal=True, config=cfg)
+    ref_o, ref_lse = attention_ref(q.double().cpu(), k.double().cpu(), v.double().cpu(), scale=0.1, causal=True)
+    assert_close(o, ref_o, o.dtype, o.device, "out")
+    assert_close(lse, ref_lse, torch.float32, lse.device, "lse")
+    k1 = kv[:, :1].as_strided((1, 1, 300, 96), (0, 0, 96, 1))  # length-1 batch and head axes, stride 0
+    q1 = q[:1, :2]
+    o, lse = fa3_gluon_forward(q1, k1, k1, softmax_scale=0.1, causal=False, config=cfg)
+    ref_o, ref_lse = attention_ref(q1.double().cpu(), k1.double().cpu(), k1.double().cpu(), scale=0.1)
+    assert_close(o, ref_o, o.dtype, o.device, "out")
+    assert_close(lse, ref_lse, torch.float32, lse.device, "lse")
