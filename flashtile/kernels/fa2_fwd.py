@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, philox_state, unfold_pid
+from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, multiple16, philox_state, unfold_pid
 from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_errors, seqlen_info
 from flashtile.kernels.mask import allowed, score_mods
 
@@ -40,14 +40,6 @@ def _load_bias(ptrs, offs_m, offs_n, seqlen_q, seqlen_k, CHECK_M: tl.constexpr, 
     else:
         b = tl.load(ptrs)
     return b.to(tl.float32)
-
-
-@triton.jit
-def _multiple16(x):
-    """``x``, a multiple of 16 (the host checked), as a value the compiler knows is one: Triton's
-    specialisation of an int argument divisible by 16, for a ``do_not_specialize`` one (16-byte
-    aligned K/V row pointers, so vector loads)."""
-    return (x // 16) * 16
 
 
 @triton.jit
@@ -303,8 +295,8 @@ def _fa2_fwd_kernel(
     program of query tile 0, head 0 of each batch element ORs in :func:`_varlen_errors`' bits."""
     check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=16)
     if KV_ALIGNED:
-        stride_kb, stride_kh = _multiple16(stride_kb), _multiple16(stride_kh)
-        stride_vb, stride_vh = _multiple16(stride_vb), _multiple16(stride_vh)
+        stride_kb, stride_kh = multiple16(stride_kb), multiple16(stride_kh)
+        stride_vb, stride_vh = multiple16(stride_vb), multiple16(stride_vh)
     tile, bh = unfold_pid()
     if bh >= n_bh:
         return

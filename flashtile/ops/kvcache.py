@@ -438,6 +438,10 @@ class _Call(NamedTuple):
     append: AppendLaunch | None  # the append's bound launch (k, v with unit last stride), with Nnew > 0
     fp8: bool = False  # float8_e4m3fn caches with (k_descale, v_descale)
     features: KVFeatures = NO_FEATURES  # cache_batch_idx / cache_leftpad / cu_seqlens_q / rotary in use
+    window: tuple[int, int] = (-1, -1)  # (left, right) as given (causal folded in), before unbind_window
+    # a contiguous cache's (length, k_cache strides, v_cache strides) these checks ran on (None: paged); a
+    # call whose cache differs there (a cache grown by a key) re-runs only what depends on them (_regrown)
+    grown: tuple | None = None
 
 
 def prepare_call(
@@ -480,9 +484,9 @@ def prepare_call(
             raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
-    if capacity >= 2**31:
-        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+    _check_capacity(capacity)
     local = left >= 0 or right >= 0  # flash-attn: causal or local puts q token t at cache_seqlens + t
+    window = (left, right)
     left, right = validate.unbind_window(left, right, dims.seqlen_q, capacity)  # L_b <= capacity
     rotary = _check_rotary(rotary_cos, rotary_sin, q, dims.head_dim, n_new, capacity, rotary_interleaved, local)
     features = KVFeatures(cache_batch_idx is not None, cache_leftpad is not None, varlen, rotary)
@@ -507,7 +511,41 @@ def prepare_call(
         )
     return _Call(
         dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
-        features,
+        features, window, None if paged else (capacity, k_cache.stride(), v_cache.stride()),
+    )
+
+
+def _check_capacity(capacity: int) -> None:
+    if capacity >= 2**31:
+        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+
+
+def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits, descales) -> _Call:
+    """``call`` for a contiguous cache whose length or batch / head strides differ from those it was checked
+    with (a cache that grows by a key a step, as Hugging Face's DynamicCache): the checks, window and plan that
+    depend on the capacity run again; the launches are memoised per plan and take the strides per call."""
+    capacity = k_cache.shape[1]
+    _check_capacity(capacity)
+    rot = call.features.rotary
+    if rot is not None and rot.seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos: seqlen_ro = {rot.seqlen_ro} rows must cover the cache capacity ({capacity} positions)")
+    left, right = validate.unbind_window(*call.window, call.dims.seqlen_q, capacity)
+    unified = None if call.unified is None else (call.unified[0], *default_unified_range(q.dtype, capacity))
+    lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    launch = decode_launch(
+        unit_last_stride(q), k_cache, v_cache, None, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+        left=left, right=right, softcap=call.softcap, unified=unified is not None, num_splits=num_splits,
+        seqlens_k=lens, seqlen_add=call.n_new, descales=descales, features=call.features,
+    )[1]
+    append = call.append
+    if call.n_new:
+        lens_like = lens if lens is not None else torch.empty(call.dims.batch, dtype=torch.int32, device=q.device)
+        append = append_launch(
+            k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, None, descales, call.features,
+        )
+    return call._replace(
+        dims=call.dims._replace(seqlen_k=capacity), left=left, right=right, page_size=capacity, capacity=capacity,
+        unified=unified, launch=launch, append=append, grown=(capacity, k_cache.stride(), v_cache.stride()),
     )
 
 
@@ -518,6 +556,15 @@ def _tensor_key(x: object) -> tuple:
     return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
 
 
+def _cache_key(x: object, paged: bool) -> tuple:
+    """What the checks read from k_cache / v_cache, less a contiguous (B, Nk_max, Hk, d) cache's length and
+    batch / head strides, which :func:`_regrown` checks when they change (AttributeError if it is no tensor)."""
+    shape, stride = x.shape, x.stride()
+    if paged or len(shape) != 4:
+        return (type(x), shape, stride, x.dtype, x.device)
+    return (type(x), shape[0], shape[2], shape[3], stride[1], stride[3], x.dtype, x.device)
+
+
 def _call_key(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
     rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, return_lse, unified_max, debug,
@@ -526,7 +573,8 @@ def _call_key(
 ) -> tuple | None:
     """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
 
-    Shapes, strides, dtypes and devices of the tensors; the Python arguments
+    Shapes, strides, dtypes and devices of the tensors (of a contiguous cache all but its length and
+    its batch / head strides, see :func:`_cache_key`); the Python arguments
     by value *and type* (``1`` and ``True`` hash alike, but only one of them
     is a valid ``causal``); for ``cache_seqlens`` its kind, stride and dtype
     (an int's range is checked on every call, outside the memo).  Two calls with equal keys pass or fail
@@ -535,10 +583,10 @@ def _call_key(
     if type(window_size) is not tuple:
         return None
     try:
+        paged = block_table is not None
         key = (
             type(q), q.shape, q.stride(), q.dtype, q.device,
-            type(k_cache), k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            type(v_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+            _cache_key(k_cache, paged), _cache_key(v_cache, paged),
             _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
             _tensor_key(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
             else (type(cache_seqlens),),  # an int's value is checked per call (a decoding loop advances it)
@@ -551,7 +599,7 @@ def _call_key(
             _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
         )
         hash(key)
-    except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
+    except (AttributeError, TypeError, IndexError):  # not a tensor where one belongs, an unhashable value: full checks
         return None
     return key
 
@@ -683,8 +731,16 @@ def flash_attn_with_kvcache(
         call = prepare_call(*args)
         if key is not None:
             _remember(key, call)
-    elif type(cache_seqlens) is int:
-        _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
+    else:
+        grown = call.grown
+        if grown is not None and (
+            k_cache.shape[1] != grown[0] or k_cache.stride() != grown[1] or v_cache.stride() != grown[2]
+        ):
+            call = _regrown(call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits,
+                            (k_descale, v_descale) if call.fp8 else None)
+            _remember(key, call)
+        if type(cache_seqlens) is int:
+            _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
     extra = None
     if call.features is not NO_FEATURES:
         extra = tuple(

@@ -32,6 +32,7 @@ __all__ = [
     "decode_plan",
     "DecodePlan",
     "decode_launch",
+    "aligned16",
     "DecodeLaunch",
     "append_launch",
     "AppendLaunch",
@@ -148,6 +149,7 @@ def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) 
         DECODE_TUNING[kind] = new
         _TUNING_GENERATION += 1
         _decode_plan.cache_clear()
+        _block_n.cache_clear()
         _decode_launch.cache_clear()
         for forget in _TUNING_LISTENERS:
             forget()
@@ -290,12 +292,21 @@ def decode_plan(
     entry, memoised on both: a decoding loop asks for the same shape every step, and a short-cache
     step's host time is comparable to its device time."""
     tuning = DECODE_TUNING["fp8" if fp8 else "default"]
-    return _decode_plan(b, nq, hq, hk, d, page_size, capacity, num_splits, device, fp8, tuning)
+    # the split heuristic sees the capacity only through its count of BLOCK_N-key tiles: memoised on that,
+    # a cache growing by one key per call plans anew once per tile (and the launches are memoised per plan)
+    tiles = -(-capacity // _block_n(d, page_size, device, fp8, tuning)) if num_splits == 0 else 0
+    return _decode_plan(b, nq, hq, hk, d, page_size, tiles, num_splits, device, fp8, tuning)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_n(d: int, page_size: int | None, device: torch.device, fp8: bool, tuning: DecodeTuning) -> int:
+    """The key tile of :func:`decode_config` (it does not depend on the packed rows)."""
+    return decode_config(d, 1, page_size, device, fp8, tuning)[1]
 
 
 @functools.lru_cache(maxsize=1024)
 def _decode_plan(
-    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
+    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, tiles: int, num_splits: int,
     device: torch.device, fp8: bool, tuning: DecodeTuning,
 ) -> DecodePlan:
     rows = (hq // hk) * nq
@@ -303,7 +314,7 @@ def _decode_plan(
     row_tiles = triton.cdiv(rows, block_m)
     if num_splits == 0:
         num_splits = decode_splits(
-            b, hk, capacity, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
+            b, hk, tiles * block_n, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
             row_tiles=row_tiles, paged=page_size is not None, block_n=block_n, tuning=tuning,
         )
     block_d = max(16, triton.next_power_of_2(d))
@@ -437,6 +448,7 @@ SPLIT_DYNAMIC = (
     "KDescale", "VDescale",
     "CacheBatchIdx", "LeftPad", "CuSeqlensQ", "RotCos", "RotSin",
     "sm_scale", "softcap", "phi2", "lo2", "hi2",
+    "stride_kb", "stride_kh", "stride_vb", "stride_vh", "capacity",  # per-call ints (a growing cache)
 )
 MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags", "CuSeqlensQ")
 APPEND_DYNAMIC = (
@@ -485,12 +497,16 @@ NO_FEATURES = KVFeatures()
 class DecodeLaunch:
     """The decode kernels for one problem signature, their static arguments bound once.
 
-    A signature is everything but the data: the shapes, strides and dtype of q
-    and the caches, the block table's row stride and page size, the ALiBi
-    slopes' strides, the window, whether softcap / FlashDecoding++ are on,
-    the :class:`DecodePlan`, the dtype and stride of the lengths, the tokens
-    appended before the attention (``seqlen_add``, added to every length), the
-    capacity and page count the kernel clamps against, and the device.
+    A signature is everything but the data: the shapes, strides and dtype of q,
+    the caches' head dim, heads, row strides and whether 16 divides their batch
+    (page) and head strides (``kv_aligned``), the block table's row stride and
+    page size, the ALiBi slopes' strides, the window, whether softcap /
+    FlashDecoding++ are on, the :class:`DecodePlan`, the dtype and stride of the
+    lengths, the tokens appended before the attention (``seqlen_add``, added to
+    every length), the page count (cache rows) the kernel clamps against, and
+    the device.  The capacity and the batch and head strides of the caches are
+    read from the tensors per call (a cache that grows by one key a step keeps
+    its launch; the split count, which the capacity sets, is in the plan).
     :func:`decode_launch` memoises one instance per signature.  Calling it
     allocates the fp32 workspace and launches through
     :class:`~flashtile.runtime.launch.KernelLauncher` (Triton's per-call
@@ -511,10 +527,10 @@ class DecodeLaunch:
 
     def __init__(
         self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
-        q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        q_strides: tuple[int, ...], kv_row_strides: tuple[int, int], kv_aligned: bool,
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
         left: int, right: int, has_softcap: bool, unified: bool,
-        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
+        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, num_pages: int,
         device: torch.device, descale_strides: tuple[int, int, int, int] | None = None,
         features: KVFeatures = NO_FEATURES, total_q: int = 0,
     ) -> None:
@@ -545,13 +561,12 @@ class DecodeLaunch:
         )
         static = (
             *zip(("stride_qb", "stride_qm", "stride_qh"), q_strides[:3]),
-            *zip(("stride_kb", "stride_kn", "stride_kh"), k_strides[:3]),
-            *zip(("stride_vb", "stride_vn", "stride_vh"), v_strides[:3]),
+            ("stride_kn", kv_row_strides[0]), ("stride_vn", kv_row_strides[1]),
             ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
             *zip(("stride_alibi_b", "stride_alibi_h"), alibi_strides or (0, 0)),
             *out_strides, *shape,
             ("window_left", left), ("window_right", right), ("lse_offset", self.lse_offset),
-            ("seqlen_add", seqlen_add), ("capacity", capacity), ("num_pages", num_pages),
+            ("seqlen_add", seqlen_add), ("num_pages", num_pages),
             *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
             *feature_ints,
             ("BLOCK_M", plan.block_m), ("BLOCK_N", plan.block_n), ("BLOCK_D", plan.block_d),
@@ -570,7 +585,10 @@ class DecodeLaunch:
         fp8 = descale_strides is not None
         # fp16 MMAs for an FP8 cache: with bf16 q, on the safe path (FlashDecoding++'s P may pass fp16's range)
         f16_mma = fp8 and plan.f16_mma and not unified and dtype == torch.bfloat16
-        flags = (("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags)
+        flags = (
+            ("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags,
+            ("KV_ALIGNED", kv_aligned),
+        )
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
             "CuSeqlensQ": features.varlen_q is not None, "RotCos": rot is not None, "RotSin": rot is not None,
@@ -619,6 +637,8 @@ class DecodeLaunch:
             graph = _capturing(q.device)
             count = work if graph else arrival_counters(q.device, self.counters)
         phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
+        ks, vs = k_cache.stride(), v_cache.stride()
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         args = (  # SPLIT_DYNAMIC
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
             seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
@@ -626,6 +646,7 @@ class DecodeLaunch:
             lse if idx is None else idx, lse if pad is None else pad, lse if cu is None else cu,
             lse if cos is None else cos, lse if sin is None else sin,
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
+            ks[0], ks[2], vs[0], vs[2], capacity,
         )
         if self.write_out or not graph:
             self.fused(*args)
@@ -674,13 +695,22 @@ def decode_launch(
     capacity = block_table.shape[1] * rows if paged else rows
     plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device, descales is not None)
     sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
+    ks, vs = k_cache.stride(), v_cache.stride()
     launch = _decode_launch(
-        plan, b, nq, hq, hk, d, q.dtype, q_strides, k_cache.stride(), v_cache.stride(),
+        plan, b, nq, hq, hk, d, q.dtype, q_strides, (ks[1], vs[1]), aligned16(ks[0], ks[2], vs[0], vs[2]),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
-        *sl, seqlen_add, capacity, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q,
+        *sl, seqlen_add, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q,
     )
     return plan, launch
+
+
+def aligned16(*strides: int) -> bool:
+    """Whether 16 divides every one of ``strides`` (the kernels' KV_ALIGNED for per-call strides)."""
+    acc = 0
+    for st in strides:
+        acc |= st
+    return acc & 15 == 0
 
 
 def _descale_strides(descales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int] | None:

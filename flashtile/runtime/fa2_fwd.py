@@ -26,7 +26,7 @@ from flashtile.runtime.common import (
     unit_last_stride,
     wide_rows,
 )
-from flashtile.runtime.decode import error_flags
+from flashtile.runtime.decode import aligned16, error_flags
 from flashtile.runtime.launch import launch
 
 __all__ = ["fa2_forward", "fwd_config", "fwd_grid"]
@@ -281,7 +281,7 @@ def fa2_forward(
         EVEN_D=block_d == d,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
-        KV_ALIGNED=_aligned16(per_call[:4]),
+        KV_ALIGNED=aligned16(*per_call[:4]),
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
         grid = lambda meta: fwd_grid(b, hq, nq, meta["BLOCK_M"])  # noqa: E731
@@ -301,14 +301,6 @@ def fa2_forward(
     if result is not target:  # ``out`` had a non-unit stride on d
         result.copy_(target)
     return result, lse
-
-
-def _aligned16(strides: tuple[int, ...]) -> bool:
-    """Whether 16 divides every one of ``strides`` (the kernel's KV_ALIGNED)."""
-    acc = 0
-    for st in strides:
-        acc |= st
-    return acc & 15 == 0
 
 
 def _positive_scale(q: torch.Tensor, softmax_scale: float, plain: bool) -> tuple[torch.Tensor, float]:
@@ -385,7 +377,7 @@ def _varlen_forward(
     constexprs = (
         block_m, block_n, block_d, left >= 0, right >= 0, softcap > 0, alibi_slopes is not None, False,
         dropout_p > 0, False, True, paged, False, False, block_d == d, "tf32",
-        q.dtype == torch.bfloat16 and interpreting(device), _aligned16(per_call[:4]),
+        q.dtype == torch.bfloat16 and interpreting(device), aligned16(*per_call[:4]),
     )
     launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, max_q, block_m), dynamic, ints + constexprs,
            num_warps=num_warps, num_stages=num_stages)
