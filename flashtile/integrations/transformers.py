@@ -11,7 +11,11 @@ handed to the kernels as (batch, seqlen, heads, head_dim) views, no copy):
 
 * no padding mask: :func:`flashtile.flash_attn_func` on the fixed-length batch; with a KV cache
   (q_len 1, or a prefill chunk shorter than the cache) causal is bottom-right aligned, which is what
-  a cache needs: query i of the chunk sits at key position ``Nk - Nq + i``.
+  a cache needs: query i of the chunk sits at key position ``Nk - Nq + i``.  Decoding steps (at most
+  16 query tokens, no dropout, no gradient, not under ``torch.compile``) run
+  :func:`flashtile.flash_attn_with_kvcache` on the cache as it is (no append, every key attended; the
+  same bottom-right masks): split-KV with the GQA group's rows packed into one tile, where FA2 would
+  run 1-row tiles, and its launch is bound once however the cache grows (``runtime.launch``).
 * a 2-D padding mask (the mask function below hands the model's (batch, keys) mask through, or
   ``None`` when nothing is padded): the real tokens are gathered into one ragged batch,
   :func:`flashtile.flash_attn_varlen_func` runs on it, and the output is scattered back (padded
@@ -224,13 +228,32 @@ def flashtile_attention_forward(
         position_ids = kwargs.get("position_ids")
         if plan is None and position_ids is not None and nq == nk > 1:
             plan = _memo("packed", position_ids, nq, nk, lambda: _packed_plan(position_ids, b, nq))
-    if plan is None:
+    if plan is None and _decoding_step(q, k, v, dropout):
+        from flashtile import flash_attn_with_kvcache
+
+        out = flash_attn_with_kvcache(q, k, v, causal=causal, softmax_scale=scaling, window_size=opts["window_size"],
+                                      softcap=opts["softcap"])
+    elif plan is None:
         from flashtile import flash_attn_func
 
         out = flash_attn_func(q, k, v, **opts)
     else:
         out = _run_ragged(q, k, v, plan, opts)
     return out[..., :dv], None
+
+
+_DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row tile per kv head
+
+
+def _decoding_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+    """Whether a (B, Nq, H, d) call without a mask runs the decode kernel: a few query tokens against a
+    non-empty cache with unit stride on d, no dropout, no gradient (the decode op is inference-only), and
+    eager (``flash_attn_func`` is the op ``torch.compile`` traces)."""
+    if q.shape[1] > _DECODE_MAX_Q or k.shape[1] == 0 or dropout or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return not torch.compiler.is_compiling()
 
 
 def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length: int | None = None,
