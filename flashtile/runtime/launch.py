@@ -31,7 +31,7 @@ unless the kernel lists it in ``do_not_specialize``, and a kernel compiled
 for one such value would be wrong for another: the first call checks that
 every int among the dynamic arguments is ``do_not_specialize``.  Its width
 (i32, or i64 from 2^31 on) stays part of Triton's signature, so the kept
-launchers are also keyed by which of those ints pass the i32 range.
+launchers are also keyed by the widths of those ints once one leaves i32.
 
 Contract: the tensors' dtypes are part of what the caller keys a launcher
 on (the decode wrapper's launchers are memoised per dtype), so a launcher
@@ -81,15 +81,20 @@ _I32 = 2**31
 def _alignment_key(dynamic: Sequence[Any], check: Sequence[int], ints: Sequence[int] = ()) -> Any:
     """0 when the tensors at positions ``check`` all start at a multiple of 16 bytes (the usual
     case: one OR over the addresses), else the tuple of "is aligned" per checked position; paired
-    with the tuple of "fits i32" of the per-call ints at positions ``ints`` when one does not."""
+    with the Triton types of the per-call ints at positions ``ints`` when one does not fit i32."""
     acc = 0
     for i in check:
         acc |= dynamic[i].data_ptr()
     key = 0 if not acc & 15 else tuple(dynamic[i].data_ptr() % 16 == 0 for i in check)
     for i in ints:
-        if not -_I32 <= dynamic[i] < _I32:  # Triton passes it as i64: another compiled kernel
-            return key, tuple(-_I32 <= dynamic[j] < _I32 for j in ints)
+        if not -_I32 <= dynamic[i] < _I32:  # Triton passes it as i64 (or u64): another compiled kernel
+            return key, tuple(_int_width(dynamic[j]) for j in ints)
     return key
+
+
+def _int_width(x: int) -> str:
+    """The type Triton gives an int argument: i32, i64, or u64 from 2^63 on."""
+    return "i32" if -_I32 <= x < _I32 else "i64" if -(2**63) <= x < 2**63 else "u64"
 
 
 def _unspecialised(fn: Any) -> tuple[list[str], set[str]] | None:

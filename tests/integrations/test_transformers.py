@@ -126,6 +126,30 @@ def test_greedy_generate_matches(kind):
     assert torch.equal(got, want)
 
 
+def test_decoding_steps_run_the_decode_kernel(monkeypatch):
+    """Prompt 20 (> 16 query tokens: flash_attn_func), then 2 cached steps per layer through
+    flash_attn_with_kvcache (q_len 1 against the grown cache); tokens equal SDPA's.  A training forward
+    (gradients) of a short sequence stays on flash_attn_func."""
+    import flashtile
+
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(flashtile, name)
+        monkeypatch.setattr(flashtile, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    ours, theirs = _models("llama")
+    ids = _ids(2, 20, seed=6)
+    kw = dict(max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(got, want)
+    layers = ours.config.num_hidden_layers
+    assert calls == ["flash_attn_func"] * layers + ["flash_attn_with_kvcache"] * (2 * layers)
+    calls.clear()
+    ours.train()
+    ours(ids[:, :8], labels=ids[:, :8]).loss.backward()
+    assert calls == ["flash_attn_func"] * layers
+
+
 def _padding_mask(side: str, lens: list[int], n: int) -> torch.Tensor:
     mask = torch.zeros(len(lens), n, dtype=torch.long)
     for b, length in enumerate(lens):
