@@ -103,7 +103,7 @@ def _unspecialised(fn: Any) -> tuple[list[str], set[str]] | None:
     names = getattr(fn, "arg_names", None)
     dns = getattr(fn, "do_not_specialize", None)
     if dns is None:
-        dns = getattr(fn, "kwargs", {}).get("do_not_specialize") if isinstance(fn, _Interpreted) else None
+        dns = (getattr(fn, "kwargs", {}).get("do_not_specialize") or []) if isinstance(fn, _Interpreted) else None
     if names is None or dns is None:
         return None
     return list(names), {names[i] if isinstance(i, int) else i for i in dns}
