@@ -524,11 +524,15 @@ def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes
     """``call`` for a contiguous cache whose length or batch / head strides differ from those it was checked
     with (a cache that grows by a key a step, as Hugging Face's DynamicCache): the checks, window and plan that
     depend on the capacity run again; the launches are memoised per plan and take the strides per call."""
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache shape {tuple(k_cache.shape)} must equal v_cache shape {tuple(v_cache.shape)}")
     capacity = k_cache.shape[1]
     _check_capacity(capacity)
     rot = call.features.rotary
     if rot is not None and rot.seqlen_ro < capacity:
-        raise ValueError(f"rotary_cos: seqlen_ro = {rot.seqlen_ro} rows must cover the cache capacity ({capacity} positions)")
+        raise ValueError(
+            f"rotary_cos: seqlen_ro = {rot.seqlen_ro} rows must cover the cache capacity ({capacity} positions)"
+        )
     left, right = validate.unbind_window(*call.window, call.dims.seqlen_q, capacity)
     unified = None if call.unified is None else (call.unified[0], *default_unified_range(q.dtype, capacity))
     lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
@@ -599,7 +603,7 @@ def _call_key(
             _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
         )
         hash(key)
-    except (AttributeError, TypeError, IndexError):  # not a tensor where one belongs, an unhashable value: full checks
+    except (AttributeError, TypeError, IndexError):  # no tensor where one belongs, an unhashable value: full checks
         return None
     return key
 
@@ -734,7 +738,8 @@ def flash_attn_with_kvcache(
     else:
         grown = call.grown
         if grown is not None and (
-            k_cache.shape[1] != grown[0] or k_cache.stride() != grown[1] or v_cache.stride() != grown[2]
+            k_cache.shape[1] != grown[0] or v_cache.shape[1] != grown[0] or k_cache.stride() != grown[1]
+            or v_cache.stride() != grown[2]
         ):
             call = _regrown(call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits,
                             (k_descale, v_descale) if call.fp8 else None)

@@ -198,7 +198,6 @@ class KernelLauncher:
             table[device] = runners
             self._runners = table
 
-
     def _check_unspecialised(self, ints: tuple[int, ...]) -> None:
         """Every per-call int must be ``do_not_specialize`` (a specialised one would make the kept kernel
         wrong for other values)."""

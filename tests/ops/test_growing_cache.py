@@ -85,6 +85,8 @@ def test_kvcache_growing_cache_rechecks_what_the_length_sets(device):
     assert_close(out, want, what="cache_seqlens 7 of 9")
     with pytest.raises(ValueError, match="cache_seqlens"):
         flashtile.flash_attn_with_kvcache(q, k[:, :6], v[:, :6], cache_seqlens=7, causal=True, window_size=(4, 0))
+    with pytest.raises(ValueError, match="v_cache shape"):  # only k grew: v is never read past its end
+        flashtile.flash_attn_with_kvcache(q, _cache(b, hk, 10, d, dev, 0), v, causal=True, window_size=(4, 0))
 
     cos = torch.ones(6, 4, device=dev)
     new = torch.zeros(b, 1, hk, d, device=dev)
