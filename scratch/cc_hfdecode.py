@@ -55,6 +55,18 @@ def fa2_cases():
         kernel, args, kw = calls[0]
         compile_call(kernel, args, dict(num_warps=kw["num_warps"], num_stages=kw["num_stages"]),
                      f"fa2 b{b} hq{hq} hk{hk} nq{nq} nk{nk} d{d} causal={causal}")
+    # packed (IS_VARLEN) and paged forwards: the same per-call slots
+    cu = torch.tensor([0, 700, 1500], dtype=torch.int32)
+    q = torch.empty(1500, 16, 128, dtype=torch.bfloat16)
+    for paged in (False, True):
+        k = torch.empty(64, 256, 4, 128, dtype=torch.bfloat16) if paged else torch.empty(1500, 4, 128, dtype=torch.bfloat16)
+        bt = torch.zeros(2, 8, dtype=torch.int32) if paged else None
+        calls.clear()
+        rf.fa2_forward(q, k, k, softmax_scale=0.1, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=800,
+                       max_seqlen_k=800, block_table=bt)
+        kernel, args, kw = calls[0]
+        compile_call(kernel, args, dict(num_warps=kw["num_warps"], num_stages=kw["num_stages"]),
+                     f"fa2 varlen paged={paged} d128 causal")
 
 
 def decode_cases():
