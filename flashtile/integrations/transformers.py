@@ -248,12 +248,14 @@ _DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row
 def _decoding_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
     """Whether a (B, Nq, H, d) call without a mask runs the decode kernel: a few query tokens against a
     non-empty cache with unit stride on d, no dropout, no gradient (the decode op is inference-only), and
-    eager (``flash_attn_func`` is the op ``torch.compile`` traces)."""
+    eager (``flash_attn_func`` is the op ``torch.compile`` traces).  The tracing test comes first: under
+    ``torch.compile`` / ``torch.export`` the size tests below would add guards on the query and key counts
+    (an export with a dynamic sequence length then fails its range constraints)."""
+    if torch.compiler.is_compiling():
+        return False
     if q.shape[1] > _DECODE_MAX_Q or k.shape[1] == 0 or dropout or k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    return not torch.compiler.is_compiling()
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length: int | None = None,

@@ -404,3 +404,21 @@ def test_cross_attention_padding_mask_selects_keys_only():
             q.double(), k.double(), v.double(), attn_mask=mask[:, None, None, :]).transpose(1, 2)
         assert out.shape == ref.shape
         assert_close(out, ref, what=f"cross-attention, {nq} queries")
+
+
+def test_export_with_dynamic_sequence_length():
+    """torch.export of the attention function with dynamic query and key counts: the decoding-step test
+    must not run its size tests under tracing (they guarded the query count to one side of 16, and the
+    export failed its range constraints)."""
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return ft.flashtile_attention_forward(Module(), q, k, v, None)[0]
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 4, 20, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
+    s, n = torch.export.Dim("s", min=2, max=64), torch.export.Dim("n", min=2, max=128)
+    ep = torch.export.export(Attention(), (q, k, v), dynamic_shapes=({2: s}, {2: n}, {2: n}), strict=False)
+    assert sorted((r.lower, r.upper) for r in ep.range_constraints.values()) == [(2, 64), (2, 128)]

@@ -46,11 +46,14 @@ def test_flash_attn_func_growing_cache_binds_once(device, d, bindings):
     assert launch_module._bound.cache_info().currsize == bindings
 
 
-def test_kvcache_growing_cache_checks_and_plans_once(device, monkeypatch):
+@pytest.mark.parametrize("d, launches", [(16, 1), (24, 2)])
+def test_kvcache_growing_cache_checks_and_plans_once(device, monkeypatch, d, launches):
     """Keys 33..40 (three 16-key tiles in the interpreter: one plan): the full checks run once, one decode
-    launch serves every step; each step matches the oracle over all its keys."""
+    launch serves every step (two at d = 24, whose head stride N * 24 is a multiple of 16 every other
+    step: KV_ALIGNED, which rounds the strides down to multiples of 16, must follow it); each step
+    matches the oracle over all its keys."""
     dev = device
-    b, hq, hk, d = 2, 4, 2, 16
+    b, hq, hk = 2, 4, 2
     q = torch.randn(b, 1, hq, d, generator=torch.Generator().manual_seed(1)).to(dev)
     kvcache_module._forget_calls()
     decode_module._decode_launch.cache_clear()
@@ -63,7 +66,7 @@ def test_kvcache_growing_cache_checks_and_plans_once(device, monkeypatch):
         want, _ = _ref(q, k, v, causal=True)
         assert_close(out, want, what=f"N = {n}")
     assert len(full_checks) == 1
-    assert decode_module._decode_launch.cache_info().currsize == 1
+    assert decode_module._decode_launch.cache_info().currsize == launches
 
 
 def test_kvcache_growing_cache_rechecks_what_the_length_sets(device):
