@@ -205,7 +205,7 @@ class KernelLauncher:
         if found is None:
             return
         names, dns = found
-        bad = [names[i] for i in ints if i >= len(names) or names[i] not in dns]
+        bad = [names[i] if i < len(names) else f"#{i}" for i in ints if i >= len(names) or names[i] not in dns]
         if bad:
             raise ValueError(
                 f"KernelLauncher: per-call int arguments {bad} of {getattr(self._fn, '__name__', self._fn)} must be "

@@ -418,7 +418,8 @@ def test_export_with_dynamic_sequence_length():
             return ft.flashtile_attention_forward(Module(), q, k, v, None)[0]
 
     g = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(2, 4, 20, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
+    q = torch.randn(2, 4, 20, 16, generator=g)
+    k, v = torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
     s, n = torch.export.Dim("s", min=2, max=64), torch.export.Dim("n", min=2, max=128)
     ep = torch.export.export(Attention(), (q, k, v), dynamic_shapes=({2: s}, {2: n}, {2: n}), strict=False)
     assert sorted((r.lower, r.upper) for r in ep.range_constraints.values()) == [(2, 64), (2, 128)]

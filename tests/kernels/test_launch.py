@@ -273,3 +273,11 @@ def test_concurrent_first_calls_keep_every_entry(monkeypatch):
     assert sorted(la._runners) == [0, 1, 2, 3] and all(len(r) == 2 for r in la._runners.values())
     jit_calls = sum(e[0] == "jit" for e in fn.log)
     assert jit_calls == 8 and len(fn.log) == 8 * 50  # one bind per (device, alignment), none lost
+
+
+def test_per_call_int_past_the_parameters_is_refused():
+    # more dynamic arguments than the kernel has parameters: the ValueError, not an IndexError
+    fn = _NamedJit(("X", "n"), ("n",))
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    with pytest.raises(ValueError, match=r"#2.*do_not_specialize"):
+        la(_aligned(), 3, 4)
