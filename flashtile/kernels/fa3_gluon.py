@@ -32,6 +32,14 @@ per-head device-side tensor descriptors of the (N, d) head zero-fill loads past 
 the output goes out through masked stores (``O_STORE`` 0: from the wgmma layout, 1: through a
 row-contiguous layout) or a TMA store staged in the warpgroup's Q rows (2).  The host launcher is
 :mod:`flashtile.runtime.fa3_gluon`; descriptors need ``triton.set_allocator``.
+
+Persistent (``PERSISTENT``): min(tiles, SMs) programs, program p running tiles p, p + P, ... of the same tile
+order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), so a program's prologue
+(barriers, setmaxnreg) is paid once and tile t's epilogue (O / LSE stores) overlaps the loads of tile t + 1.
+Ring slots and parities follow a running kv-iteration count, the Q barrier's parity a running count of
+tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
+and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
+descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
 """
 
 from __future__ import annotations
@@ -69,12 +77,51 @@ def _load(desc0, desc1, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
-              stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
-              HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """TMA loads of Q (once, one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring slot
-    j % NUM_STAGES.  Columns past HEAD_DIM read 0, as rows past Nq / Nk do."""
+def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr):
+    """(bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles) of tile ``tile_id`` of ``total_tiles`` =
+    B * Hq * num_m_tiles: the query tiles of one (batch, head) pair ``bh`` adjacent (they share its K and V
+    in L2); causal runs each head's tiles last-first, the longest rows first, or with ``LPT_GROUP`` > 0 the
+    longest tiles of each group of that many heads first.  Kv tiles [0, full_tiles) are seen in full by
+    every row of the tile, [full_tiles, n_tiles) masked; n_tiles = 0 when no row sees a key.  Batch, query
+    head and kv head (``off_*``) are int64 (offsets into multi-GB tensors)."""
+    bh = tile_id // num_m_tiles
+    tile = tile_id % num_m_tiles
+    if CAUSAL:
+        if LPT_GROUP > 0:
+            # groups of LPT_GROUP heads; inside a group the longest tiles of all its heads first, so the
+            # CTAs in flight share a few heads' K and V in L2 and the short tiles fill the tail
+            per_group = LPT_GROUP * num_m_tiles
+            group = tile_id // per_group
+            r = tile_id % per_group
+            heads = gl.minimum(LPT_GROUP, total_tiles // num_m_tiles - group * LPT_GROUP)
+            bh = group * LPT_GROUP + r % heads
+            tile = num_m_tiles - 1 - r // heads
+        else:
+            tile = num_m_tiles - 1 - tile
+    off_b = (bh // n_heads).to(gl.int64)
+    off_h = (bh % n_heads).to(gl.int64)
+    off_hk = off_h // kv_group
+    start_m = tile * BLOCK_M
+    if CAUSAL:
+        key_end = gl.minimum(seqlen_k, start_m + BLOCK_M + seqlen_k - seqlen_q)  # last row's key bound
+        full_end = gl.minimum(seqlen_k, start_m + 1 + seqlen_k - seqlen_q)  # first row's key bound
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k
+    n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
+    full_tiles = gl.maximum(full_end, 0) // BLOCK_N
+    return bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles
+
+
+@gluon.jit
+def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                   stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, it0,
+                   HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads of one tile's Q (one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring
+    slot (it0 + j) % NUM_STAGES (``it0``: kv iterations of the program's earlier tiles).  Columns past
+    HEAD_DIM read 0, as rows past Nq / Nk do."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_desc = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D0)
     k_desc = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D0)
@@ -99,15 +146,59 @@ def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_em
         q_row = gl.where(q_row < seqlen_q, q_row, start_m)
         _load(q_desc, q_desc1, q_row, q_bar, q_tiles, w, has_work, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
     for j in range(n_tiles):
-        slot = j % NUM_STAGES
+        it = it0 + j
+        slot = it % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
-        mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+        mbarrier.wait(kv_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), kv_bytes)
         _load(k_desc, k_desc1, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True,
               BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
         mbarrier.expect(v_ready.index(slot), kv_bytes)
         _load(v_desc, v_desc1, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True,
               BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1)
+
+
+@gluon.jit
+def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+              stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
+              HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One program, one tile: its loads from ring slot 0 on."""
+    _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                   stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, 0,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
+                   NUM_STAGES=NUM_STAGES)
+
+
+@gluon.jit
+def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
+                         total_tiles, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
+                         NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr):
+    """Loads of tiles pid, pid + P, ... (P programs): the kv ring index runs on across tiles; a tile's Q
+    waits for ``q_empty`` (every consumer done with the previous Q and every K / V load of the previous
+    tile).  Tiles that see no key load nothing (the consumers count tiles with work the same way)."""
+    kv_it = 0  # kv iterations issued so far: ring slot and parity
+    q_count = 0  # tiles with work so far: q_empty's parity
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
+            tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
+            BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+        if n_tiles > 0:
+            # the first tile passes on the fresh barrier
+            mbarrier.wait(q_empty, (q_count & 1) ^ 1)
+            # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
+            # after q_empty, when every load issued with the previous ones has completed: each consumer
+            # arrives after waiting for the previous tile's Q, last K and last V
+            _producer_tile(Q + off_b * stride_qb + off_h * stride_qh, K + off_b * stride_kb + off_hk * stride_kh,
+                           V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
+                           k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
+                           start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES)
+        kv_it += n_tiles
+        q_count += (n_tiles > 0).to(gl.int32)
 
 
 @gluon.jit
@@ -202,16 +293,18 @@ def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _kv_iter(j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
              turn_bars, qk_scale, last_key, s_zero,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
              BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
-    P V GEMM (``INTRA``) or after it, then O rescaled and slot j - 1 released."""
-    slot = j % NUM_STAGES
-    prev = (j - 1) % NUM_STAGES
-    mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+    P V GEMM (``INTRA``) or after it, then O rescaled and the slot of j - 1 released.  Ring slots and
+    parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets from j."""
+    it = it0 + j
+    slot = it % NUM_STAGES
+    prev = (it - 1) % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
     turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
     s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
     acc0, acc1 = _pv(p_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1)
@@ -229,13 +322,15 @@ def _kv_iter(j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_re
 
 
 @gluon.jit
-def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles,
-              BLOCK_N: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_D1: gl.constexpr,
-              PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
-    """S_0 and its softmax: masked unless ``SKIP_MASK0`` and every row sees all of tile 0."""
-    mbarrier.wait(k_ready.index(0), 0)
-    turn = _turn_wait(turn_bars, 0, WG, PINGPONG)
-    s = _qk(q_wg, k_tiles, 0, s_zero, BLOCK_D1=BLOCK_D1)
+def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles, it0, turn,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
+              BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
+    """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: masked unless ``SKIP_MASK0``
+    and every row sees all of tile 0."""
+    slot = it0 % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (it0 // NUM_STAGES) & 1)
+    turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
+    s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s,))
     if SKIP_MASK0:
@@ -275,14 +370,60 @@ def _store_rows(Out, out, row0, stride_om, seqlen_q, COL0: gl.constexpr, HEAD_DI
 
 
 @gluon.jit
-def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
-              WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
-              BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
-    """Rows [start_m + WG * 64, + 64) of the tile: the kv loop, then O / l and the LSE.  ``O_STORE``:
-    0 masked stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA
-    store staged in this warpgroup's Q rows."""
+def _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM: gl.constexpr,
+                  BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr):
+    """O through a TMA store staged in this warpgroup's Q rows (its last S GEMM has retired); the descriptor
+    drops rows past Nq and columns past HEAD_DIM."""
+    M: gl.constexpr = 64
+    o_desc = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D0)
+    if BLOCK_D1 > 0:
+        o_desc1 = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D1)
+    if row0 < seqlen_q:  # no box wholly out of bounds (the last tile's upper warpgroups)
+        q_wg[0].store(out0)
+        if BLOCK_D1 > 0:
+            q_wg[1].store(out1)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [row0, 0], q_wg[0])
+        if BLOCK_D1 > 0:
+            tma.async_copy_shared_to_global(o_desc1, [row0, BLOCK_D0], q_wg[1])
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
+                             HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
+                             CAUSAL: gl.constexpr):
+    """Persistent ``O_STORE`` 2: a tile with work stages O in its Q rows, then (store complete) releases
+    them on ``q_empty``; a tile without work does not own the Q tiles (the producer may be loading the
+    next tile's Q there) and stores its zeros with plain masked stores.  Not causal, every tile has work
+    (Nk >= 1: the host launches nothing otherwise)."""
+    if not CAUSAL:
+        _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                      BLOCK_D1=BLOCK_D1)
+        mbarrier.arrive(q_empty)
+    elif n_tiles > 0:
+        _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                      BLOCK_D1=BLOCK_D1)
+        mbarrier.arrive(q_empty)
+    else:
+        _store_rows(Out, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=0)
+        if BLOCK_D1 > 0:
+            _store_rows(Out, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=0)
+
+
+@gluon.jit
+def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
+                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, it0, q_phase,
+                   turn0, WG: gl.constexpr, NUM_WG: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+    """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
+    parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
+    stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
+    staged in this warpgroup's Q rows.  ``PERSISTENT``: arrive on ``q_empty`` once done with Q and with
+    every K / V load of a tile with work."""
     gl.static_assert(gl.num_warps() == 4)
     M: gl.constexpr = 64
     dtype: gl.constexpr = Out.dtype.element_ty
@@ -313,24 +454,30 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
         q_wg = (q_tiles[0].index(WG),)
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, q_phase)
         p, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero,
-                                      full_tiles, BLOCK_N=BLOCK_N, WG=WG, NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1,
-                                      PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0)
+                                      full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                                      NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
+                                      SKIP_MASK0=SKIP_MASK0)
         p_prev = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, full_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
-                j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG)
         for j in range(gl.maximum(full_tiles, 1), n_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
-                j, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG)
         # epilogue: O += P_{n-1} V_{n-1}
-        last = n_tiles - 1
+        last = it0 + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        if PERSISTENT:
+            if O_STORE != 2:
+                # Q's last S GEMM has retired and every K / V load of the tile has landed: the producer may
+                # load the next tile's Q and rebuild its descriptors while this epilogue runs
+                mbarrier.arrive(q_empty)
         turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
         acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
@@ -344,28 +491,65 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
     out0 = _rows_times(acc0, 1.0 / l_safe).to(dtype)
     if BLOCK_D1 > 0:
         out1 = _rows_times(acc1, 1.0 / l_safe).to(dtype)
+    else:
+        out1 = out0  # unread
     if O_STORE == 2:
-        # staged in this warpgroup's Q rows (its last S GEMM has retired); the descriptor drops rows past
-        # Nq and columns past HEAD_DIM
-        o_desc = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D0)
-        if BLOCK_D1 > 0:
-            o_desc1 = _head_desc(Out, seqlen_q, stride_om, HEAD_DIM, M, BLOCK_D1)
-        if row0 < seqlen_q:  # no box wholly out of bounds (the last tile's upper warpgroups)
-            q_wg[0].store(out0)
-            if BLOCK_D1 > 0:
-                q_wg[1].store(out1)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [row0, 0], q_wg[0])
-            if BLOCK_D1 > 0:
-                tma.async_copy_shared_to_global(o_desc1, [row0, BLOCK_D0], q_wg[1])
-            tma.store_wait(0)
+        if PERSISTENT:
+            _store_staged_persistent(Out, q_wg, q_empty, out0, out1, row0, stride_om, seqlen_q, n_tiles,
+                                     HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, CAUSAL=CAUSAL)
+        else:
+            _store_staged(Out, q_wg, out0, out1, row0, stride_om, seqlen_q, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                          BLOCK_D1=BLOCK_D1)
     else:
         _store_rows(Out, out0, row0, stride_om, seqlen_q, COL0=0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
         if BLOCK_D1 > 0:
             _store_rows(Out, out1, row0, stride_om, seqlen_q, COL0=BLOCK_D0, HEAD_DIM=HEAD_DIM, O_STORE=O_STORE)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles"])
+@gluon.jit
+def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
+              WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
+              BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr):
+    """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers."""
+    _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, 0, 0,
+                   WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                   BLOCK_N=BLOCK_N,
+                   NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
+                   O_STORE=O_STORE, PERSISTENT=False)
+
+
+@gluon.jit
+def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                         turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                         num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
+                         PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
+                         LPT_GROUP: gl.constexpr):
+    """Tiles pid, pid + P, ... (P programs), as the producer walks them: the ring index, the Q barrier's
+    parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile of n > 0 kv tiles, the
+    same for every consumer) run on across tiles."""
+    kv_it = 0
+    turn = 0  # n + 1 per tile with n > 0 kv tiles: turn - kv_it counts the tiles with work (Q parity)
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
+            tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
+            BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+        _consumer_tile(Out + off_b * stride_ob + off_h * stride_oh, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
+                       k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
+                       seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
+                       NUM_WG=NUM_WG,
+                       HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
+                       NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
+                       PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True)
+        kv_it += n_tiles
+        turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles"])
 def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
     qk_scale,  # softmax_scale * log2(e), > 0
@@ -374,14 +558,17 @@ def fa3_gluon_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
+    total_tiles,  # PERSISTENT: B * Hq * num_m_tiles; otherwise None (a constexpr: no parameter)
     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
-    O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
+    O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, the query tiles of one head adjacent (they share
-    its K and V in L2); causal runs each head's tiles last-first, the longest rows first, or with
-    ``LPT_GROUP`` > 0 the longest tiles of each group of that many heads first.  Launch with
+    """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
+    ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
+    (``_tile_coords``): the query tiles of one head adjacent (they share its K and V in L2); causal runs each
+    head's tiles last-first, the longest rows first, or with ``LPT_GROUP`` > 0 the longest tiles of each
+    group of that many heads first.  Launch with
     ``num_warps=4`` (the default partition is consumer 0).  ``HEAD_DIM`` is d; the tiles cover columns
     [0, BLOCK_D0) and, when ``BLOCK_D1 > 0``, [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (powers of two >= 16; the
     columns past d are zero in Q, K, V and never stored)."""
@@ -398,35 +585,10 @@ def fa3_gluon_kernel(
     # a consumer frees slot j - 1 only after waiting for K_j: one slot would deadlock
     gl.static_assert(NUM_STAGES >= 2)
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid = gl.program_id(0)
-    bh = pid // num_m_tiles
-    tile = pid % num_m_tiles
-    if CAUSAL:
-        if LPT_GROUP > 0:
-            # groups of LPT_GROUP heads; inside a group the longest tiles of all its heads first, so the
-            # CTAs in flight share a few heads' K and V in L2 and the short tiles fill the tail
-            per_group = LPT_GROUP * num_m_tiles
-            group = pid // per_group
-            r = pid % per_group
-            heads = gl.minimum(LPT_GROUP, gl.num_programs(0) // num_m_tiles - group * LPT_GROUP)
-            bh = group * LPT_GROUP + r % heads
-            tile = num_m_tiles - 1 - r // heads
-        else:
-            tile = num_m_tiles - 1 - tile
-    off_b = (bh // n_heads).to(gl.int64)
-    off_h = (bh % n_heads).to(gl.int64)
-    off_hk = off_h // kv_group
-    start_m = tile * BLOCK_M
-
-    # kv tiles: [0, full_tiles) seen in full by every row of the program, [full_tiles, n_tiles) masked
-    if CAUSAL:
-        key_end = gl.minimum(seqlen_k, start_m + BLOCK_M + seqlen_k - seqlen_q)  # last row's key bound
-        full_end = gl.minimum(seqlen_k, start_m + 1 + seqlen_k - seqlen_q)  # first row's key bound
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k
-    n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
-    full_tiles = gl.maximum(full_end, 0) // BLOCK_N
+    if not PERSISTENT:
+        bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
+            gl.program_id(0), gl.num_programs(0), n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
@@ -461,37 +623,76 @@ def fa3_gluon_kernel(
     for i in gl.static_range(NUM_WG):
         mbarrier.init(turn_bars.index(i), count=1)
 
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-    o_base = Out + off_b * stride_ob + off_h * stride_oh
-    lse_row0 = bh.to(gl.int64) * seqlen_q
-    # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
-    # values): the consumers' argument tuples are spelled out, each with its WG
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
-             stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-             NUM_WG, BLOCK_N, NUM_STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if PERSISTENT:
+        # one arrival per consumer warpgroup: done with the tile's Q and its last K / V
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_empty, count=NUM_WG)
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
+                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
+                (_producer_persistent, (Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1, NUM_WG,
+                 BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP)),
+                ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
+                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
+                (_consumer_persistent, (Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
+                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP)),
+                (_producer_persistent, (Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1, NUM_WG,
+                 BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP)),
+                ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([
-            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-             qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
-             BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
-            (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
-             stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-             NUM_WG, BLOCK_N, NUM_STAGES)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
+        o_base = Out + off_b * stride_ob + off_h * stride_oh
+        lse_row0 = bh.to(gl.int64) * seqlen_q
+        # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
+        # values): the consumers' argument tuples are spelled out, each with its WG
+        if NUM_WG == 2:
+            gl.warp_specialize([
+                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+                (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                 stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                 NUM_WG, BLOCK_N, NUM_STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+                (_consumer, (o_base, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
+                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE)),
+                (_producer, (q_base, k_base, v_base, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
+                 stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
+                 NUM_WG, BLOCK_N, NUM_STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -17,14 +17,23 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
   time, each fp32 result added into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by vector reductions
   (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
 
+``DQ_SPLIT`` (BLOCK_D 64 or 128): warpgroup w computes dQ_i[:, w·BLOCK_D/2 : (w+1)·BLOCK_D/2] over all 128
+keys from both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empty``), half the reductions; K is
+swizzled in half-rows so each warpgroup's column slice is whole swizzle atoms.  ``DQ_TMA`` (with ``DQ_SPLIT``, or
+BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA bulk reduce-add
+(``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
+``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
+one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
+
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
 preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
-Status: compiles for sm_90a with Triton 3.6 (d = 8..128; ``scratch/cc_gluon_bwd.py``, docs/gluon_bwd.md), not yet
-run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
+Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
+backward"); ``DQ_SPLIT`` at d <= 64 and ``DQ_TMA`` compile for sm_90a with Triton 3.6 (``scratch/cc_gluon_bwd.py``,
+docs/gluon_bwd.md) and are not yet run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
+
+from triton._C.libtriton import ir as _ir
+from triton.experimental.gluon.language._core import builtin as _builtin
 
 from flashtile.kernels._common import LOG2E
 
@@ -74,6 +86,15 @@ def _red_constraints(n):
     return ",".join(["=r"] * (n // 2) + ["r"] * (n // 2) + ["l"] * (n // 2))
 
 
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``cp.reduce.async.bulk.tensor ... .add`` of the shared tile ``src`` into ``tensor_desc``'s box at ``coord``
+    (one bulk group; ``tma.store_wait`` waits for its read of ``src``).  Triton 3.6's Gluon builder has the op,
+    its ``tma`` module does not name it (3.9's ``tma.async_atomic_add`` is this call)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
 def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.constexpr):
     """``*base[r, c] += tile[r, c]`` for a [64, N] fp32 tile in the wgmma accumulator layout, rows
@@ -81,6 +102,37 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
     addr = base.to(gl.int64) + gl.zeros([64, N], gl.int64, layout=LAYOUT)
     gl.inline_asm_elementwise(_red_asm(N, ROW_STRIDE), _red_constraints(N), [tile, addr], dtype=gl.int32,
                               is_pure=False, pack=N // 2)
+
+
+@gluon.jit
+def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
+    """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
+    reduce-add from the warpgroup's shared tile ``dq_tile``."""
+    tma.store_wait(0)  # the issuing thread's previous reduce has read the tile (a step ago: no stall expected)
+    gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
+    dq_tile.store(dq)
+    fence_async_shared()  # generic-proxy writes visible to the bulk copy
+    gl.thread_barrier()  # every thread's part written before the one-thread issue
+    _tma_reduce_add(dq_desc, [row, col], dq_tile)
+
+
+@gluon.jit
+def _turn_wait(turn_bars, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait for this warpgroup's turn to issue step ``it``'s Sᵀ and dPᵀ GEMMs.  Warpgroup 0 goes first
+    (step 0 waits for parity 1: a fresh barrier passes), then each waits for the other's pass of the same step
+    (warpgroup 1) or of the previous one (warpgroup 0); the two are never more than one phase apart."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (it + 1) & 1)
+        else:
+            mbarrier.wait(turn_bars.index(1), it & 1)
+
+
+@gluon.jit
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this step's first GEMMs are queued; the other warpgroup's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG))
 
 
 @gluon.jit
@@ -93,7 +145,7 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
     do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
-    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], box_layout)
+    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
     v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
     # a box's transaction bytes count its zero-filled part too
     box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
@@ -119,12 +171,13 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
-            LSE, Delta, DQacc,
+            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr):
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
-    dQ's partial added into the accumulator.  LSE, Delta, DQacc point at this (batch, q head)."""
+    dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
+    point at this (batch, q head)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -159,9 +212,12 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
                                         pack=1)
     mbarrier.wait(q_ready.index(slot), phase)
+    # PINGPONG: the tensor cores take one warpgroup's Sᵀ, dPᵀ before the other's, so its exp2 and dSᵀ run beside them
+    _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
+    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: Sᵀ done, dPᵀ may still run
     pt = gl.exp2(st * qk_scale - gl.expand_dims(gl.convert_layout(lse_v, col_s), 0))
     if MASKED:
@@ -200,7 +256,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     if DQ_SPLIT:
         # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
         HALF: gl.constexpr = BLOCK_D // 2
-        gl.static_assert(HALF == 64)  # a whole 128-byte swizzle atom of K per slice
+        # K's swizzle is HALF elements wide (kernel body): each slice starts on a swizzle atom
+        gl.static_assert(HALF * dtype.primitive_bitwidth // 8 == k_smem.layout.swizzle_byte_width)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
         mbarrier.arrive(ds_full.index(buf))
@@ -213,7 +270,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         mbarrier.arrive(ds_empty.index(buf))
-        _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        if DQ_TMA:
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
+        else:
+            _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     else:
         # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK, dV
         DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
@@ -225,19 +285,23 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-        for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
-            dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
-            _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        if DQ_TMA:
+            gl.static_assert(DQ_CHUNK == BLOCK_D)  # one 64 x BLOCK_D fp32 tile per warpgroup and step
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, 0)
+        else:
+            _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+            for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
+                dq = warpgroup_mma(ds_t, k_wg.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), dq_zero, use_acc=False)
+                _red_add(acc_tile + c * DQ_CHUNK, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters,
+def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
+              do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+              seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -249,18 +313,26 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     kv_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
+    if DQ_TMA:
+        # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
+        dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1],
+                                             [64, dq_smem.shape[2]], dq_smem.layout)
+    else:
+        dq_desc = None
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE,
-                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
+                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                             CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, LSE,
-                             Delta, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
+                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                             CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
+        if DQ_TMA:
+            tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -271,30 +343,6 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     rows64 = rows.to(gl.int64)
     gl.store(DK + gl.expand_dims(rows64 * stride_dkn, 1) + gl.expand_dims(cols, 0), dk.to(out_dtype), mask=mask)
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
-
-
-@gluon.jit
-def _consumer_wg0(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-                  start_n, first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters, WG=0, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
-
-
-@gluon.jit
-def _consumer_wg1(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-                  qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-                  start_n, first_m, n_masked, n_iters,
-                  HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_SPLIT: gl.constexpr):
-    _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready,
-              qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k,
-              start_n, first_m, n_masked, n_iters, WG=1, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-              CAUSAL=CAUSAL, DQ_SPLIT=DQ_SPLIT)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
@@ -312,11 +360,13 @@ def fa3_gluon_bwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
-    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16).  Launch with ``num_warps=4``."""
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA`` as in the module's
+    docstring.  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
@@ -351,24 +401,41 @@ def fa3_gluon_bwd_kernel(
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
+    # DQ_SPLIT: warpgroup w reads K's columns [w, w + 1) * BLOCK_D / 2, so K is swizzled in half-rows (128 B at
+    # d = 128, the default; 64 B at d = 64) and each slice starts on a swizzle atom
+    gl.static_assert(not DQ_SPLIT or BLOCK_D == 64 or BLOCK_D == 128)
+    if DQ_SPLIT:
+        k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_D * dtype.primitive_bitwidth // 16,
+                                                      element_bitwidth=dtype.primitive_bitwidth, rank=2)
+    else:
+        k_layout: gl.constexpr = box_layout
+    k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    gl.static_assert(not DQ_SPLIT or BLOCK_D == 128)  # d halves of K: whole 128-byte swizzle atoms
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
     # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
     ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+    if DQ_TMA:
+        # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split, else BLOCK_D) dQ part, bulk reduce-added
+        gl.static_assert(DQ_SPLIT or BLOCK_D <= 64)  # d = 128 unsplit: two 32 KB tiles do not fit beside the ring
+        DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT else BLOCK_D
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN],
+                                            gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32))
+    else:
+        dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per consumer
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):  # DQ_SPLIT: each warpgroup arrives once per use of a dSᵀ buffer
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
+        mbarrier.init(turn_bars.index(i), count=1)  # PINGPONG: the other warpgroup's pass
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -388,14 +455,18 @@ def fa3_gluon_bwd_kernel(
     lse_base = LSE + bh64 * seqlen_q
     delta_base = Delta + bh64 * seqlen_q
     acc_base = DQacc + bh64 * stride_acc_h
+    acc_rows = stride_acc_h // BLOCK_D
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
+    # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
-        (_consumer_wg0, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
-        (_consumer_wg1, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-         seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT)),
+        (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
+        (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
         (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
          qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
          HEAD_DIM, BLOCK_D, NUM_STAGES)),

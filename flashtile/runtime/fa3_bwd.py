@@ -141,10 +141,48 @@ def _check(q, k, v, dout, out, lse) -> None:
 def _grad_out(given, like: torch.Tensor, name: str) -> torch.Tensor:
     if given is None:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if not isinstance(given, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(given).__name__}")
     if tuple(given.shape) != tuple(like.shape) or given.dtype != like.dtype or given.device != like.device:
         raise ValueError(f"{name} must have the shape, dtype and device of its input, got {tuple(given.shape)}, "
-                         f"{given.dtype}")
+                         f"{given.dtype}, {given.device}")
     return given
+
+
+def grad_outputs(dq, dk, dv, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients' destinations: the given views (checked against their inputs) or new tensors."""
+    return _grad_out(dq, q, "dq"), _grad_out(dk, k, "dk"), _grad_out(dv, v, "dv")
+
+
+def grad_buffers(rets, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, partials: bool):
+    """Where the kernels write: a destination with unit stride on d itself, else a buffer like its input;
+    ``partials``: dK / dV as fp32 per q head (B, Hq, Nk, d), summed per group by :func:`write_back`."""
+    dq_ret, dk_ret, dv_ret = rets
+    dq_buf = dq_ret if dq_ret.stride(-1) == 1 else torch.empty_like(q)
+    if partials:
+        shape = (q.shape[0], q.shape[1], k.shape[2], k.shape[3])
+        return dq_buf, *(torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
+    dk_buf = dk_ret if dk_ret.stride(-1) == 1 else torch.empty_like(k)
+    dv_buf = dv_ret if dv_ret.stride(-1) == 1 else torch.empty_like(v)
+    return dq_buf, dk_buf, dv_buf
+
+
+def write_back(rets, bufs, partials: bool):
+    """Copy each buffer into its destination (dK / dV ``partials`` summed over each kv head's q heads)."""
+    (dq_ret, dk_ret, dv_ret), (dq_buf, dk_buf, dv_buf) = rets, bufs
+    if partials:
+        b, hk, nk, d = dk_ret.shape
+        group = dk_buf.shape[1] // hk
+        dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
+        dv_ret.copy_(dv_buf.view(b, hk, group, nk, d).sum(2))
+    else:
+        if dk_buf is not dk_ret:
+            dk_ret.copy_(dk_buf)
+        if dv_buf is not dv_ret:
+            dv_ret.copy_(dv_buf)
+    if dq_buf is not dq_ret:
+        dq_ret.copy_(dq_buf)
+    return dq_ret, dk_ret, dv_ret
 
 
 def fa3_backward(
@@ -172,11 +210,11 @@ def fa3_backward(
     _check(q, k, v, dout, out, lse)
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    dq_ret, dk_ret, dv_ret = _grad_out(dq, q, "dq"), _grad_out(dk, k, "dk"), _grad_out(dv, v, "dv")
+    rets = grad_outputs(dq, dk, dv, q, k, v)
     if b * hq * nq == 0 or nk == 0:
-        for ret in (dq_ret, dk_ret, dv_ret):
+        for ret in rets:
             ret.zero_()
-        return dq_ret, dk_ret, dv_ret
+        return rets
     scale = float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {scale}")
@@ -184,15 +222,10 @@ def fa3_backward(
     group = hq // hk
     dev = q.device
     lse = lse.to(dtype=torch.float32).contiguous()
-    # plain stores take any strides with unit stride on d; otherwise a buffer and a copy
-    dq_buf = dq_ret if dq_ret.stride(-1) == 1 else torch.empty_like(q)
     group_loop = group > 1 and not cfg.warp_spec  # unspecialised: the group's q heads in the kernel
-    if group == 1 or group_loop:
-        dk_buf = dk_ret if dk_ret.stride(-1) == 1 else torch.empty_like(k)
-        dv_buf = dv_ret if dv_ret.stride(-1) == 1 else torch.empty_like(v)
-    else:  # specialised: fp32 partials per q head, summed per group below (one program per q head: one WS loop)
-        dk_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
-        dv_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=dev)
+    # specialised with GQA: fp32 partials per q head (one program per q head: one WS loop)
+    partials = group > 1 and not group_loop
+    dq_buf, dk_buf, dv_buf = bufs = grad_buffers(rets, q, k, v, partials)
 
     atomic = cfg.atomic_dq and not cfg.warp_spec and not deterministic
     if dev.type == "cuda":
@@ -206,17 +239,7 @@ def fa3_backward(
         else:
             launch_dq(q, k, v, dout, lse, delta, dq_buf, scale, causal, cfg)
 
-    if group > 1 and not group_loop:
-        dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
-        dv_ret.copy_(dv_buf.view(b, hk, group, nk, d).sum(2))
-    else:
-        if dk_buf is not dk_ret:
-            dk_ret.copy_(dk_buf)
-        if dv_buf is not dv_ret:
-            dv_ret.copy_(dv_buf)
-    if dq_buf is not dq_ret:
-        dq_ret.copy_(dq_buf)
-    return dq_ret, dk_ret, dv_ret
+    return write_back(rets, bufs, partials)
 
 
 def _preprocess(out, dout, b, hq, nq, d) -> torch.Tensor:

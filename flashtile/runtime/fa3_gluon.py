@@ -24,7 +24,7 @@ from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
 __all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "GLUON_HEAD_DIMS",
-           "BLOCK_M", "block_d", "head_split"]
+           "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
 BLOCK_M = 128  # query rows of the default two consumer warpgroups (64 each); GluonConfig.block_m in general
@@ -59,13 +59,14 @@ class GluonConfig:
     intra: bool = True
     pingpong: bool = True
     consumer_regs: int = 0  # setmaxnreg of the worker consumers (the default one gets the rest); 0: regs()
-    producer_regs: int = 24
+    producer_regs: int = 0  # setmaxnreg of the producer; 0: producer()
     o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
     num_wg: int = 2  # consumer warpgroups of 64 query rows each (2 or 3; FA3 runs 3 at d = 64)
     skip_mask0: bool = True  # tile 0 unmasked when every row of the program sees all of it
     o_coalesced: bool = False  # plain stores through a row-contiguous layout (16 B per thread), not o_tma
     lpt_group: int = 0  # causal: longest tiles first across groups of this many heads (0: per head)
     split_d: bool = True  # a head dim that is not a power of two as two power-of-two parts (head_split)
+    persistent: bool = False  # min(tiles, SMs) programs looping over the tiles (sm_count), not one per tile
 
     @property
     def block_m(self) -> int:
@@ -75,6 +76,12 @@ class GluonConfig:
         """Worker consumers' registers: ``consumer_regs``, or 240 with 2 warpgroups and 160 with 3 (the
         most that 64K registers allow next to a 24-register producer, FA3's split)."""
         return self.consumer_regs or (240 if self.num_wg == 2 else 160)
+
+    def producer(self) -> int:
+        """Producer's registers: ``producer_regs``, or 24 (FA3's), 32 when persistent with 2 consumer
+        warpgroups (sm_90a compiles: its tile loop spills 28 B under 24 at d = 192 causal, nothing under 32;
+        with 3 warpgroups 3 x 160 + 32 would leave the default consumer 160, which spills more)."""
+        return self.producer_regs or (32 if self.persistent and self.num_wg == 2 else 24)
 
     def o_store(self) -> int:
         """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
@@ -106,14 +113,15 @@ def gluon_config(d: int, causal: bool) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
-    B*N = 16k, H*d = 2048; bench/NOTES.md, "Gluon forward" and "Forward dispatch"): <= 32 two consumers and
+    B*N = 16k, H*d = 2048; bench/NOTES.md, "Gluon forward", "Forward dispatch", "Persistent"): <= 32 two consumers and
     no schedule, 128-key tiles, 3 stages; <= 64 three 64-row consumers with both schedules (FA3's d = 64
     shape: 501 vs 403 TFLOP/s for two consumers at 16k, 414 vs 353 at 4k); 80-96 (split) both schedules,
     128-key tiles, 4 stages (221600 B at d = 96); 128 both schedules, 128-key tiles, 3 stages (229728 B);
     144-192 (split) both schedules, 64-key tiles, 3 stages (197024 B at d = 192; 128-key tiles need 240 KB
     at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
-    rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread."""
-    del causal
+    rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
+    Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); causal
+    and narrower widths do not (static round robin: causal 0.65-0.9x, d = 64 at 16k 0.93x)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -131,6 +139,8 @@ def gluon_config(d: int, causal: bool) -> GluonConfig:
         cfg = GluonConfig(block_n=64, num_stages=3, split_d=split)
     else:
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
+    if not causal and width >= 128:
+        cfg = replace(cfg, persistent=True)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
@@ -145,15 +155,19 @@ def _check_config(cfg) -> None:
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
     if not isinstance(cfg.split_d, bool):
         raise TypeError(f"config: split_d must be a bool, got {cfg}")
+    if not isinstance(cfg.persistent, bool):
+        raise TypeError(f"config: persistent must be a bool, got {cfg}")
     if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
         raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
         raise ValueError(f"config: num_wg must be 2 or 3, got {cfg}")
-    if not 24 <= cfg.producer_regs <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer_regs % 8:
+    if not isinstance(cfg.producer_regs, int) or not isinstance(cfg.consumer_regs, int):
+        raise TypeError(f"config: consumer_regs / producer_regs must be ints, got {cfg}")
+    if not 24 <= cfg.producer() <= cfg.regs() <= 256 or cfg.regs() % 8 or cfg.producer() % 8:
         raise ValueError(f"config: consumer_regs / producer_regs must be multiples of 8 in [24, 256], got {cfg}")
     # setmaxnreg: num_wg + 1 partitions of 128 threads (the producer padded to 4 warps) share 64K registers;
     # the default consumer gets what the workers leave, at least consumer_regs
-    if cfg.num_wg * cfg.regs() + cfg.producer_regs > 512:
+    if cfg.num_wg * cfg.regs() + cfg.producer() > 512:
         raise ValueError(f"config: num_wg x consumer_regs + producer_regs must be <= 512, got {cfg}")
 
 
@@ -203,16 +217,29 @@ def fa3_gluon_forward(
     return out, lse
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (132 on an H100 SXM), memoised."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig) -> None:
     """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
-    the descriptor allocator installed (``fa3_fwd.ensure_allocator``)."""
+    the descriptor allocator installed (``fa3_fwd.ensure_allocator``).  ``cfg.persistent``: a grid of
+    min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the kernel's tile order."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
     num_m_tiles = triton.cdiv(nq, bm)
-    grid = (b * hq * num_m_tiles,)
-    if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {grid[0]} programs exceed the grid's axis 0")
+    total_tiles = b * hq * num_m_tiles
+    if total_tiles >= 2**31:
+        raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {total_tiles} tiles exceed the grid's axis 0")
+    if cfg.persistent:
+        grid = (min(total_tiles, sm_count(q.device.index)),)
+        persistent_tiles = total_tiles  # the kernel's loop bound
+    else:
+        grid = (total_tiles,)
+        persistent_tiles = None  # a constexpr: the one-tile-per-program kernel has no such parameter
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
@@ -222,10 +249,10 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hk, nq, nk, num_m_tiles,
+        hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles,
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
-        cfg.regs(), cfg.producer_regs, cfg.skip_mask0, cfg.o_store(), cfg.lpt_group,
+        cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
     )
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

@@ -1,10 +1,11 @@
 """Host side of the Gluon Hopper backward (:mod:`flashtile.kernels.fa3_gluon_bwd`, FA3's Algorithm 3 with dQ by
 fp32 atomic reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
-Status: compiles for sm_90a with Triton 3.6 at every head dim it covers (``scratch/cc_gluon_bwd.py``; docs/gluon_bwd.md
-has the registers / spills / shared memory); not yet run on a GPU, so **not dispatched**: :func:`prefer_gluon_bwd`
-says False unless ``ENABLED`` is set (the probe sets ``flashtile.runtime.fa3_gluon_bwd.ENABLED = True``, or the
-environment has ``FLASHTILE_GLUON_BWD=1`` when this module is first imported).
+Status: correct on an H100 (52 GPU tests; ``dq_split`` at d <= 64 and ``dq_tma`` compile for sm_90a with Triton 3.6
+and wait for their GPU run, docs/gluon_bwd.md) but slower than FA2's backward, so **not dispatched**:
+:func:`prefer_gluon_bwd` says False unless ``ENABLED`` is set (the probe sets
+``flashtile.runtime.fa3_gluon_bwd.ENABLED = True``, or the environment has ``FLASHTILE_GLUON_BWD=1`` when this
+module is first imported).
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
 (B, H, N, d) views, head dims multiple of 8 up to 128, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
@@ -50,31 +51,40 @@ class GluonBwdConfig:
     num_stages: int = 2
     consumer_regs: int = 240  # the worker consumer; the default one gets what is left, at least as much
     producer_regs: int = 24
-    # d = 128 only: each warpgroup adds dQ's half of d over all 128 keys (both warpgroups' dSᵀ shared, two
+    # 32 < d <= 128: each warpgroup adds dQ's half of d over all 128 keys (both warpgroups' dSᵀ shared, two
     # buffers, mbarriers between the consumers) instead of all of d over its 64 keys: half the reductions
     dq_split: bool = False
+    # dQ parts through an fp32 shared tile per warpgroup and one TMA bulk reduce-add per step, instead of
+    # red.global.add.v2.f32 from registers; with dq_split, or d <= 64 (one 64 x 64 tile per warpgroup)
+    dq_tma: bool = False
+    # the consumers take turns issuing each step's first two GEMMs (an mbarrier each), as the forward's ping-pong
+    pingpong: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of 64 rows (all
-    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), under 1 KB
-    of mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3
-    and dq_split; 99008 / 131824 at d = 64 with 2 / 4)."""
+    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with ``dq_tma``
+    each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), under 1 KB of
+    mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and
+    dq_split, 213728 with 2, dq_split and dq_tma; 99008 / 131824 at d = 64 with 2 / 4)."""
     bd = block_d(d)
     tiles = 6 if cfg.dq_split else 4
-    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + 1024
+    dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
+    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + 1024
 
 
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
-    """The config for head dim ``d`` (CPU-testable).  Not yet from timings: one program per SM either way
-    (12 warps x 168 registers fill the register file), so the ring is as deep as shared memory allows, up
-    to 4 stages: 4 at d <= 64, 3 at d <= 128 (``scratch/gbwd_probe.py`` times 2 against them)."""
+    """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
+    fill the register file), so the ring is as deep as shared memory allows, up to 4 stages: 4 at d <= 64, 3 at
+    d <= 128.  ``dq_split`` at d > 64: +37-140 % on an H100 at d = 128 (bench/NOTES.md, "Gluon backward");
+    ``scratch/gbwd_probe.py`` times 2 stages, ``dq_split`` at d <= 64 and ``dq_tma`` against the table."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 128, got head_dim {d}")
-    cfg = GluonBwdConfig(num_stages=4)
+    split = block_d(d) == 128
+    cfg = GluonBwdConfig(num_stages=4, dq_split=split)
     while smem_bytes(cfg, d) > SMEM_LIMIT or (cfg.num_stages > 3 and block_d(d) > 64):
-        cfg = GluonBwdConfig(num_stages=cfg.num_stages - 1)
+        cfg = GluonBwdConfig(num_stages=cfg.num_stages - 1, dq_split=split)
     return cfg
 
 
@@ -90,10 +100,15 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    if not isinstance(cfg.dq_split, bool) or (cfg.dq_split and block_d(d) != 128):
-        # the split cuts K's 128-byte swizzle rows in halves: whole atoms only with 128-wide tiles
-        raise ValueError(f"config: dq_split must be a bool, True only for 64 < head_dim <= 128, got {cfg} at "
-                         f"head_dim {d}")
+    for name in ("dq_split", "dq_tma", "pingpong"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
+    if cfg.dq_split and block_d(d) not in (64, 128):
+        # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
+        raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
+    if cfg.dq_tma and not cfg.dq_split and block_d(d) > 64:
+        # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
+        raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")
@@ -108,17 +123,6 @@ def _check(q, k, v, dout, out, lse) -> None:
                                   f"{q.shape[3]}")
     if q.device.type != "cuda":
         raise NotImplementedError(f"fa3_gluon_backward needs an sm_90 (Hopper) CUDA device, got q on {q.device}")
-
-
-def _grad_out(given, like: torch.Tensor, name: str) -> torch.Tensor:
-    if given is None:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    if not isinstance(given, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(given).__name__}")
-    if tuple(given.shape) != tuple(like.shape) or given.dtype != like.dtype or given.device != like.device:
-        raise ValueError(f"{name} must have the shape, dtype and device of its input, got {tuple(given.shape)}, "
-                         f"{given.dtype}, {given.device}")
-    return given
 
 
 def fa3_gluon_backward(
@@ -156,23 +160,18 @@ def fa3_gluon_backward(
     if config is not None:
         _check_config(config, d, q.element_size())
     cfg = config if config is not None else gluon_bwd_config(d, causal)
-    dq_ret, dk_ret, dv_ret = _grad_out(dq, q, "dq"), _grad_out(dk, k, "dk"), _grad_out(dv, v, "dv")
-    if b * hq * nq == 0 or nk == 0:
-        for ret in (dq_ret, dk_ret, dv_ret):
-            ret.zero_()
-        return dq_ret, dk_ret, dv_ret
-    from flashtile.runtime.fa3_bwd import _preprocess
+    from flashtile.runtime.fa3_bwd import _preprocess, grad_buffers, grad_outputs, write_back
     from flashtile.runtime.fa3_fwd import ensure_allocator
 
-    group = hq // hk
+    rets = grad_outputs(dq, dk, dv, q, k, v)
+    if b * hq * nq == 0 or nk == 0:
+        for ret in rets:
+            ret.zero_()
+        return rets
     lse = lse.to(dtype=torch.float32).contiguous()
-    dq_buf = dq_ret if dq_ret.stride(-1) == 1 else torch.empty_like(q)
-    if group == 1:
-        dk_buf = dk_ret if dk_ret.stride(-1) == 1 else torch.empty_like(k)
-        dv_buf = dv_ret if dv_ret.stride(-1) == 1 else torch.empty_like(v)
-    else:  # fp32 partials per q head (one program per q head and kv tile), summed per group below
-        dk_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=q.device)
-        dv_buf = torch.empty((b, hq, nk, d), dtype=torch.float32, device=q.device)
+    # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back
+    partials = hq > hk
+    dq_buf, dk_buf, dv_buf = bufs = grad_buffers(rets, q, k, v, partials)
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     with torch.cuda.device(q.device):
         delta = _preprocess(out, dout, b, hq, nq, d)
@@ -181,17 +180,7 @@ def fa3_gluon_backward(
                              device=q.device)
         gluon_bwd_launch(q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, softmax_scale, causal, cfg)
         dq_postprocess(dq_acc, dq_buf, softmax_scale)
-    if group > 1:
-        dk_ret.copy_(dk_buf.view(b, hk, group, nk, d).sum(2))
-        dv_ret.copy_(dv_buf.view(b, hk, group, nk, d).sum(2))
-    else:
-        if dk_buf is not dk_ret:
-            dk_ret.copy_(dk_buf)
-        if dv_buf is not dv_ret:
-            dv_ret.copy_(dv_buf)
-    if dq_buf is not dq_ret:
-        dq_ret.copy_(dq_buf)
-    return dq_ret, dk_ret, dv_ret
+    return write_back(rets, bufs, partials)
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
@@ -215,6 +204,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
+        cfg.dq_tma, cfg.pingpong,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

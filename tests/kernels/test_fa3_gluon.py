@@ -30,9 +30,11 @@ def test_config_table_fits():
             assert smem_bytes(cfg, d) <= SMEM_LIMIT
             assert cfg.num_stages >= 2 and cfg.block_n % 16 == 0 and cfg.num_wg in (2, 3)
     assert GLUON_HEAD_DIMS == tuple(range(8, 257, 8))
-    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3)
+    assert gluon_config(128, True) == GluonConfig(block_n=128, num_stages=3)
+    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3, persistent=True)  # non-causal >= 128
     assert gluon_config(96, False) == GluonConfig(block_n=128, num_stages=4)  # 64 + 32 columns: a 4th stage fits
-    assert gluon_config(112, False) == replace(gluon_config(128, False), split_d=False)  # 64 + 64: nothing saved
+    assert gluon_config(112, True) == replace(gluon_config(128, True), split_d=False)  # 64 + 64: nothing saved
+    assert gluon_config(192, False) == GluonConfig(block_n=64, num_stages=3, persistent=True)
     assert gluon_config(192, True) == GluonConfig(block_n=64, num_stages=3)  # 128 + 64 columns: a 3rd stage fits
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
     assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
@@ -120,6 +122,8 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, num_wg=4))
     with pytest.raises(TypeError, match="split_d"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, split_d=1))
+    with pytest.raises(TypeError, match="persistent"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=1))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
     for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
@@ -133,10 +137,13 @@ def test_refusals_name_the_argument(monkeypatch):
 @pytest.mark.parametrize("d,cfg", [
     (40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None), (128, None),
     (96, GluonConfig(64, 4, num_wg=3)), (96, GluonConfig(128, 3, split_d=False)),
+    (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
-    runtime.launch passes them): a mismatch would only show on a GPU."""
+    runtime.launch passes them): a mismatch would only show on a GPU.  Persistent: a grid of min(tiles,
+    SMs) programs and the tile count as ``total_tiles``; otherwise one program per tile and no such
+    parameter (None: a constexpr)."""
     import contextlib
 
     import flashtile.runtime.fa3_fwd as fa3_fwd
@@ -149,6 +156,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 5)  # fewer SMs than the 2 x 4 x 2-3 tiles
     q = torch.zeros(2, 4, 300, d, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 500, d, dtype=torch.bfloat16)
     fa3_gluon_forward(q, k, k, softmax_scale=0.5, causal=True, config=cfg)
@@ -161,7 +169,11 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (4, 2, 300, 500)
     assert bound["stride_om"] == d and bound["stride_kh"] == 500 * d
     num_m_tiles = -(-300 // cfg.block_m)
-    assert bound["num_m_tiles"] == num_m_tiles and grid == (2 * 4 * num_m_tiles,)
+    assert bound["num_m_tiles"] == num_m_tiles
+    if cfg.persistent:
+        assert grid == (5,) and bound["total_tiles"] == 2 * 4 * num_m_tiles and bound["PERSISTENT"] is True
+    else:
+        assert grid == (2 * 4 * num_m_tiles,) and bound["total_tiles"] is None and bound["PERSISTENT"] is False
     assert (bound["HEAD_DIM"], bound["NUM_WG"], bound["BLOCK_N"], bound["NUM_STAGES"]) == (
         d, cfg.num_wg, cfg.block_n, cfg.num_stages)
     assert (bound["BLOCK_D0"], bound["BLOCK_D1"]) == head_split(d, cfg.split_d) == {
@@ -170,8 +182,34 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
         True, cfg.intra, cfg.pingpong, cfg.skip_mask0)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
-        cfg.regs(), cfg.producer_regs, cfg.o_store(), cfg.lpt_group)
+        cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
+    assert cfg.producer() == (32 if cfg.persistent and cfg.num_wg == 2 else 24)  # 0 spills, scratch/cc_gluon.py
+
+
+def test_persistent_grid_is_at_most_the_tile_count(monkeypatch):
+    """min(tiles, SMs): a problem with fewer tiles than SMs gets one program per tile, never an idle one."""
+    import contextlib
+
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+    from flashtile.runtime import fa3_gluon
+
+    grids = []
+    monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(launch_mod, "launch", lambda kernel, grid, dynamic, static, **kw: grids.append(
+        (grid, static)))
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 132)
+    cfg = GluonConfig(128, 3, persistent=True)
+    for nq, tiles in [(1, 6), (128, 6), (129, 12), (30000, 3 * 2 * 235)]:
+        q = torch.zeros(3, 2, nq, 64, dtype=torch.float16)
+        fa3_gluon_forward(q, q, q, softmax_scale=0.125, config=cfg)
+        grid, static = grids[-1]
+        bound = dict(zip(list(inspect.signature(fa3_gluon_kernel.fn).parameters)[6:], static))
+        assert grid == (min(tiles, 132),) and bound["total_tiles"] == tiles and bound["PERSISTENT"] is True
 
 
 # --------------------------------------------------------------------------- #
@@ -313,3 +351,82 @@ def test_gpu_back_to_back_on_two_streams(d):
     torch.cuda.synchronize()
     assert all(torch.equal(o, want) for o in outs)
 
+
+
+# --------------------------------------------------------------------------- #
+# GPU (sm_90): persistent tile loop
+# --------------------------------------------------------------------------- #
+PERSISTENT_CASES = [(d, s) for d in (64, 128) for s in SCHEDULES] + [
+    (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,schedule", PERSISTENT_CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_persistent_matches_float64(monkeypatch, d, schedule, causal):
+    """Persistent programs over many tiles each (the SM count patched to 3 and 7): ring slots, mbarrier
+    parities and ping-pong turns carried across tiles, Q reloaded after q_empty, causal tiles that see no
+    key (Nq > Nk: O = 0, LSE = -inf without loads) among tiles with work; GQA 4:2, ragged, one query."""
+    from flashtile.runtime import fa3_gluon
+
+    base = replace(gluon_config(d, causal), split_d=True)
+    cfg = replace(base, persistent=True, **{**SCHEDULES, **SPLIT_SCHEDULES}[schedule])
+    while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.num_wg == 3 and sum(cfg.widths(d)) > (128 if cfg.block_n <= 64 else 64):  # refused: spills
+        pytest.skip("three consumer warpgroups: up to 64 columns, 128 with 64-key tiles")
+    for sms in (3, 7):
+        monkeypatch.setattr(fa3_gluon, "sm_count", lambda index, sms=sms: sms)
+        for nq, nk in [(1, 300), (333, 517), (517, 333)]:
+            _gpu_case(d, causal, cfg, nq, nk, seed=sms)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_persistent_fp16_real_grid(d, causal):
+    """fp16, the device's own SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles):
+    the one-program-per-tile kernel's result on every head, and the float64 oracle's on two of them."""
+    cfg = gluon_config(d, causal)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 4096, d, generator=g).to("cuda", torch.float16)
+    k = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
+    v = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
+    o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=cfg)
+    poisoned = torch.full_like(q, float("nan"))
+    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=poisoned,
+                                 config=replace(cfg, persistent=True))
+    # the same per-tile arithmetic in the same order (every head, not just the oracle's two): equal up to the
+    # rounding a different register allocation may bring; a skipped (NaN) or misplaced tile is far off
+    torch.testing.assert_close(o2, o1, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse2, lse1, atol=1e-4, rtol=1e-5)
+    # query heads 0-1 share kv head 0 (GQA 8:4)
+    ref_o, ref_lse = attention_ref(q[:1, :2].double().cpu(), k[:1, :1].double().cpu(), v[:1, :1].double().cpu(),
+                                   scale=d ** -0.5, causal=causal)
+    assert_close(o2[:1, :2], ref_o, o2.dtype, o2.device, "out")
+    assert_close(lse2[:1, :2], ref_lse, torch.float32, lse2.device, "lse")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96])
+def test_gpu_persistent_back_to_back_on_two_streams(d):
+    """Many persistent launches in flight on two streams (programs of different launches sharing SMs, each
+    launch looping over more tiles than SMs): no hang, every result equal to one launch's bit for bit."""
+    cfg = replace(gluon_config(d, True), persistent=True)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    want, _ = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for i in range(40):
+        s = streams[i % 2]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o in outs)

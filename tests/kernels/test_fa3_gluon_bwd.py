@@ -39,7 +39,8 @@ def test_config_table_fits():
             cfg = gluon_bwd_config(d, causal)
             assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
             assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
-    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=3)
+    # dq_split is the default where the tiles are 128 wide (measured +37-140 % at d = 128); dq_tma waits for timings
+    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=3, dq_split=True)
     assert gluon_bwd_config(64, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
     for d in (0, 4, 100, 136, 256):
         with pytest.raises(NotImplementedError, match="head_dim"):
@@ -53,6 +54,14 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
     for stages, reported in [(2, 180960), (3, 213776)]:
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
+    # dq_split at d = 64 (K swizzled in 64-byte half-rows), dq_tma's fp32 dQ tiles (one per warpgroup)
+    for stages, d, split, tma, reported in [(4, 64, True, False, 148240), (4, 64, False, True, 164592),
+                                            (4, 64, True, True, 164624), (2, 64, True, True, 131808),
+                                            (4, 16, False, True, 66288), (4, 32, False, True, 99056),
+                                            (3, 64, True, False, 131856), (2, 128, True, True, 213728)]:
+        cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma)
+        assert 0 <= smem_bytes(cfg, d) - reported <= 1024, cfg
+    assert smem_bytes(GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True), 128) > SMEM_LIMIT
 
 
 def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
@@ -89,8 +98,23 @@ def test_refusals_name_the_argument(monkeypatch):
     with pytest.raises(ValueError, match="shared memory"):
         d128 = _args(d=128)
         fa3_gluon_backward(*d128, softmax_scale=0.125, config=GluonBwdConfig(num_stages=5))
-    with pytest.raises(ValueError, match="dq_split"):
-        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_split=True))  # d 64
+    with pytest.raises(ValueError, match="dq_split"):  # d = 32: 32-byte half-rows of K
+        fa3_gluon_backward(*_args(d=32), softmax_scale=0.125, config=GluonBwdConfig(dq_split=True))
+    with pytest.raises(TypeError, match="dq_split"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_split=1))
+    with pytest.raises(ValueError, match="dq_tma"):  # d = 128 unsplit: two 32 KB fp32 tiles
+        fa3_gluon_backward(*_args(d=128), softmax_scale=0.125, config=GluonBwdConfig(num_stages=2, dq_tma=True))
+    with pytest.raises(TypeError, match="dq_tma"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_tma="yes"))
+    with pytest.raises(TypeError, match="pingpong"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(pingpong=None))
+    with pytest.raises(ValueError, match="shared memory"):
+        fa3_gluon_backward(*_args(d=128), softmax_scale=0.125,
+                           config=GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True))
+    for d, cfg in [(64, GluonBwdConfig(dq_split=True)), (40, GluonBwdConfig(dq_tma=True)),
+                   (64, GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True)),
+                   (128, GluonBwdConfig(dq_split=True, dq_tma=True)), (8, GluonBwdConfig(pingpong=True))]:
+        fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
     with pytest.raises(TypeError, match="dq"):
@@ -103,8 +127,9 @@ def test_head_dims_past_128_refused_before_the_device():
         fa3_gluon_backward(*_args(d=136), softmax_scale=0.125)
 
 
-@pytest.mark.parametrize("d,hq,hk,causal,split", [(40, 4, 2, True, False), (128, 2, 2, False, True)])
-def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, split):
+@pytest.mark.parametrize("d,hq,hk,causal,split,tma", [(40, 4, 2, True, False, False), (128, 2, 2, False, True, False),
+                                                     (64, 2, 1, False, True, True)])
+def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, split, tma):
     """The launchers' runtime arguments and constexprs, bound to the kernels' signatures by position (as
     runtime.launch passes them): a mismatch would only show on a GPU."""
     import flashtile.runtime.fa3_fwd as fa3_fwd
@@ -120,7 +145,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
     lse = torch.zeros(b, hq, nq)
-    cfg = GluonBwdConfig(num_stages=2, dq_split=True) if split else None
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=tma, pingpong=tma) if split else None
     dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal, config=cfg)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == BF16
     kernels = [c[0][0] for c in calls]
@@ -136,8 +161,8 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     assert bound["stride_qm"] == hq * d and bound["stride_kn"] == d and bound["num_n_tiles"] == 4
     assert grid == (b * hq * 4,)
     cfg = cfg or gluon_bwd_config(d, causal)
-    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"]) == (
-        d, block_d(d), cfg.num_stages, causal, split)
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["DQ_SPLIT"],
+            bound["DQ_TMA"], bound["PINGPONG"]) == (d, block_d(d), cfg.num_stages, causal, cfg.dq_split, tma, tma)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
     acc = bound["DQacc"]
     assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
@@ -265,25 +290,56 @@ def test_gpu_head_dims_not_a_power_of_two(d):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d,stages,split", [(64, 2, False), (64, 3, False), (128, 2, False), (128, 2, True),
-                                            (128, 3, True)])
-def test_gpu_ring_depths_and_dq_split(d, stages, split):
+@pytest.mark.parametrize("d,stages,split,tma", [(64, 2, False, False), (64, 3, False, False), (128, 2, False, False),
+                                                (128, 2, True, False), (128, 3, True, False), (128, 2, True, True),
+                                                (64, 4, True, False), (64, 2, True, False), (64, 4, False, True),
+                                                (64, 4, True, True), (40, 4, True, True), (16, 4, False, True),
+                                                (24, 4, False, True)])
+def test_gpu_ring_depths_dq_split_and_dq_tma(d, stages, split, tma):
     q, k, v, do = inputs(1, 2, 2, 700, 600, d, BF16, "cuda", seed=stages)
-    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages, dq_split=split))
+    got, ref, _ = run(q, k, v, do, causal=False, config=GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma))
     assert_grads(got, ref)
 
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d,stages,split,tma", [(64, 4, False, False), (64, 4, False, True), (64, 4, True, True),
+                                                (128, 3, False, False), (128, 3, True, False), (128, 2, True, True),
+                                                (40, 4, True, True)])
+def test_gpu_pingpong(d, stages, split, tma):
+    """The consumers take turns issuing Sᵀ and dPᵀ (two mbarriers); with dq_split they also meet at ds_full."""
+    q, k, v, do = inputs(2, 4, 2, 700, 600, d, BF16, "cuda", seed=stages)
+    cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma, pingpong=True)
+    got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
+    assert_grads(got, ref)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,tma,pingpong", [(128, False, False), (128, True, False), (128, True, True), (64, False, False),
+                                             (64, True, False), (64, True, True)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333)])
-def test_gpu_dq_split_matches_oracle(causal, nq, nk):
-    """dq_split: the consumers share their dSᵀ tiles through two buffers and four mbarriers; odd and even step
-    counts per program, GQA 4:2."""
-    q, k, v, do = inputs(2, 4, 2, nq, nk, 128, BF16, "cuda", seed=nq)
-    got, ref, visible = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=3, dq_split=True))
+def test_gpu_dq_split_matches_oracle(d, tma, pingpong, causal, nq, nk):
+    """dq_split: the consumers share their dSᵀ tiles through two buffers and four mbarriers (d = 64: K in 64-byte
+    swizzled half-rows); dq_tma: each warpgroup's dQ part through its shared tile and a TMA bulk reduce-add.  Odd
+    and even step counts per program, GQA 4:2; pingpong: the consumers' turns."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq)
+    cfg = GluonBwdConfig(num_stages=2 if tma and d == 128 else 3, dq_split=True, dq_tma=tma, pingpong=pingpong)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_dq_tma_long_sequence_many_programs_per_row(causal):
+    """N = 4k, d = 64, no split, ping-pong: 32 kv-tile programs bulk-add into each dQ row (the accumulator's
+    reduce-adds race only with each other); 64 steps of turns per program."""
+    q, k, v, do = inputs(1, 2, 2, 4096, 4096, 64, BF16, "cuda", seed=13)
+    got, ref, _ = run(q, k, v, do, causal=causal, config=GluonBwdConfig(num_stages=4, dq_tma=True, pingpong=True))
+    assert_grads(got, ref)
 
 
 @pytest.mark.gpu
