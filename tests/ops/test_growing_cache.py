@@ -16,6 +16,7 @@ from tests._oracle import assert_close, attention_ref
 import flashtile
 from flashtile.ops import kvcache as kvcache_module
 from flashtile.runtime import decode as decode_module
+from flashtile.runtime import fa2_fwd, fa3_fwd
 from flashtile.runtime import launch as launch_module
 
 
@@ -119,7 +120,10 @@ def _count_first_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_growing_cache_reuses_compiled_kernels(monkeypatch, dtype, d):
     """200 steps from 1000 keys, HF layout, Hq 32 / Hk 8: every step matches the oracle, and Triton's own
-    launch path runs only for new constexpr variants (FA2: EVEN_N; decode: a new split count), not per step."""
+    launch path runs only for new constexpr variants, not per step.  FA2: one per (tile config, EVEN_N,
+    KV_ALIGNED) that the steps' key counts select; ``fwd_config`` switches tiles with the key count (d = 128
+    causal: 64 x 64 tiles up to 1024 keys, 64 x 128 above) and EVEN_N holds at multiples of BLOCK_N, so d = 128
+    takes 4 variants here and d = 64 two, however many steps run.  Decode: one per plan (a new split count)."""
     b, hq, hk, n0, steps = 2, 32, 8, 1000, 200
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype, generator=g)
@@ -127,21 +131,27 @@ def test_gpu_growing_cache_reuses_compiled_kernels(monkeypatch, dtype, d):
     vfull = torch.randn_like(kfull)
     firsts = _count_first_calls(monkeypatch)
     kvcache_module._forget_calls()
-    plans = set()
+    variants = {"flash_attn_func": set(), "flash_attn_with_kvcache": set()}
     for fn in ("flash_attn_func", "flash_attn_with_kvcache"):
         firsts.clear()
         for i in range(steps):
-            k = kfull[:, :, :n0 + i].contiguous().transpose(1, 2)
-            v = vfull[:, :, :n0 + i].contiguous().transpose(1, 2)
+            n = n0 + i
+            k = kfull[:, :, :n].contiguous().transpose(1, 2)
+            v = vfull[:, :, :n].contiguous().transpose(1, 2)
             out = getattr(flashtile, fn)(q, k, v, causal=True)
             if i % 20 == 0:
                 want, _ = _ref(q, k, v, causal=True)
-                assert_close(out, want, what=f"{fn} N = {n0 + i}")
-            if fn == "flash_attn_with_kvcache":
-                plans.add(decode_module.decode_plan(b, 1, hq, hk, d, None, n0 + i, 0, q.device))
-        # FA2: at most one Triton launch per EVEN_N value; decode: one per plan (the fused launch)
-        limit = 2 if fn == "flash_attn_func" else len(plans)
-        assert len(firsts) <= limit, (fn, len(firsts), limit)
+                assert_close(out, want, what=f"{fn} N = {n}")
+            if fn == "flash_attn_func":  # the FA2 kernel's constexprs that vary with the key count and strides
+                assert not fa3_fwd.prefer_hopper(*(x.transpose(1, 2) for x in (q, k, v)), causal=True,
+                                                 window=(-1, 0), plain=True)
+                tiles = fa2_fwd.fwd_config(d, dtype, True, 1, n, q.device)
+                kv_aligned = decode_module.aligned16(k.stride(0), k.stride(2), v.stride(0), v.stride(2))
+                variants[fn].add((tiles, n % tiles[1] == 0, kv_aligned))
+            else:
+                variants[fn].add(decode_module.decode_plan(b, 1, hq, hk, d, None, n, 0, q.device))
+        # at most one Triton launch per variant (a decode plan: its fused launch)
+        assert len(firsts) <= len(variants[fn]), (fn, len(firsts), variants[fn])
 
 
 @pytest.mark.gpu
