@@ -541,6 +541,7 @@ class DecodeLaunch:
         self.lse_offset = self.rows * plan.block_d
         self.counters = b * hk * plan.row_tiles  # one per program tile (batch element, kv head, row tile)
         self.unified = unified
+        self.kv_aligned = kv_aligned
         out_strides = (
             # the output is allocated contiguous: (B, Nq, Hq, d), or (total_q, Hq, d) for varlen q
             ("stride_ob", 0 if features.varlen_q else nq * hq * d), ("stride_om", hq * d), ("stride_oh", d),
@@ -638,6 +639,8 @@ class DecodeLaunch:
             count = work if graph else arrival_counters(q.device, self.counters)
         phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
         ks, vs = k_cache.stride(), v_cache.stride()
+        if self.kv_aligned and (ks[0] | ks[2] | vs[0] | vs[2]) & 15:
+            _misaligned(ks, vs)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         args = (  # SPLIT_DYNAMIC
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
@@ -653,6 +656,16 @@ class DecodeLaunch:
         else:
             self.split(*args)
             self.merge(work, f_part, out, lse, flags, lse if cu is None else cu)  # MERGE_DYNAMIC
+
+
+def _misaligned(ks: tuple[int, ...], vs: tuple[int, ...]) -> None:
+    """A launch built with KV_ALIGNED (its kernel rounds the batch / head strides down to multiples of 16)
+    called with a cache whose strides are not: raise, naming the cache."""
+    name, st = ("k_cache", ks) if (ks[0] | ks[2]) & 15 else ("v_cache", vs)
+    raise ValueError(
+        f"{name}: batch and head strides ({st[0]}, {st[2]}) must be multiples of 16 for this launch, which was "
+        "built for 16-aligned strides (get the launch for these caches from decode_launch)"
+    )
 
 
 @functools.lru_cache(maxsize=256)  # thread-safe; keyed by device among the rest of the signature

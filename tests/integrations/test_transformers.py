@@ -150,6 +150,27 @@ def test_decoding_steps_run_the_decode_kernel(monkeypatch):
     assert calls == ["flash_attn_func"] * layers
 
 
+def test_decoding_step_in_train_mode_runs_flash_attn_func(monkeypatch):
+    """One query token against a cache under no_grad with dropout 0 takes the decode kernel in eval mode only:
+    a module in train mode stays on flash_attn_func (the path that applies the module's dropout)."""
+    import flashtile
+
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(flashtile, name)
+        monkeypatch.setattr(flashtile, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+    with torch.no_grad():
+        for training in (False, True):
+            out, _ = ft.flashtile_attention_forward(module.train(training), q, k, v, None)
+            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+            assert_close(out, ref.transpose(1, 2), what=f"training={training}")
+    assert calls == ["flash_attn_with_kvcache", "flash_attn_func"]
+
+
 def _padding_mask(side: str, lens: list[int], n: int) -> torch.Tensor:
     mask = torch.zeros(len(lens), n, dtype=torch.long)
     for b, length in enumerate(lens):

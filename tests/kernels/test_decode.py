@@ -726,3 +726,26 @@ def test_fp8_tiles_hold_at_most_16k_elements(monkeypatch):
     for d, want in ((64, 2 * DECODE_TUNING["fp8"].block_n), (128, DECODE_TUNING["fp8"].block_n), (256, 64)):
         block_n = decode_config(d, 4, None, gpu, fp8=True)[1]
         assert block_n * max(16, 1 << (d - 1).bit_length()) <= 16384 and block_n == min(want, 16384 // max(16, 1 << (d - 1).bit_length()))
+
+
+def test_aligned_launch_rejects_unaligned_cache_strides(monkeypatch):
+    """A launch bound with KV_ALIGNED (its kernel rounds the per-call batch / head strides down to multiples
+    of 16) called with a cache whose head stride is not one raises a ValueError naming that cache, before
+    anything is launched; an aligned cache of another length goes through.  CPU, nothing is launched."""
+    b, hq, hk, d = 2, 4, 2, 16
+    q, k, v = make(b, 32, hq, hk, d)
+    lens = torch.full((b,), 32, dtype=torch.int32)
+    plan, launch = decode_module.decode_launch(q, k, v, None, None, left=-1, right=-1, softcap=0.0, unified=False,
+                                               num_splits=1, seqlens_k=lens)
+    assert dict(launch.arguments["fused"].static)["KV_ALIGNED"]
+    launched = []
+    monkeypatch.setattr(launch, "fused", lambda *a: launched.append(a))
+    out, lse = torch.empty(b, 1, hq, d), torch.empty(b, hq, 1)
+    _, k33, v33 = make(b, 33, hq, hk, d)  # another length, strides still multiples of 16
+    launch(q, k33, v33, lens, None, None, out, lse, None, 0.25, 0.0, None)
+    assert len(launched) == 1
+    odd = torch.randn(b, hk, 33, d + 1)[..., :d].transpose(1, 2)  # head stride 33 * 17, batch stride hk * 33 * 17
+    for name, kc, vc in (("k_cache", odd, v33), ("v_cache", k33, odd)):
+        with pytest.raises(ValueError, match=name):
+            launch(q, kc, vc, lens, None, None, out, lse, None, 0.25, 0.0, None)
+    assert len(launched) == 1
