@@ -70,10 +70,14 @@ def _tile_offsets(
 
 
 @triton.jit
-def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity):
+def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity, FULL_LENGTH: tl.constexpr):
     """``(L, bad)``: the attended length ``cache_seqlens[b] + seqlen_add`` clamped to ``[0, capacity]``
-    (in int64, so no int64 length wraps into range) and whether the stored length was out of range."""
-    raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
+    (in int64, so no int64 length wraps into range) and whether the stored length was out of range.
+    ``FULL_LENGTH`` (no cache_seqlens, so no append: ``seqlen_add`` 0): every slot, ``L = capacity``, nothing read."""
+    if FULL_LENGTH:
+        raw = (off_b * 0 + capacity - seqlen_add).to(tl.int64)
+    else:
+        raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
     bad = (raw < 0) | (raw > capacity - seqlen_add)
     length = tl.minimum(tl.maximum(raw + seqlen_add, 0), capacity)
     return length.to(tl.int32), bad
@@ -414,6 +418,7 @@ def _decode_split_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr,
     ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
     KV_ALIGNED: tl.constexpr,  # 16 divides the per-call K/V strides (the divisibility specialisation gave)
+    FULL_LENGTH: tl.constexpr,  # no cache_seqlens: every element attends to all `capacity` slots (SeqlensK unread)
 ):
     """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
     with ``FUSED`` the split that finishes last for those rows also merges all their splits.
@@ -449,7 +454,7 @@ def _decode_split_kernel(
     pid_m = tl.program_id(2)
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    seqlen_k, bad_len = _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity)
+    seqlen_k, bad_len = _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity, FULL_LENGTH=FULL_LENGTH)
     reporter = (split == 0) & (pid_m == 0)
     if bad_len & reporter:
         tl.atomic_or(Err, _ERR_SEQLENS)

@@ -72,8 +72,8 @@ from flashtile.kernels.fa3_fwd import ERR_DESCALE
 from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
-    ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
-    default_unified_range, on_tuning_change, run_decode, take_errors, tuning_generation,
+    ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, aligned16, alibi_args, append_launch,
+    decode_launch, default_unified_range, on_tuning_change, run_decode, take_errors, tuning_generation,
 )
 from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_CU_SEQLENS_Q, NO_FEATURES, KVFeatures, Rotary
 
@@ -442,6 +442,8 @@ class _Call(NamedTuple):
     # a contiguous cache's (length, k_cache strides, v_cache strides) these checks ran on (None: paged); a
     # call whose cache differs there (a cache grown by a key) re-runs only what depends on them (_regrown)
     grown: tuple | None = None
+    # capacities (lo, hi] whose plan is the launch's (the split count follows the count of BLOCK_N-key tiles)
+    plan_span: tuple[int, int] = (1, 0)
 
 
 def prepare_call(
@@ -498,11 +500,11 @@ def prepare_call(
     unified = None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity))
     bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
     lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    launch = decode_launch(
+    plan, launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
-        seqlens_k=lens, seqlen_add=n_new, descales=descales, features=features,
-    )[1]
+        seqlens_k=lens, seqlen_add=n_new, descales=descales, features=features, full_length=cache_seqlens is None,
+    )
     append = None
     if n_new:
         lens_like = lens if lens is not None else torch.empty(dims.batch, dtype=torch.int32, device=q.device)
@@ -512,7 +514,17 @@ def prepare_call(
     return _Call(
         dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
         features, window, None if paged else (capacity, k_cache.stride(), v_cache.stride()),
+        _plan_span(plan.block_n, capacity, num_splits),
     )
+
+
+def _plan_span(block_n: int, capacity: int, num_splits: int) -> tuple[int, int]:
+    """Capacities (lo, hi] with as many ``block_n``-key tiles as ``capacity`` (the split heuristic sees only that
+    count, :func:`flashtile.runtime.decode.decode_plan`); every capacity with a given ``num_splits``."""
+    if num_splits:
+        return (-1, 2**31)
+    tiles = -(-capacity // block_n)
+    return ((tiles - 1) * block_n, tiles * block_n)
 
 
 def _check_capacity(capacity: int) -> None:
@@ -534,13 +546,23 @@ def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes
             f"rotary_cos: seqlen_ro = {rot.seqlen_ro} rows must cover the cache capacity ({capacity} positions)"
         )
     left, right = validate.unbind_window(*call.window, call.dims.seqlen_q, capacity)
+    ks, vs = k_cache.stride(), v_cache.stride()
+    lo, hi = call.plan_span
+    if (
+        lo < capacity <= hi and not call.n_new and call.unified is None and left == call.left and right == call.right
+        and aligned16(ks[0], ks[2], vs[0], vs[2]) == call.launch.kv_aligned
+    ):  # the same plan and constexprs: the launch takes the new capacity and strides per call
+        return call._replace(
+            dims=call.dims._replace(seqlen_k=capacity), page_size=capacity, capacity=capacity, grown=(capacity, ks, vs),
+        )
     unified = None if call.unified is None else (call.unified[0], *default_unified_range(q.dtype, capacity))
     lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    launch = decode_launch(
+    plan, launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, None, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=call.softcap, unified=unified is not None, num_splits=num_splits,
         seqlens_k=lens, seqlen_add=call.n_new, descales=descales, features=call.features,
-    )[1]
+        full_length=cache_seqlens is None,
+    )
     append = call.append
     if call.n_new:
         lens_like = lens if lens is not None else torch.empty(call.dims.batch, dtype=torch.int32, device=q.device)
@@ -549,7 +571,8 @@ def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes
         )
     return call._replace(
         dims=call.dims._replace(seqlen_k=capacity), left=left, right=right, page_size=capacity, capacity=capacity,
-        unified=unified, launch=launch, append=append, grown=(capacity, k_cache.stride(), v_cache.stride()),
+        unified=unified, launch=launch, append=append, grown=(capacity, ks, vs),
+        plan_span=_plan_span(plan.block_n, capacity, num_splits),
     )
 
 
@@ -764,13 +787,10 @@ def _run(
     descales=None, extra=None,
 ):
     """The launches of one checked call: the append (if any), then the attention."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        lens = cache_seqlens
+    if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:
+        lens = cache_seqlens  # None: the launch (FULL_LENGTH) attends to the whole cache and reads no length
     else:
-        lens = torch.full(
-            (call.dims.batch,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
-            device=q.device,
-        )
+        lens = torch.full((call.dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -780,8 +800,9 @@ def _run(
         _check_descale_values(descales)
     idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
     if debug and extra is not None and not capturing:
+        host_lens = lens.tolist() if lens is not None else [call.capacity] * call.dims.batch
         _check_extras(
-            lens.tolist(), call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
+            host_lens, call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
         )
     if call.n_new:
         call.append(

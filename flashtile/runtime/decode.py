@@ -532,9 +532,10 @@ class DecodeLaunch:
         left: int, right: int, has_softcap: bool, unified: bool,
         sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, num_pages: int,
         device: torch.device, descale_strides: tuple[int, int, int, int] | None = None,
-        features: KVFeatures = NO_FEATURES, total_q: int = 0,
+        features: KVFeatures = NO_FEATURES, total_q: int = 0, full_length: bool = False,
     ) -> None:
         s = plan.n_splits
+        self.full_length = full_length
         self.err = error_flags(device)
         self.write_out = s == 1  # one split is the answer: no workspace, no merge
         self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
@@ -588,7 +589,7 @@ class DecodeLaunch:
         f16_mma = fp8 and plan.f16_mma and not unified and dtype == torch.bfloat16
         flags = (
             ("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags,
-            ("KV_ALIGNED", kv_aligned),
+            ("KV_ALIGNED", kv_aligned), ("FULL_LENGTH", full_length),
         )
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
@@ -623,12 +624,15 @@ class DecodeLaunch:
         """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
         errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
         hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
-        this signature's dtype and stride.  ``descales``: the fp32 (k_descale, v_descale) of an
+        this signature's dtype and stride (ignored, may be None, for a ``full_length`` launch: every
+        element attends to the whole cache).  ``descales``: the fp32 (k_descale, v_descale) of an
         FP8 cache, of this signature's strides.  ``extra``: the contiguous tensors (cache_batch_idx,
         cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin) of this signature's
         :class:`KVFeatures`, None where absent (or ``extra`` None: all absent).  Absent tensors'
         slots get ``lse`` (an aligned allocation, so their alignment is not checked per call)."""
         flags = lse if flags is None else flags
+        if self.full_length:  # the kernel reads no length: its slots get an aligned allocation
+            seqlens_k = lse
         idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
         if self.write_out:
             work = f_part = count = lse
@@ -678,11 +682,14 @@ def decode_launch(
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
     num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
     descales: tuple[torch.Tensor, torch.Tensor] | None = None, features: KVFeatures = NO_FEATURES,
+    full_length: bool = False,
 ) -> tuple[DecodePlan, DecodeLaunch]:
     """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
 
     ``seqlens_k`` (its dtype and stride; None: contiguous int32) and ``seqlen_add`` (the
-    tokens appended before attending) are part of the signature, and so are the strides of
+    tokens appended before attending) are part of the signature, and so is ``full_length`` (no
+    lengths at all: every element attends to the whole cache, no length tensor is built or read;
+    ``seqlen_add`` must be 0), and so are the strides of
     ``descales`` (an FP8 cache's (k_descale, v_descale), or None).  The launch is keyed by
     q's device.
 
@@ -713,7 +720,7 @@ def decode_launch(
         plan, b, nq, hq, hk, d, q.dtype, q_strides, (ks[1], vs[1]), aligned16(ks[0], ks[2], vs[0], vs[2]),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
-        *sl, seqlen_add, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q,
+        *sl, seqlen_add, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q, full_length,
     )
     return plan, launch
 
@@ -833,7 +840,8 @@ def run_decode(
 
     For callers that validated the shapes already (``flash_attn_with_kvcache``):
     q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
-    or int64 (B,) (any stride), block table with unit stride on dim 1,
+    or int64 (B,) (any stride), or None (every element attends to the whole cache, no append), block
+    table with unit stride on dim 1,
     ``alibi`` from :func:`alibi_args` or None, the window already normalised,
     ``unified`` = (phi, lo, hi) or None.  Element b attends to keys
     ``[0, seqlens_k[b] + seqlen_add)``; lengths and block-table entries are not
@@ -860,7 +868,7 @@ def run_decode(
         launch = decode_launch(
             q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
             left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
-            descales=descales, features=features,
+            descales=descales, features=features, full_length=seqlens_k is None,
         )[1]
     flags = None
     if unified is not None:
@@ -928,9 +936,8 @@ def flash_decode(
     if safe_range is not None:
         lo, hi = _check_safe_range(safe_range)
         unified = None if unified is None else (unified[0], lo, hi)
-    if not isinstance(cache_seqlens, torch.Tensor):  # an int or None, checked by the op against the capacity
-        length = call.capacity if cache_seqlens is None else cache_seqlens
-        cache_seqlens = torch.full((call.dims.batch,), length, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, int):  # checked by the op against the capacity (None: the launch reads no length)
+        cache_seqlens = torch.full((call.dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     out, lse, flags = run_decode(

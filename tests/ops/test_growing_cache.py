@@ -52,7 +52,8 @@ def test_kvcache_growing_cache_checks_and_plans_once(device, monkeypatch, d, lau
     """Keys 33..40 (three 16-key tiles in the interpreter: one plan): the full checks run once, one decode
     launch serves every step (two at d = 24, whose head stride N * 24 is a multiple of 16 every other
     step: KV_ALIGNED, which rounds the strides down to multiples of 16, must follow it); each step
-    matches the oracle over all its keys."""
+    matches the oracle over all its keys.  Without cache_seqlens no length tensor is built (FULL_LENGTH:
+    the kernel takes the capacity, a per-call int): no ``torch.full`` per step."""
     dev = device
     b, hq, hk = 2, 4, 2
     q = torch.randn(b, 1, hq, d, generator=torch.Generator().manual_seed(1)).to(dev)
@@ -61,13 +62,37 @@ def test_kvcache_growing_cache_checks_and_plans_once(device, monkeypatch, d, lau
     full_checks = []
     prepare = kvcache_module.prepare_call
     monkeypatch.setattr(kvcache_module, "prepare_call", lambda *a: full_checks.append(1) or prepare(*a))
+    fills = []
+    real_full = torch.full
     for n in range(33, 41):
         k, v = _cache(b, hk, n, d, dev, seed=n), _cache(b, hk, n, d, dev, seed=200 + n)
-        out = flashtile.flash_attn_with_kvcache(q, k, v, causal=True)
+        with monkeypatch.context() as m:  # the op's own calls only (the oracle builds tensors too)
+            m.setattr(torch, "full", lambda *a, **kw: fills.append(a) or real_full(*a, **kw))
+            out = flashtile.flash_attn_with_kvcache(q, k, v, causal=True)
         want, _ = _ref(q, k, v, causal=True)
         assert_close(out, want, what=f"N = {n}")
     assert len(full_checks) == 1
     assert decode_module._decode_launch.cache_info().currsize == launches
+    assert fills == []
+
+
+def test_kvcache_growing_cache_follows_the_plan(monkeypatch):
+    """Keys 8..40 in the interpreter (16-key tiles, 8 SMs): the split count follows the tile count (one split
+    at one tile, two from two tiles on), and at every step the op launches what :func:`decode_launch` plans for
+    that cache (a step that keeps its launch does so only within its plan).  Nothing is launched."""
+    b, hq, hk, d = 2, 4, 2, 16
+    q = torch.randn(b, 1, hq, d)
+    kvcache_module._forget_calls()
+    used = []
+    monkeypatch.setattr(kvcache_module, "run_decode",
+                        lambda q, *a, launch, **kw: used.append(launch) or (torch.zeros_like(q), None, None))
+    for n in range(8, 41):
+        k, v = _cache(b, hk, n, d, "cpu", seed=n), _cache(b, hk, n, d, "cpu", seed=400 + n)
+        flashtile.flash_attn_with_kvcache(q, k, v, causal=True)
+        want = decode_module.decode_launch(q, k, v, None, None, left=-1, right=0, softcap=0.0, unified=False,
+                                           num_splits=0, full_length=True)[1]
+        assert used[-1] is want, n
+    assert len({id(x) for x in used}) >= 2
 
 
 def test_kvcache_growing_cache_rechecks_what_the_length_sets(device):
