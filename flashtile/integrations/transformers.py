@@ -166,6 +166,8 @@ def _run_ragged(q, k, v, plan: _Ragged, opts: dict) -> torch.Tensor:
 
 def _given_plan(kwargs: dict, nk: int) -> _Ragged | None:
     """transformers' FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k over the flattened batch)."""
+    if kwargs.get("cu_seq_lens_q") is None:  # the usual call: checked first, without building the list
+        return None
     given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if any(x is None for x in given):
         return None
@@ -239,7 +241,7 @@ def flashtile_attention_forward(
         out = flash_attn_func(q, k, v, **opts)
     else:
         out = _run_ragged(q, k, v, plan, opts)
-    return out[..., :dv], None
+    return (out if dv == d else out[..., :dv]), None
 
 
 _DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row tile per kv head
