@@ -576,10 +576,13 @@ def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes
     )
 
 
+_ABSENT = (None,)  # the key of an optional tensor argument left out
+
+
 def _tensor_key(x: object) -> tuple:
     """What the checks read from an optional tensor argument (AttributeError if it is no tensor)."""
     if x is None:
-        return (None,)
+        return _ABSENT
     return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
 
 
@@ -598,7 +601,8 @@ def _call_key(
     k_descale=None, v_descale=None,
     rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None,
 ) -> tuple | None:
-    """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
+    """Everything :func:`prepare_call` reads, as a key (led by the tuning generation), or None (then the call
+    is checked in full); a key with an unhashable value is found unhashable by the memo's lookup.
 
     Shapes, strides, dtypes and devices of the tensors (of a contiguous cache all but its length and
     its batch / head strides, see :func:`_cache_key`); the Python arguments
@@ -611,24 +615,29 @@ def _call_key(
         return None
     try:
         paged = block_table is not None
-        key = (
-            type(q), q.shape, q.stride(), q.dtype, q.device,
+        # absent optional tensors (most calls) key as _ABSENT without a call
+        return (
+            tuning_generation(), type(q), q.shape, q.stride(), q.dtype, q.device,
             _cache_key(k_cache, paged), _cache_key(v_cache, paged),
-            _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
+            _ABSENT if k is None else _tensor_key(k), _ABSENT if v is None else _tensor_key(v),
+            _ABSENT if block_table is None else _tensor_key(block_table),
+            _ABSENT if alibi_slopes is None else _tensor_key(alibi_slopes),
             _tensor_key(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
             else (type(cache_seqlens),),  # an int's value is checked per call (a decoding loop advances it)
             type(softmax_scale), softmax_scale, type(causal), causal, window_size, tuple(map(type, window_size)),
             type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
             type(return_lse), return_lse, type(unified_max), unified_max, type(debug), debug,
-            _tensor_key(k_descale), _tensor_key(v_descale),
-            _tensor_key(rotary_cos), _tensor_key(rotary_sin), _tensor_key(cache_batch_idx), _tensor_key(cache_leftpad),
-            _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
+            _ABSENT if k_descale is None else _tensor_key(k_descale),
+            _ABSENT if v_descale is None else _tensor_key(v_descale),
+            _ABSENT if rotary_cos is None else _tensor_key(rotary_cos),
+            _ABSENT if rotary_sin is None else _tensor_key(rotary_sin),
+            _ABSENT if cache_batch_idx is None else _tensor_key(cache_batch_idx),
+            _ABSENT if cache_leftpad is None else _tensor_key(cache_leftpad),
+            _ABSENT if cu_seqlens_q is None else _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
         )
-        hash(key)
-    except (AttributeError, TypeError, IndexError):  # no tensor where one belongs, an unhashable value: full checks
+    except (AttributeError, TypeError, IndexError):  # no tensor where one belongs: full checks
         return None
-    return key
 
 
 # checked call signatures -> _Call (bounded; a model decodes with a handful of signatures);
@@ -750,10 +759,13 @@ def flash_attn_with_kvcache(
         k_descale, v_descale,
         rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q,
     )
-    key = _call_key(*args)
+    key = _call_key(*args)  # it leads with the tuning generation
+    call = None
     if key is not None:
-        key = (tuning_generation(), *key)
-    call = _CALLS.get(key) if key is not None else None
+        try:
+            call = _CALLS.get(key)
+        except TypeError:  # an unhashable value among the arguments: full checks, nothing memoised
+            key = None
     if call is None:
         call = prepare_call(*args)
         if key is not None:
