@@ -175,15 +175,16 @@ def forced_decode(
     """A contiguous-cache decode call (safe path, no window) with its tile config forced, for config
     sweeps: ``n_splits`` goes through :func:`~flashtile.runtime.decode.decode_plan` (which sizes the
     merge tile from it), the tile, warps and stages replace the heuristic's.  Returns ``run() -> out``."""
-    from flashtile.runtime.decode import DecodeLaunch, decode_plan
+    from flashtile.runtime.decode import DecodeLaunch, aligned16, decode_plan
 
     b, nq, hq, d = q.shape
     hk = k.shape[2]
     plan = decode_plan(b, nq, hq, hk, d, None, k.shape[1], n_splits, q.device)
     plan = plan._replace(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    launch = DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), k.stride(), v.stride(),
+    launch = DecodeLaunch(plan, b, nq, hq, hk, d, q.dtype, q.stride(), (k.stride(1), v.stride(1)),
+                          aligned16(k.stride(0), k.stride(2), v.stride(0), v.stride(2)),
                           None, None, None, -1, -1, False, False,
-                          lens.dtype, lens.stride(0), 0, k.shape[1], k.shape[0], q.device)
+                          lens.dtype, lens.stride(0), 0, k.shape[0], q.device)
 
     def run() -> torch.Tensor:
         out = torch.empty_like(q)

@@ -11,7 +11,11 @@ handed to the kernels as (batch, seqlen, heads, head_dim) views, no copy):
 
 * no padding mask: :func:`flashtile.flash_attn_func` on the fixed-length batch; with a KV cache
   (q_len 1, or a prefill chunk shorter than the cache) causal is bottom-right aligned, which is what
-  a cache needs: query i of the chunk sits at key position ``Nk - Nq + i``.
+  a cache needs: query i of the chunk sits at key position ``Nk - Nq + i``.  Decoding steps (at most
+  16 query tokens, eval mode, no dropout, no gradient, not under ``torch.compile``) run
+  :func:`flashtile.flash_attn_with_kvcache` on the cache as it is (no append, every key attended; the
+  same bottom-right masks): split-KV with the GQA group's rows packed into one tile, where FA2 would
+  run 1-row tiles, and its launch is bound once however the cache grows (``runtime.launch``).
 * a 2-D padding mask (the mask function below hands the model's (batch, keys) mask through, or
   ``None`` when nothing is padded): the real tokens are gathered into one ragged batch,
   :func:`flashtile.flash_attn_varlen_func` runs on it, and the output is scattered back (padded
@@ -162,6 +166,8 @@ def _run_ragged(q, k, v, plan: _Ragged, opts: dict) -> torch.Tensor:
 
 def _given_plan(kwargs: dict, nk: int) -> _Ragged | None:
     """transformers' FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k over the flattened batch)."""
+    if kwargs.get("cu_seq_lens_q") is None:  # the usual call: checked first, without building the list
+        return None
     given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
     if any(x is None for x in given):
         return None
@@ -224,13 +230,34 @@ def flashtile_attention_forward(
         position_ids = kwargs.get("position_ids")
         if plan is None and position_ids is not None and nq == nk > 1:
             plan = _memo("packed", position_ids, nq, nk, lambda: _packed_plan(position_ids, b, nq))
-    if plan is None:
+    if plan is None and _decoding_step(module, q, k, v, dropout):
+        from flashtile import flash_attn_with_kvcache
+
+        out = flash_attn_with_kvcache(q, k, v, causal=causal, softmax_scale=scaling, window_size=opts["window_size"],
+                                      softcap=opts["softcap"])
+    elif plan is None:
         from flashtile import flash_attn_func
 
         out = flash_attn_func(q, k, v, **opts)
     else:
         out = _run_ragged(q, k, v, plan, opts)
-    return out[..., :dv], None
+    return (out if dv == d else out[..., :dv]), None
+
+
+_DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row tile per kv head
+
+
+def _decoding_step(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+    """Whether a (B, Nq, H, d) call without a mask runs the decode kernel: a few query tokens against a
+    non-empty cache with unit stride on d, an attention module in eval mode and no dropout, no gradient (the
+    decode op is inference-only), and eager (``flash_attn_func`` is the op ``torch.compile`` traces).  The
+    tracing test comes first: under ``torch.compile`` / ``torch.export`` the size tests below would add guards
+    on the query and key counts (an export with a dynamic sequence length then fails its range constraints)."""
+    if torch.compiler.is_compiling() or getattr(module, "training", False):
+        return False
+    if q.shape[1] > _DECODE_MAX_Q or k.shape[1] == 0 or dropout or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length: int | None = None,

@@ -23,6 +23,14 @@ def unfold_pid():
 
 
 @triton.jit
+def multiple16(x):
+    """``x``, a multiple of 16 (the host checked), as a value the compiler knows is one: what Triton's
+    specialisation of an int argument divisible by 16 gives, for a ``do_not_specialize`` (per-call) one,
+    so pointers offset by it stay 16-byte aligned (vector loads).  Two scalar instructions a program."""
+    return (x >> 4) << 4
+
+
+@triton.jit
 def check_tiles(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Compile-time tile invariants of the FA2 kernels (HEAD_DIM: the largest head dim BLOCK_D must hold)."""
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tl.dot tiles: BLOCK_M, BLOCK_N multiples of 16")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, e4m3_exact, mma, unfold_pid
+from flashtile.kernels._common import LN2, LOG2E, e4m3_exact, mma, multiple16, unfold_pid
 from flashtile.kernels.block_info import kv_block_range
 from flashtile.kernels.mask import allowed, score_mods
 
@@ -70,10 +70,14 @@ def _tile_offsets(
 
 
 @triton.jit
-def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity):
+def _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity, FULL_LENGTH: tl.constexpr):
     """``(L, bad)``: the attended length ``cache_seqlens[b] + seqlen_add`` clamped to ``[0, capacity]``
-    (in int64, so no int64 length wraps into range) and whether the stored length was out of range."""
-    raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
+    (in int64, so no int64 length wraps into range) and whether the stored length was out of range.
+    ``FULL_LENGTH`` (no cache_seqlens, so no append: ``seqlen_add`` 0): every slot, ``L = capacity``, nothing read."""
+    if FULL_LENGTH:
+        raw = (off_b * 0 + capacity - seqlen_add).to(tl.int64)
+    else:
+        raw = tl.load(SeqlensK + off_b.to(tl.int64) * stride_sl).to(tl.int64)
     bad = (raw < 0) | (raw > capacity - seqlen_add)
     length = tl.minimum(tl.maximum(raw + seqlen_add, 0), capacity)
     return length.to(tl.int32), bad
@@ -377,7 +381,8 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+# per-call ints: a contiguous cache that grows between calls (a Hugging Face DynamicCache) changes them
+@triton.jit(do_not_specialize=["stride_kb", "stride_kh", "stride_vb", "stride_vh", "capacity"])
 def _decode_split_kernel(
     Q, K, V, BlockTable, SeqlensK, Alibi,
     Work,  # fp32 workspace: partial outputs (B, Hq, Nq, S, BLOCK_D), then at lse_offset partial LSEs (B, Hq, Nq, S)
@@ -390,14 +395,16 @@ def _decode_split_kernel(
     # (each read only under its constexpr below; otherwise any tensor at hand)
     CacheBatchIdx, LeftPad, CuSeqlensQ, RotCos, RotSin,
     sm_scale, softcap, phi2, lo2, hi2,  # floats; phi2/lo2/hi2: unified max and its safe range, base-2 units
+    # per-call ints: K/V batch (page) and head strides, the capacity lengths are clamped to
+    stride_kb, stride_kh, stride_vb, stride_vh, capacity,
     # ints (fixed for a problem signature: runtime/launch.py binds them once)
     stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
+    stride_kn,
+    stride_vn,
     stride_bt_b, stride_sl, stride_alibi_b, stride_alibi_h,
     stride_ob, stride_om, stride_oh,
     n_heads_q, n_heads_k, kv_group, seqlen_q, head_dim, n_splits, window_left, window_right, lse_offset,
-    seqlen_add, capacity, num_pages,
+    seqlen_add, num_pages,
     stride_kds_b, stride_kds_h, stride_vds_b, stride_vds_h,
     n_cache_batch, total_q, rot_half, seqlen_ro,  # k_cache.shape[0]; q rows (VARLEN_Q); rotary_dim / 2; cos rows
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -410,6 +417,8 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr, KV_F16_MMA: tl.constexpr, KV_V_SMEM16: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, VARLEN_Q: tl.constexpr,
     ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
+    KV_ALIGNED: tl.constexpr,  # 16 divides the per-call K/V strides (the divisibility specialisation gave)
+    FULL_LENGTH: tl.constexpr,  # no cache_seqlens: every element attends to all `capacity` slots (SeqlensK unread)
 ):
     """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
     with ``FUSED`` the split that finishes last for those rows also merges all their splits.
@@ -437,12 +446,15 @@ def _decode_split_kernel(
     tl.static_assert(not (PAGED and (HAS_BATCH_IDX or HAS_LEFTPAD)), "batch index / leftpad: contiguous cache only")
     tl.static_assert(KV_FP8 or not (KV_F16_MMA or KV_V_SMEM16), "fp16 MMAs / V staging are modes of an FP8 cache")
     tl.static_assert(not (KV_F16_MMA and UNIFIED), "fp16 MMAs: safe path only (P <= 1)")
+    if KV_ALIGNED:
+        stride_kb, stride_kh = multiple16(stride_kb), multiple16(stride_kh)
+        stride_vb, stride_vh = multiple16(stride_vb), multiple16(stride_vh)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     off_b = pid_bh // n_heads_k
     off_hk = pid_bh % n_heads_k
-    seqlen_k, bad_len = _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity)
+    seqlen_k, bad_len = _checked_length(SeqlensK, off_b, stride_sl, seqlen_add, capacity, FULL_LENGTH=FULL_LENGTH)
     reporter = (split == 0) & (pid_m == 0)
     if bad_len & reporter:
         tl.atomic_or(Err, _ERR_SEQLENS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, philox_state, unfold_pid
+from flashtile.kernels._common import LN2, LOG2E, check_tiles, dropout_keep, mma, multiple16, philox_state, unfold_pid
 from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_errors, seqlen_info
 from flashtile.kernels.mask import allowed, score_mods
 
@@ -243,31 +243,38 @@ def _fwd_range(
         "EVEN_N": lambda a: a["seqlen_k"] % a["BLOCK_N"] == 0,
     }
 )
-# lengths-derived ints that only feed arithmetic: no recompiles when they hit 1 or a multiple of 16
-@triton.jit(do_not_specialize=["tune_nq", "tune_nk", "window_left", "window_right", "total_q", "total_k"])
+# lengths-derived ints that only feed arithmetic: no recompiles when they hit 1 or a multiple of 16; the
+# per-call ones (a growing cache's key count and K/V strides) may change between launches of one binding
+@triton.jit(do_not_specialize=[
+    "stride_kb", "stride_kh", "stride_vb", "stride_vh", "seqlen_k", "tune_nk",
+    "tune_nq", "window_left", "window_right", "total_q", "total_k",
+])
 def _fa2_fwd_kernel(
     Q, K, V, Out, LSE, Bias, Alibi, KVCount, KVIdx, Rng, CuSeqQ, CuSeqK, BlockTable, Err,
     sm_scale, softcap, dropout_p,
+    # per-call ints (runtime/launch.py passes them with the tensors): what a decoding loop advances
+    stride_kb, stride_kh, stride_vb, stride_vh, seqlen_k, tune_nk,
     # ints and constexprs: fixed for a problem signature (runtime/launch.py binds them once)
     stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
+    stride_kn,
+    stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
     stride_alibi_b, stride_alibi_h,
     stride_cnt_b, stride_cnt_h, stride_cnt_r,
     stride_idx_b, stride_idx_h, stride_idx_r,
-    n_heads_q, n_bh, kv_group, seqlen_q, seqlen_k, head_dim,
+    n_heads_q, n_bh, kv_group, seqlen_q, head_dim,
     total_q, total_k, stride_bt_b, page_size, n_pages,
     window_left, window_right,
     mask_block_m, mask_block_n,
-    tune_nq, tune_nk,  # autotune key buckets (Nq // 128, Nk // 128); unused by the body
+    tune_nq,  # autotune key buckets (Nq // 128; tune_nk: Nk // 128); unused by the body
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_BLOCK_SPARSE: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KV_ALIGNED: tl.constexpr,  # 16 divides the per-call K/V strides (the divisibility specialisation gave)
 ):
     """Grid ``fwd_grid``: fold_grid(cdiv(Nq, BLOCK_M), B * Hq); a program computes O
     and LSE for rows [m * BLOCK_M, (m + 1) * BLOCK_M) of query head h of batch b.
@@ -287,6 +294,9 @@ def _fa2_fwd_kernel(
     batch b in page ``BlockTable[b, j // page_size]``.  Err (IS_VARLEN only): the int32 error word; the
     program of query tile 0, head 0 of each batch element ORs in :func:`_varlen_errors`' bits."""
     check_tiles(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=16)
+    if KV_ALIGNED:
+        stride_kb, stride_kh = multiple16(stride_kb), multiple16(stride_kh)
+        stride_vb, stride_vh = multiple16(stride_vb), multiple16(stride_vh)
     tile, bh = unfold_pid()
     if bh >= n_bh:
         return

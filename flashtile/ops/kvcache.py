@@ -72,8 +72,8 @@ from flashtile.kernels.fa3_fwd import ERR_DESCALE
 from flashtile.ops import validate
 from flashtile.runtime.common import on_tensor_device, unit_last_stride
 from flashtile.runtime.decode import (
-    ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, alibi_args, append_launch, decode_launch,
-    default_unified_range, on_tuning_change, run_decode, take_errors, tuning_generation,
+    ERR_BLOCK_TABLE, ERR_SEQLENS, MAX_SPLITS, AppendLaunch, DecodeLaunch, aligned16, alibi_args, append_launch,
+    decode_launch, default_unified_range, on_tuning_change, run_decode, take_errors, tuning_generation,
 )
 from flashtile.runtime.decode import ERR_BATCH_IDX, ERR_CU_SEQLENS_Q, NO_FEATURES, KVFeatures, Rotary
 
@@ -438,6 +438,12 @@ class _Call(NamedTuple):
     append: AppendLaunch | None  # the append's bound launch (k, v with unit last stride), with Nnew > 0
     fp8: bool = False  # float8_e4m3fn caches with (k_descale, v_descale)
     features: KVFeatures = NO_FEATURES  # cache_batch_idx / cache_leftpad / cu_seqlens_q / rotary in use
+    window: tuple[int, int] = (-1, -1)  # (left, right) as given (causal folded in), before unbind_window
+    # a contiguous cache's (length, k_cache strides, v_cache strides) these checks ran on (None: paged); a
+    # call whose cache differs there (a cache grown by a key) re-runs only what depends on them (_regrown)
+    grown: tuple | None = None
+    # capacities (lo, hi] whose plan is the launch's (the split count follows the count of BLOCK_N-key tiles)
+    plan_span: tuple[int, int] = (1, 0)
 
 
 def prepare_call(
@@ -480,9 +486,9 @@ def prepare_call(
             raise ValueError(f"unified_max must be a finite float or None, got {unified_max!r}")
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else page_size
-    if capacity >= 2**31:
-        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+    _check_capacity(capacity)
     local = left >= 0 or right >= 0  # flash-attn: causal or local puts q token t at cache_seqlens + t
+    window = (left, right)
     left, right = validate.unbind_window(left, right, dims.seqlen_q, capacity)  # L_b <= capacity
     rotary = _check_rotary(rotary_cos, rotary_sin, q, dims.head_dim, n_new, capacity, rotary_interleaved, local)
     features = KVFeatures(cache_batch_idx is not None, cache_leftpad is not None, varlen, rotary)
@@ -494,11 +500,11 @@ def prepare_call(
     unified = None if unified_max is None else (float(unified_max), *default_unified_range(q.dtype, capacity))
     bt = block_table if not paged or block_table.stride(1) == 1 else block_table.contiguous()
     lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    launch = decode_launch(
+    plan, launch = decode_launch(
         unit_last_stride(q), k_cache, v_cache, bt, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
         left=left, right=right, softcap=softcap, unified=unified is not None, num_splits=num_splits,
-        seqlens_k=lens, seqlen_add=n_new, descales=descales, features=features,
-    )[1]
+        seqlens_k=lens, seqlen_add=n_new, descales=descales, features=features, full_length=cache_seqlens is None,
+    )
     append = None
     if n_new:
         lens_like = lens if lens is not None else torch.empty(dims.batch, dtype=torch.int32, device=q.device)
@@ -507,15 +513,86 @@ def prepare_call(
         )
     return _Call(
         dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
-        features,
+        features, window, None if paged else (capacity, k_cache.stride(), v_cache.stride()),
+        _plan_span(plan.block_n, capacity, num_splits),
     )
+
+
+def _plan_span(block_n: int, capacity: int, num_splits: int) -> tuple[int, int]:
+    """Capacities (lo, hi] with as many ``block_n``-key tiles as ``capacity`` (the split heuristic sees only that
+    count, :func:`flashtile.runtime.decode.decode_plan`); every capacity with a given ``num_splits``."""
+    if num_splits:
+        return (-1, 2**31)
+    tiles = -(-capacity // block_n)
+    return ((tiles - 1) * block_n, tiles * block_n)
+
+
+def _check_capacity(capacity: int) -> None:
+    if capacity >= 2**31:
+        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+
+
+def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits, descales) -> _Call:
+    """``call`` for a contiguous cache whose length or batch / head strides differ from those it was checked
+    with (a cache that grows by a key a step, as Hugging Face's DynamicCache): the checks, window and plan that
+    depend on the capacity run again; the launches are memoised per plan and take the strides per call."""
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache shape {tuple(k_cache.shape)} must equal v_cache shape {tuple(v_cache.shape)}")
+    capacity = k_cache.shape[1]
+    _check_capacity(capacity)
+    rot = call.features.rotary
+    if rot is not None and rot.seqlen_ro < capacity:
+        raise ValueError(
+            f"rotary_cos: seqlen_ro = {rot.seqlen_ro} rows must cover the cache capacity ({capacity} positions)"
+        )
+    left, right = validate.unbind_window(*call.window, call.dims.seqlen_q, capacity)
+    ks, vs = k_cache.stride(), v_cache.stride()
+    lo, hi = call.plan_span
+    if (
+        lo < capacity <= hi and not call.n_new and call.unified is None and left == call.left and right == call.right
+        and aligned16(ks[0], ks[2], vs[0], vs[2]) == call.launch.kv_aligned
+    ):  # the same plan and constexprs: the launch takes the new capacity and strides per call
+        return call._replace(
+            dims=call.dims._replace(seqlen_k=capacity), page_size=capacity, capacity=capacity, grown=(capacity, ks, vs),
+        )
+    unified = None if call.unified is None else (call.unified[0], *default_unified_range(q.dtype, capacity))
+    lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    plan, launch = decode_launch(
+        unit_last_stride(q), k_cache, v_cache, None, alibi_args(alibi_slopes) if alibi_slopes is not None else None,
+        left=left, right=right, softcap=call.softcap, unified=unified is not None, num_splits=num_splits,
+        seqlens_k=lens, seqlen_add=call.n_new, descales=descales, features=call.features,
+        full_length=cache_seqlens is None,
+    )
+    append = call.append
+    if call.n_new:
+        lens_like = lens if lens is not None else torch.empty(call.dims.batch, dtype=torch.int32, device=q.device)
+        append = append_launch(
+            k_cache, v_cache, unit_last_stride(k), unit_last_stride(v), lens_like, None, descales, call.features,
+        )
+    return call._replace(
+        dims=call.dims._replace(seqlen_k=capacity), left=left, right=right, page_size=capacity, capacity=capacity,
+        unified=unified, launch=launch, append=append, grown=(capacity, ks, vs),
+        plan_span=_plan_span(plan.block_n, capacity, num_splits),
+    )
+
+
+_ABSENT = (None,)  # the key of an optional tensor argument left out
 
 
 def _tensor_key(x: object) -> tuple:
     """What the checks read from an optional tensor argument (AttributeError if it is no tensor)."""
     if x is None:
-        return (None,)
+        return _ABSENT
     return (type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+
+
+def _cache_key(x: object, paged: bool) -> tuple:
+    """What the checks read from k_cache / v_cache, less a contiguous (B, Nk_max, Hk, d) cache's length and
+    batch / head strides, which :func:`_regrown` checks when they change (AttributeError if it is no tensor)."""
+    shape, stride = x.shape, x.stride()
+    if paged or len(shape) != 4:
+        return (type(x), shape, stride, x.dtype, x.device)
+    return (type(x), shape[0], shape[2], shape[3], stride[1], stride[3], x.dtype, x.device)
 
 
 def _call_key(
@@ -524,9 +601,11 @@ def _call_key(
     k_descale=None, v_descale=None,
     rotary_cos=None, rotary_sin=None, cache_batch_idx=None, cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None,
 ) -> tuple | None:
-    """Everything :func:`prepare_call` reads, as a hashable key, or None (then the call is checked in full).
+    """Everything :func:`prepare_call` reads, as a key (led by the tuning generation), or None (then the call
+    is checked in full); a key with an unhashable value is found unhashable by the memo's lookup.
 
-    Shapes, strides, dtypes and devices of the tensors; the Python arguments
+    Shapes, strides, dtypes and devices of the tensors (of a contiguous cache all but its length and
+    its batch / head strides, see :func:`_cache_key`); the Python arguments
     by value *and type* (``1`` and ``True`` hash alike, but only one of them
     is a valid ``causal``); for ``cache_seqlens`` its kind, stride and dtype
     (an int's range is checked on every call, outside the memo).  Two calls with equal keys pass or fail
@@ -535,25 +614,30 @@ def _call_key(
     if type(window_size) is not tuple:
         return None
     try:
-        key = (
-            type(q), q.shape, q.stride(), q.dtype, q.device,
-            type(k_cache), k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-            type(v_cache), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-            _tensor_key(k), _tensor_key(v), _tensor_key(block_table), _tensor_key(alibi_slopes),
+        paged = block_table is not None
+        # absent optional tensors (most calls) key as _ABSENT without a call
+        return (
+            tuning_generation(), type(q), q.shape, q.stride(), q.dtype, q.device,
+            _cache_key(k_cache, paged), _cache_key(v_cache, paged),
+            _ABSENT if k is None else _tensor_key(k), _ABSENT if v is None else _tensor_key(v),
+            _ABSENT if block_table is None else _tensor_key(block_table),
+            _ABSENT if alibi_slopes is None else _tensor_key(alibi_slopes),
             _tensor_key(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor)
             else (type(cache_seqlens),),  # an int's value is checked per call (a decoding loop advances it)
             type(softmax_scale), softmax_scale, type(causal), causal, window_size, tuple(map(type, window_size)),
             type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
             type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
             type(return_lse), return_lse, type(unified_max), unified_max, type(debug), debug,
-            _tensor_key(k_descale), _tensor_key(v_descale),
-            _tensor_key(rotary_cos), _tensor_key(rotary_sin), _tensor_key(cache_batch_idx), _tensor_key(cache_leftpad),
-            _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
+            _ABSENT if k_descale is None else _tensor_key(k_descale),
+            _ABSENT if v_descale is None else _tensor_key(v_descale),
+            _ABSENT if rotary_cos is None else _tensor_key(rotary_cos),
+            _ABSENT if rotary_sin is None else _tensor_key(rotary_sin),
+            _ABSENT if cache_batch_idx is None else _tensor_key(cache_batch_idx),
+            _ABSENT if cache_leftpad is None else _tensor_key(cache_leftpad),
+            _ABSENT if cu_seqlens_q is None else _tensor_key(cu_seqlens_q), type(max_seqlen_q), max_seqlen_q,
         )
-        hash(key)
-    except (AttributeError, TypeError):  # not a tensor where one belongs, an unhashable value: full checks
+    except (AttributeError, TypeError, IndexError):  # no tensor where one belongs: full checks
         return None
-    return key
 
 
 # checked call signatures -> _Call (bounded; a model decodes with a handful of signatures);
@@ -675,16 +759,28 @@ def flash_attn_with_kvcache(
         k_descale, v_descale,
         rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q,
     )
-    key = _call_key(*args)
+    key = _call_key(*args)  # it leads with the tuning generation
+    call = None
     if key is not None:
-        key = (tuning_generation(), *key)
-    call = _CALLS.get(key) if key is not None else None
+        try:
+            call = _CALLS.get(key)
+        except TypeError:  # an unhashable value among the arguments: full checks, nothing memoised
+            key = None
     if call is None:
         call = prepare_call(*args)
         if key is not None:
             _remember(key, call)
-    elif type(cache_seqlens) is int:
-        _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
+    else:
+        grown = call.grown
+        if grown is not None and (
+            k_cache.shape[1] != grown[0] or v_cache.shape[1] != grown[0] or k_cache.stride() != grown[1]
+            or v_cache.stride() != grown[2]
+        ):
+            call = _regrown(call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits,
+                            (k_descale, v_descale) if call.fp8 else None)
+            _remember(key, call)
+        if type(cache_seqlens) is int:
+            _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
     extra = None
     if call.features is not NO_FEATURES:
         extra = tuple(
@@ -703,13 +799,10 @@ def _run(
     descales=None, extra=None,
 ):
     """The launches of one checked call: the append (if any), then the attention."""
-    if isinstance(cache_seqlens, torch.Tensor):
-        lens = cache_seqlens
+    if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:
+        lens = cache_seqlens  # None: the launch (FULL_LENGTH) attends to the whole cache and reads no length
     else:
-        lens = torch.full(
-            (call.dims.batch,), call.capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
-            device=q.device,
-        )
+        lens = torch.full((call.dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -719,8 +812,9 @@ def _run(
         _check_descale_values(descales)
     idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
     if debug and extra is not None and not capturing:
+        host_lens = lens.tolist() if lens is not None else [call.capacity] * call.dims.batch
         _check_extras(
-            lens.tolist(), call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
+            host_lens, call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
         )
     if call.n_new:
         call.append(

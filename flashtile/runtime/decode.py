@@ -32,6 +32,7 @@ __all__ = [
     "decode_plan",
     "DecodePlan",
     "decode_launch",
+    "aligned16",
     "DecodeLaunch",
     "append_launch",
     "AppendLaunch",
@@ -148,6 +149,7 @@ def set_decode_tuning(kind: str, tuning: DecodeTuning | None = None, **changes) 
         DECODE_TUNING[kind] = new
         _TUNING_GENERATION += 1
         _decode_plan.cache_clear()
+        _block_n.cache_clear()
         _decode_launch.cache_clear()
         for forget in _TUNING_LISTENERS:
             forget()
@@ -290,12 +292,21 @@ def decode_plan(
     entry, memoised on both: a decoding loop asks for the same shape every step, and a short-cache
     step's host time is comparable to its device time."""
     tuning = DECODE_TUNING["fp8" if fp8 else "default"]
-    return _decode_plan(b, nq, hq, hk, d, page_size, capacity, num_splits, device, fp8, tuning)
+    # the split heuristic sees the capacity only through its count of BLOCK_N-key tiles: memoised on that,
+    # a cache growing by one key per call plans anew once per tile (and the launches are memoised per plan)
+    tiles = -(-capacity // _block_n(d, page_size, device, fp8, tuning)) if num_splits == 0 else 0
+    return _decode_plan(b, nq, hq, hk, d, page_size, tiles, num_splits, device, fp8, tuning)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_n(d: int, page_size: int | None, device: torch.device, fp8: bool, tuning: DecodeTuning) -> int:
+    """The key tile of :func:`decode_config` (it does not depend on the packed rows)."""
+    return decode_config(d, 1, page_size, device, fp8, tuning)[1]
 
 
 @functools.lru_cache(maxsize=1024)
 def _decode_plan(
-    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, capacity: int, num_splits: int,
+    b: int, nq: int, hq: int, hk: int, d: int, page_size: int | None, tiles: int, num_splits: int,
     device: torch.device, fp8: bool, tuning: DecodeTuning,
 ) -> DecodePlan:
     rows = (hq // hk) * nq
@@ -303,7 +314,7 @@ def _decode_plan(
     row_tiles = triton.cdiv(rows, block_m)
     if num_splits == 0:
         num_splits = decode_splits(
-            b, hk, capacity, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
+            b, hk, tiles * block_n, torch.float8_e4m3fn if fp8 else torch.bfloat16, _sm_count(device),
             row_tiles=row_tiles, paged=page_size is not None, block_n=block_n, tuning=tuning,
         )
     block_d = max(16, triton.next_power_of_2(d))
@@ -437,6 +448,7 @@ SPLIT_DYNAMIC = (
     "KDescale", "VDescale",
     "CacheBatchIdx", "LeftPad", "CuSeqlensQ", "RotCos", "RotSin",
     "sm_scale", "softcap", "phi2", "lo2", "hi2",
+    "stride_kb", "stride_kh", "stride_vb", "stride_vh", "capacity",  # per-call ints (a growing cache)
 )
 MERGE_DYNAMIC = ("Work", "FPart", "Out", "LSE", "Flags", "CuSeqlensQ")
 APPEND_DYNAMIC = (
@@ -485,12 +497,16 @@ NO_FEATURES = KVFeatures()
 class DecodeLaunch:
     """The decode kernels for one problem signature, their static arguments bound once.
 
-    A signature is everything but the data: the shapes, strides and dtype of q
-    and the caches, the block table's row stride and page size, the ALiBi
-    slopes' strides, the window, whether softcap / FlashDecoding++ are on,
-    the :class:`DecodePlan`, the dtype and stride of the lengths, the tokens
-    appended before the attention (``seqlen_add``, added to every length), the
-    capacity and page count the kernel clamps against, and the device.
+    A signature is everything but the data: the shapes, strides and dtype of q,
+    the caches' head dim, heads, row strides and whether 16 divides their batch
+    (page) and head strides (``kv_aligned``), the block table's row stride and
+    page size, the ALiBi slopes' strides, the window, whether softcap /
+    FlashDecoding++ are on, the :class:`DecodePlan`, the dtype and stride of the
+    lengths, the tokens appended before the attention (``seqlen_add``, added to
+    every length), the page count (cache rows) the kernel clamps against, and
+    the device.  The capacity and the batch and head strides of the caches are
+    read from the tensors per call (a cache that grows by one key a step keeps
+    its launch; the split count, which the capacity sets, is in the plan).
     :func:`decode_launch` memoises one instance per signature.  Calling it
     allocates the fp32 workspace and launches through
     :class:`~flashtile.runtime.launch.KernelLauncher` (Triton's per-call
@@ -511,20 +527,22 @@ class DecodeLaunch:
 
     def __init__(
         self, plan: DecodePlan, b: int, nq: int, hq: int, hk: int, d: int, dtype: torch.dtype,
-        q_strides: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...],
+        q_strides: tuple[int, ...], kv_row_strides: tuple[int, int], kv_aligned: bool,
         bt_stride: int | None, page_size: int | None, alibi_strides: tuple[int, int] | None,
         left: int, right: int, has_softcap: bool, unified: bool,
-        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, capacity: int, num_pages: int,
+        sl_dtype: torch.dtype, sl_stride: int, seqlen_add: int, num_pages: int,
         device: torch.device, descale_strides: tuple[int, int, int, int] | None = None,
-        features: KVFeatures = NO_FEATURES, total_q: int = 0,
+        features: KVFeatures = NO_FEATURES, total_q: int = 0, full_length: bool = False,
     ) -> None:
         s = plan.n_splits
+        self.full_length = full_length
         self.err = error_flags(device)
         self.write_out = s == 1  # one split is the answer: no workspace, no merge
         self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
         self.lse_offset = self.rows * plan.block_d
         self.counters = b * hk * plan.row_tiles  # one per program tile (batch element, kv head, row tile)
         self.unified = unified
+        self.kv_aligned = kv_aligned
         out_strides = (
             # the output is allocated contiguous: (B, Nq, Hq, d), or (total_q, Hq, d) for varlen q
             ("stride_ob", 0 if features.varlen_q else nq * hq * d), ("stride_om", hq * d), ("stride_oh", d),
@@ -545,13 +563,12 @@ class DecodeLaunch:
         )
         static = (
             *zip(("stride_qb", "stride_qm", "stride_qh"), q_strides[:3]),
-            *zip(("stride_kb", "stride_kn", "stride_kh"), k_strides[:3]),
-            *zip(("stride_vb", "stride_vn", "stride_vh"), v_strides[:3]),
+            ("stride_kn", kv_row_strides[0]), ("stride_vn", kv_row_strides[1]),
             ("stride_bt_b", bt_stride or 0), ("stride_sl", sl_stride),
             *zip(("stride_alibi_b", "stride_alibi_h"), alibi_strides or (0, 0)),
             *out_strides, *shape,
             ("window_left", left), ("window_right", right), ("lse_offset", self.lse_offset),
-            ("seqlen_add", seqlen_add), ("capacity", capacity), ("num_pages", num_pages),
+            ("seqlen_add", seqlen_add), ("num_pages", num_pages),
             *zip(("stride_kds_b", "stride_kds_h", "stride_vds_b", "stride_vds_h"), descale_strides or (0, 0, 0, 0)),
             *feature_ints,
             ("BLOCK_M", plan.block_m), ("BLOCK_N", plan.block_n), ("BLOCK_D", plan.block_d),
@@ -570,7 +587,10 @@ class DecodeLaunch:
         fp8 = descale_strides is not None
         # fp16 MMAs for an FP8 cache: with bf16 q, on the safe path (FlashDecoding++'s P may pass fp16's range)
         f16_mma = fp8 and plan.f16_mma and not unified and dtype == torch.bfloat16
-        flags = (("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags)
+        flags = (
+            ("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags,
+            ("KV_ALIGNED", kv_aligned), ("FULL_LENGTH", full_length),
+        )
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
             "CuSeqlensQ": features.varlen_q is not None, "RotCos": rot is not None, "RotSin": rot is not None,
@@ -604,12 +624,15 @@ class DecodeLaunch:
         """Launch; the kernels write ``out``, ``lse`` and, with ``unified``, ``flags`` (and OR index
         errors into :func:`error_flags`).  Unused pointer slots get a tensor that is already at
         hand (never dereferenced).  ``seqlens_k``: int32 or int64 lengths before the append, of
-        this signature's dtype and stride.  ``descales``: the fp32 (k_descale, v_descale) of an
+        this signature's dtype and stride (ignored, may be None, for a ``full_length`` launch: every
+        element attends to the whole cache).  ``descales``: the fp32 (k_descale, v_descale) of an
         FP8 cache, of this signature's strides.  ``extra``: the contiguous tensors (cache_batch_idx,
         cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin) of this signature's
         :class:`KVFeatures`, None where absent (or ``extra`` None: all absent).  Absent tensors'
         slots get ``lse`` (an aligned allocation, so their alignment is not checked per call)."""
         flags = lse if flags is None else flags
+        if self.full_length:  # the kernel reads no length: its slots get an aligned allocation
+            seqlens_k = lse
         idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
         if self.write_out:
             work = f_part = count = lse
@@ -619,6 +642,10 @@ class DecodeLaunch:
             graph = _capturing(q.device)
             count = work if graph else arrival_counters(q.device, self.counters)
         phi, lo, hi = unified if unified is not None else (0.0, 0.0, 0.0)
+        ks, vs = k_cache.stride(), v_cache.stride()
+        if self.kv_aligned and (ks[0] | ks[2] | vs[0] | vs[2]) & 15:
+            _misaligned(ks, vs)
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         args = (  # SPLIT_DYNAMIC
             q, k_cache, v_cache, seqlens_k if block_table is None else block_table, seqlens_k,
             seqlens_k if alibi is None else alibi, work, f_part, count, out, lse, flags, self.err,
@@ -626,12 +653,23 @@ class DecodeLaunch:
             lse if idx is None else idx, lse if pad is None else pad, lse if cu is None else cu,
             lse if cos is None else cos, lse if sin is None else sin,
             scale, softcap, phi * LOG2E, lo * LOG2E, hi * LOG2E,
+            ks[0], ks[2], vs[0], vs[2], capacity,
         )
         if self.write_out or not graph:
             self.fused(*args)
         else:
             self.split(*args)
             self.merge(work, f_part, out, lse, flags, lse if cu is None else cu)  # MERGE_DYNAMIC
+
+
+def _misaligned(ks: tuple[int, ...], vs: tuple[int, ...]) -> None:
+    """A launch built with KV_ALIGNED (its kernel rounds the batch / head strides down to multiples of 16)
+    called with a cache whose strides are not: raise, naming the cache."""
+    name, st = ("k_cache", ks) if (ks[0] | ks[2]) & 15 else ("v_cache", vs)
+    raise ValueError(
+        f"{name}: batch and head strides ({st[0]}, {st[2]}) must be multiples of 16 for this launch, which was "
+        "built for 16-aligned strides (get the launch for these caches from decode_launch)"
+    )
 
 
 @functools.lru_cache(maxsize=256)  # thread-safe; keyed by device among the rest of the signature
@@ -644,11 +682,14 @@ def decode_launch(
     alibi: tuple[torch.Tensor, int, int] | None, *, left: int, right: int, softcap: float, unified: bool,
     num_splits: int, seqlens_k: torch.Tensor | None = None, seqlen_add: int = 0,
     descales: tuple[torch.Tensor, torch.Tensor] | None = None, features: KVFeatures = NO_FEATURES,
+    full_length: bool = False,
 ) -> tuple[DecodePlan, DecodeLaunch]:
     """The plan and the memoised :class:`DecodeLaunch` of these (validated) arguments' signature.
 
     ``seqlens_k`` (its dtype and stride; None: contiguous int32) and ``seqlen_add`` (the
-    tokens appended before attending) are part of the signature, and so are the strides of
+    tokens appended before attending) are part of the signature, and so is ``full_length`` (no
+    lengths at all: every element attends to the whole cache, no length tensor is built or read;
+    ``seqlen_add`` must be 0), and so are the strides of
     ``descales`` (an FP8 cache's (k_descale, v_descale), or None).  The launch is keyed by
     q's device.
 
@@ -674,13 +715,22 @@ def decode_launch(
     capacity = block_table.shape[1] * rows if paged else rows
     plan = decode_plan(b, nq, hq, hk, d, rows if paged else None, capacity, num_splits, q.device, descales is not None)
     sl = (torch.int32, 1) if seqlens_k is None else (seqlens_k.dtype, seqlens_k.stride(0))
+    ks, vs = k_cache.stride(), v_cache.stride()
     launch = _decode_launch(
-        plan, b, nq, hq, hk, d, q.dtype, q_strides, k_cache.stride(), v_cache.stride(),
+        plan, b, nq, hq, hk, d, q.dtype, q_strides, (ks[1], vs[1]), aligned16(ks[0], ks[2], vs[0], vs[2]),
         block_table.stride(0) if paged else None, rows if paged else None,
         alibi[1:] if alibi is not None else None, left, right, softcap > 0, unified,
-        *sl, seqlen_add, capacity, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q,
+        *sl, seqlen_add, k_cache.shape[0], q.device, _descale_strides(descales), features, total_q, full_length,
     )
     return plan, launch
+
+
+def aligned16(*strides: int) -> bool:
+    """Whether 16 divides every one of ``strides`` (the kernels' KV_ALIGNED for per-call strides)."""
+    acc = 0
+    for st in strides:
+        acc |= st
+    return acc & 15 == 0
 
 
 def _descale_strides(descales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int] | None:
@@ -790,7 +840,8 @@ def run_decode(
 
     For callers that validated the shapes already (``flash_attn_with_kvcache``):
     q (B, Nq, Hq, d) and the caches with unit stride on d, ``seqlens_k`` int32
-    or int64 (B,) (any stride), block table with unit stride on dim 1,
+    or int64 (B,) (any stride), or None (every element attends to the whole cache, no append), block
+    table with unit stride on dim 1,
     ``alibi`` from :func:`alibi_args` or None, the window already normalised,
     ``unified`` = (phi, lo, hi) or None.  Element b attends to keys
     ``[0, seqlens_k[b] + seqlen_add)``; lengths and block-table entries are not
@@ -817,7 +868,7 @@ def run_decode(
         launch = decode_launch(
             q, k_cache, v_cache, block_table, alibi, unified=unified is not None,
             left=left, right=right, softcap=softcap, num_splits=num_splits, seqlens_k=seqlens_k, seqlen_add=seqlen_add,
-            descales=descales, features=features,
+            descales=descales, features=features, full_length=seqlens_k is None,
         )[1]
     flags = None
     if unified is not None:
@@ -885,9 +936,8 @@ def flash_decode(
     if safe_range is not None:
         lo, hi = _check_safe_range(safe_range)
         unified = None if unified is None else (unified[0], lo, hi)
-    if not isinstance(cache_seqlens, torch.Tensor):  # an int or None, checked by the op against the capacity
-        length = call.capacity if cache_seqlens is None else cache_seqlens
-        cache_seqlens = torch.full((call.dims.batch,), length, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, int):  # checked by the op against the capacity (None: the launch reads no length)
+        cache_seqlens = torch.full((call.dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     out, lse, flags = run_decode(

@@ -26,7 +26,7 @@ from flashtile.runtime.common import (
     unit_last_stride,
     wide_rows,
 )
-from flashtile.runtime.decode import error_flags
+from flashtile.runtime.decode import aligned16, error_flags
 from flashtile.runtime.launch import launch
 
 __all__ = ["fa2_forward", "fwd_config", "fwd_grid"]
@@ -258,17 +258,20 @@ def fa2_forward(
     counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
     block_d = max(16, triton.next_power_of_2(d))
     rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
-    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, lse, softmax_scale, softcap, dropout_p)
+    # the key count and K/V batch / head strides go per call: a decoding loop's growing cache keeps one binding
+    per_call = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), nk, nk // 128)
+    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, lse, softmax_scale, softcap,
+               dropout_p, *per_call)
     ints = (
         q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        k.stride(2),
+        v.stride(2),
         target.stride(0), target.stride(1), target.stride(2),
         *bias_strides, s_ab, s_ah, *cnt_strides, *idx_strides,
-        hq, b * hq, hq // hk, nq, nk, d,
+        hq, b * hq, hq // hk, nq, d,
         0, 0, 0, 1, 1,  # total_q, total_k, stride_bt_b, page_size, n_pages: packed / paged batches only
         left, right,
-        br, bc, nq // 128, nk // 128,
+        br, bc, nq // 128,
     )
     flags = dict(
         BLOCK_D=block_d,
@@ -278,6 +281,7 @@ def fa2_forward(
         EVEN_D=block_d == d,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
+        KV_ALIGNED=aligned16(*per_call[:4]),
     )
     if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
         grid = lambda meta: fwd_grid(b, hq, nq, meta["BLOCK_M"])  # noqa: E731
@@ -289,6 +293,7 @@ def fa2_forward(
             block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
             flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"], False, False,
             nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
+            flags["KV_ALIGNED"],
         )
         launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, nq, block_m), dynamic, ints + constexprs,
                num_warps=num_warps, num_stages=num_stages)
@@ -355,22 +360,24 @@ def _varlen_forward(
     block_d = max(16, triton.next_power_of_2(d))
     rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
     err = error_flags(device, caller="flash_attn_varlen_func")  # exists already under CUDA-graph capture, or raises
-    dynamic = (qv, kv_, vv, ov, lse, lse, alibi, lse, lse, rng, cu_q, cu_k, bt, err, softmax_scale, softcap, dropout_p)
+    per_call = (kv_.stride(0), kv_.stride(1), vv.stride(0), vv.stride(1), max_k, max_k // 128)
+    dynamic = (qv, kv_, vv, ov, lse, lse, alibi, lse, lse, rng, cu_q, cu_k, bt, err, softmax_scale, softcap,
+               dropout_p, *per_call)
     ints = (
         0, qv.stride(1), qv.stride(2),
-        kv_.stride(0), kv_.stride(1), kv_.stride(2),
-        vv.stride(0), vv.stride(1), vv.stride(2),
+        kv_.stride(2),
+        vv.stride(2),
         0, ov.stride(1), ov.stride(2),
         0, 0, 0, 0, s_ab, s_ah, 0, 0, 0, 0, 0, 0,
-        hq, b * hq, hq // hk, max_q, max_k, d,
+        hq, b * hq, hq // hk, max_q, d,
         total_q, total_k, stride_bt, max(page_size, 1), n_pages,
         left, right,
-        1, 1, max_q // 128, max_k // 128,
+        1, 1, max_q // 128,
     )
     constexprs = (
         block_m, block_n, block_d, left >= 0, right >= 0, softcap > 0, alibi_slopes is not None, False,
         dropout_p > 0, False, True, paged, False, False, block_d == d, "tf32",
-        q.dtype == torch.bfloat16 and interpreting(device),
+        q.dtype == torch.bfloat16 and interpreting(device), aligned16(*per_call[:4]),
     )
     launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, max_q, block_m), dynamic, ints + constexprs,
            num_warps=num_warps, num_stages=num_stages)

@@ -126,6 +126,51 @@ def test_greedy_generate_matches(kind):
     assert torch.equal(got, want)
 
 
+def test_decoding_steps_run_the_decode_kernel(monkeypatch):
+    """Prompt 20 (> 16 query tokens: flash_attn_func), then 2 cached steps per layer through
+    flash_attn_with_kvcache (q_len 1 against the grown cache); tokens equal SDPA's.  A training forward
+    (gradients) of a short sequence stays on flash_attn_func."""
+    import flashtile
+
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(flashtile, name)
+        monkeypatch.setattr(flashtile, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    ours, theirs = _models("llama")
+    ids = _ids(2, 20, seed=6)
+    kw = dict(max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        got, want = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(got, want)
+    layers = ours.config.num_hidden_layers
+    assert calls == ["flash_attn_func"] * layers + ["flash_attn_with_kvcache"] * (2 * layers)
+    calls.clear()
+    ours.train()
+    ours(ids[:, :8], labels=ids[:, :8]).loss.backward()
+    assert calls == ["flash_attn_func"] * layers
+
+
+def test_decoding_step_in_train_mode_runs_flash_attn_func(monkeypatch):
+    """One query token against a cache under no_grad with dropout 0 takes the decode kernel in eval mode only:
+    a module in train mode stays on flash_attn_func (the path that applies the module's dropout)."""
+    import flashtile
+
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_with_kvcache"):
+        real = getattr(flashtile, name)
+        monkeypatch.setattr(flashtile, name, lambda *a, _f=real, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+    with torch.no_grad():
+        for training in (False, True):
+            out, _ = ft.flashtile_attention_forward(module.train(training), q, k, v, None)
+            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+            assert_close(out, ref.transpose(1, 2), what=f"training={training}")
+    assert calls == ["flash_attn_with_kvcache", "flash_attn_func"]
+
+
 def _padding_mask(side: str, lens: list[int], n: int) -> torch.Tensor:
     mask = torch.zeros(len(lens), n, dtype=torch.long)
     for b, length in enumerate(lens):
@@ -380,3 +425,22 @@ def test_cross_attention_padding_mask_selects_keys_only():
             q.double(), k.double(), v.double(), attn_mask=mask[:, None, None, :]).transpose(1, 2)
         assert out.shape == ref.shape
         assert_close(out, ref, what=f"cross-attention, {nq} queries")
+
+
+def test_export_with_dynamic_sequence_length():
+    """torch.export of the attention function with dynamic query and key counts: the decoding-step test
+    must not run its size tests under tracing (they guarded the query count to one side of 16, and the
+    export failed its range constraints)."""
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return ft.flashtile_attention_forward(Module(), q, k, v, None)[0]
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 20, 16, generator=g)
+    k, v = torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
+    s, n = torch.export.Dim("s", min=2, max=64), torch.export.Dim("n", min=2, max=128)
+    ep = torch.export.export(Attention(), (q, k, v), dynamic_shapes=({2: s}, {2: n}, {2: n}), strict=False)
+    assert sorted((r.lower, r.upper) for r in ep.range_constraints.values()) == [(2, 64), (2, 128)]

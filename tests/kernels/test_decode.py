@@ -402,13 +402,12 @@ def test_launch_arguments_match_kernel_parameters(monkeypatch, paged_, unified, 
     capacity = 3 * page if paged_ else 40
     want = dict(
         stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
+        stride_kn=k.stride(1), stride_vn=v.stride(1),
         stride_bt_b=table.stride(0) if paged_ else 0, stride_sl=2,
         stride_alibi_b=slopes.stride(0) if alibi else 0, stride_alibi_h=slopes.stride(1) if alibi else 0,
         stride_ob=nq * hq * d, stride_om=hq * d, stride_oh=d,
         n_heads_q=hq, n_heads_k=hk, kv_group=hq // hk, seqlen_q=nq, head_dim=d, n_splits=plan.n_splits,
-        window_left=5, window_right=0, seqlen_add=2, capacity=capacity, num_pages=k.shape[0],
+        window_left=5, window_right=0, seqlen_add=2, num_pages=k.shape[0],
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=plan.block_d, PAGED=paged_,
         PAGE_SIZE=page if paged_ else 1, HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=alibi,
         UNIFIED=unified, EVEN_D=False, WRITE_OUT=splits == 1, FUSED=splits > 1,
@@ -435,6 +434,9 @@ def test_launch_arguments_match_kernel_parameters(monkeypatch, paged_, unified, 
         expect["Alibi"] = slopes
     assert all(dyn[name] is value for name, value in expect.items())
     assert (dyn["sm_scale"], dyn["softcap"]) == (0.25, 1.0)
+    # per call: the caches' batch (page) and head strides and the capacity
+    assert [dyn[n] for n in ("stride_kb", "stride_kh", "stride_vb", "stride_vh", "capacity")] == [
+        k.stride(0), k.stride(2), v.stride(0), v.stride(2), capacity]
     if unified:
         log2e = 1 / math.log(2)
         assert [dyn[n] for n in ("phi2", "lo2", "hi2")] == pytest.approx([0.5 * log2e, -3.0 * log2e, 4.0 * log2e])
@@ -724,3 +726,26 @@ def test_fp8_tiles_hold_at_most_16k_elements(monkeypatch):
     for d, want in ((64, 2 * DECODE_TUNING["fp8"].block_n), (128, DECODE_TUNING["fp8"].block_n), (256, 64)):
         block_n = decode_config(d, 4, None, gpu, fp8=True)[1]
         assert block_n * max(16, 1 << (d - 1).bit_length()) <= 16384 and block_n == min(want, 16384 // max(16, 1 << (d - 1).bit_length()))
+
+
+def test_aligned_launch_rejects_unaligned_cache_strides(monkeypatch):
+    """A launch bound with KV_ALIGNED (its kernel rounds the per-call batch / head strides down to multiples
+    of 16) called with a cache whose head stride is not one raises a ValueError naming that cache, before
+    anything is launched; an aligned cache of another length goes through.  CPU, nothing is launched."""
+    b, hq, hk, d = 2, 4, 2, 16
+    q, k, v = make(b, 32, hq, hk, d)
+    lens = torch.full((b,), 32, dtype=torch.int32)
+    plan, launch = decode_module.decode_launch(q, k, v, None, None, left=-1, right=-1, softcap=0.0, unified=False,
+                                               num_splits=1, seqlens_k=lens)
+    assert dict(launch.arguments["fused"].static)["KV_ALIGNED"]
+    launched = []
+    monkeypatch.setattr(launch, "fused", lambda *a: launched.append(a))
+    out, lse = torch.empty(b, 1, hq, d), torch.empty(b, hq, 1)
+    _, k33, v33 = make(b, 33, hq, hk, d)  # another length, strides still multiples of 16
+    launch(q, k33, v33, lens, None, None, out, lse, None, 0.25, 0.0, None)
+    assert len(launched) == 1
+    odd = torch.randn(b, hk, 33, d + 1)[..., :d].transpose(1, 2)  # head stride 33 * 17, batch stride hk * 33 * 17
+    for name, kc, vc in (("k_cache", odd, v33), ("v_cache", k33, odd)):
+        with pytest.raises(ValueError, match=name):
+            launch(q, kc, vc, lens, None, None, out, lse, None, 0.25, 0.0, None)
+    assert len(launched) == 1

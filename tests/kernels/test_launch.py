@@ -96,6 +96,66 @@ def test_no_compiled_kernel_means_triton_every_time():
     assert [e[0] for e in fn.log] == ["jit"] * 3
 
 
+class _NamedJit(_Jit):
+    """A stand-in that declares its parameters and ``do_not_specialize`` list, as a JITFunction does."""
+
+    def __init__(self, arg_names, do_not_specialize):
+        super().__init__()
+        self.arg_names, self.do_not_specialize = list(arg_names), list(do_not_specialize)
+
+
+def test_per_call_ints_keep_one_binding():
+    # a growing cache's key count rides with the tensors: one binding serves every value
+    fn = _NamedJit(("X", "scale", "n", "BLOCK"), ("n",))
+    la = KernelLauncher(fn, (1,), static=(64,), options={})
+    x = _aligned()
+    for n in (7, 16, 1, 300):  # 16 and 1 are the values Triton would specialise on
+        la(x, 0.5, n)
+    assert [e[0] for e in fn.log] == ["jit", "direct", "direct", "direct"]
+    assert fn.log[-1][2] == (x, 0.5, 300, 64)
+
+
+def test_per_call_int_past_int32_is_keyed():
+    # Triton passes an int from 2^31 on as i64: a kernel compiled for i32 must not see it
+    fn = _NamedJit(("X", "n"), (1,))
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    x = _aligned()
+    for n in (5, 2**31, 2**31 + 7, 6, -(2**31) - 1, 2**63):
+        la(x, n)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "direct", "direct", "direct", "jit"]  # i32, i64, u64
+
+
+def test_specialised_per_call_int_is_refused():
+    fn = _NamedJit(("X", "n", "m"), ("m",))
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    with pytest.raises(ValueError, match=r"\['n'\].*do_not_specialize"):
+        la(_aligned(), 3, 4)
+
+
+def test_real_kernels_do_not_specialise_their_per_call_ints():
+    """The FA2 forward's and the decode kernel's per-call ints (what a growing cache changes) are
+    ``do_not_specialize`` (else one kept kernel would be wrong for other values)."""
+    import inspect
+
+    from flashtile.kernels.fa2_fwd import _fa2_fwd_kernel
+    from flashtile.runtime.decode import SPLIT_DYNAMIC, _decode_split_kernel
+
+    def unspecialised(kernel):
+        while not hasattr(kernel, "do_not_specialize") and not hasattr(kernel, "kwargs"):
+            kernel = kernel.fn
+        dns = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
+        names = list(inspect.signature(kernel.fn).parameters)
+        return names, {names[i] if isinstance(i, int) else i for i in dns}
+
+    names, dns = unspecialised(_fa2_fwd_kernel)
+    per_call = names[names.index("dropout_p") + 1:names.index("stride_qb")]
+    assert per_call == ["stride_kb", "stride_kh", "stride_vb", "stride_vh", "seqlen_k", "tune_nk"]
+    assert set(per_call) <= dns
+    names, dns = unspecialised(_decode_split_kernel)
+    per_call = list(SPLIT_DYNAMIC[SPLIT_DYNAMIC.index("hi2") + 1:])
+    assert per_call == names[names.index("hi2") + 1:names.index("stride_qb")] and set(per_call) <= dns
+
+
 def test_grid_rank_is_checked():
     with pytest.raises(ValueError, match="grid"):
         KernelLauncher(_Jit(), (), static=(), options={})
@@ -213,3 +273,11 @@ def test_concurrent_first_calls_keep_every_entry(monkeypatch):
     assert sorted(la._runners) == [0, 1, 2, 3] and all(len(r) == 2 for r in la._runners.values())
     jit_calls = sum(e[0] == "jit" for e in fn.log)
     assert jit_calls == 8 and len(fn.log) == 8 * 50  # one bind per (device, alignment), none lost
+
+
+def test_per_call_int_past_the_parameters_is_refused():
+    # more dynamic arguments than the kernel has parameters: the ValueError, not an IndexError
+    fn = _NamedJit(("X", "n"), ("n",))
+    la = KernelLauncher(fn, (1,), static=(), options={})
+    with pytest.raises(ValueError, match=r"#2.*do_not_specialize"):
+        la(_aligned(), 3, 4)

@@ -444,11 +444,16 @@ def test_fp8_modes_only_where_they_apply(f16_mma):
     assert mode(q.half(), k8) == (False, True)
     assert mode(q, k8, unified=True) == (False, True)
     assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
-    rd.set_decode_tuning("default", f16_mma=True, v_smem16=True)  # no effect on a bf16 cache
-    assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
-    rd.set_decode_tuning("default", rd.DecodeTuning())
-    rd.set_decode_tuning("fp8", f16_mma=False, v_smem16=False)
-    assert mode(q, k8) == (False, False)
+    saved = dict(rd.DECODE_TUNING)
+    try:
+        rd.set_decode_tuning("default", f16_mma=True, v_smem16=True)  # no effect on a bf16 cache
+        assert mode(q, k8.to(torch.bfloat16), descales=None) == (False, False)
+        rd.set_decode_tuning("default", saved["default"])
+        rd.set_decode_tuning("fp8", f16_mma=False, v_smem16=False)
+        assert mode(q, k8) == (False, False)
+    finally:  # later tests plan with the defaults
+        for kind, tuning in saved.items():
+            rd.set_decode_tuning(kind, tuning)
 
 
 # the candidate tunings the GPU probe (scratch/fp8kv_probe.py) times, each checked here at scale
