@@ -322,9 +322,10 @@ def fa3_forward(
     q, softmax_scale = positive_scale(q, softmax_scale)
     ensure_allocator()
     if use_gluon(d, causal):
-        from flashtile.runtime.fa3_gluon import gluon_config, gluon_launch
+        from flashtile.runtime.fa3_gluon import HOST_DESC_MIN_WORK, gluon_config, gluon_launch
 
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal))
+        big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal, big))
         return out, lse
     with torch.cuda.device(q.device):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))

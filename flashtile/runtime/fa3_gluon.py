@@ -110,8 +110,14 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
     return cfg.block_m * width * esize + cfg.num_stages * 2 * cfg.block_n * width * esize + 1024 + conv
 
 
+# B * Hq * Nq * Nk * d from which a call builds its TMA descriptors on the host (H100, scratch/gdesc_probe.py:
+# +1-23 % device time, the most at 1k keys; about +35 us of host time per call, Triton's per-call tensor-map
+# encoding): from 2^32 (17 GFLOP, ~35 us of kernel time) the device time saved outweighs the host time
+HOST_DESC_MIN_WORK = 1 << 32
+
+
 @functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
-def gluon_config(d: int, causal: bool) -> GluonConfig:
+def gluon_config(d: int, causal: bool, host_desc: bool = False) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
@@ -123,7 +129,8 @@ def gluon_config(d: int, causal: bool) -> GluonConfig:
     at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
     rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
     Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); causal
-    and narrower widths do not (static round robin: causal 0.65-0.9x, d = 64 at 16k 0.93x)."""
+    and narrower widths do not (static round robin: causal 0.65-0.9x, d = 64 at 16k 0.93x).  ``host_desc``:
+    the caller's choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -143,6 +150,8 @@ def gluon_config(d: int, causal: bool) -> GluonConfig:
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
     if not causal and width >= 128:
         cfg = replace(cfg, persistent=True)
+    if host_desc:
+        cfg = replace(cfg, host_desc=True)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg

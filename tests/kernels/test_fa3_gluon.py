@@ -39,6 +39,8 @@ def test_config_table_fits():
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
     assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
     assert gluon_config(32, False).num_wg == 2
+    for d in (64, 96, 128, 192):  # host_desc is the caller's per-call choice, the rest of the row unchanged
+        assert gluon_config(d, True, True) == replace(gluon_config(d, True), host_desc=True)
     assert [block_d(d) for d in (8, 16, 24, 40, 64, 72, 192, 256)] == [16, 16, 32, 64, 64, 128, 256, 256]
     for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError):
@@ -384,6 +386,25 @@ def test_gpu_split_head_dims(d, causal, schedule):
     assert (head_split(d, cfg.split_d)[1] > 0) == (schedule != "unsplit")
     for nq, nk in [(1, 300), (333, 517), (517, 333)]:
         _gpu_case(d, causal, cfg, nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_forward_builds_host_descriptors_for_large_calls(monkeypatch):
+    """fa3_forward's Gluon launches take host-built descriptors from HOST_DESC_MIN_WORK (B Hq Nq Nk d) on, the
+    in-kernel ones below it (Triton's per-call tensor-map encoding costs more host time than a small call saves)."""
+    from flashtile.runtime import fa3_gluon
+    from flashtile.runtime.fa3_fwd import fa3_forward
+
+    seen = []
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a: seen.append(a[-1].host_desc) or real(*a))
+    for n in (256, 4096):  # 16 * n * n * 128: 2^27, 2^35
+        q = torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16)
+        out, _ = fa3_forward(q, q, q, softmax_scale=0.1, causal=False)
+        ref = attention_ref(*(x.double() for x in (q, q, q)), scale=0.1)[0]
+        assert_close(out, ref, out.dtype, out.device, f"N = {n}")
+    assert seen == [False, True]
 
 
 @pytest.mark.gpu
