@@ -183,11 +183,11 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
-            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem,
+            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-            STATS_SMEM: gl.constexpr):
+            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
     point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
@@ -257,7 +257,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
     # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
-    pt_wg = ds_smem.index(2 * NDS + WG + z)
+    if PT_SEPARATE:
+        pt_wg = pt_smem.index(WG + z)
+    else:
+        pt_wg = ds_smem.index(2 * NDS + WG + z)
     pt_wg.store(pt.to(dtype))
     fence_async_shared()
     dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
@@ -324,12 +327,12 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
 
 
 @gluon.jit
-def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, kv_bar,
+def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, pt_smem, kv_bar,
               q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
               stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              STATS_SMEM: gl.constexpr):
+              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -351,16 +354,16 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem,
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
                              qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                              CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM)
+                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem,
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
                              qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                              CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM)
+                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -390,13 +393,14 @@ def fa3_gluon_bwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
-    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr,
+    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
+    PT_SEPARATE: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
-    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM`` as in
-    the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded up to 64) fp32 buffer of
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
+    ``DQ_SWIZZLE32``, ``PT_SEPARATE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded up to 64) fp32 buffer of
     ``stats_preprocess_kernel``, Delta unread).  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -445,14 +449,27 @@ def fa3_gluon_bwd_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
-    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w (PT_SEPARATE: at w of pt_smem)
+    if PT_SEPARATE:
+        # Pᵀ in its own allocation: Triton's barrier analysis (per allocation) then needs no bar.sync between the
+        # dV GEMM's read of Pᵀ and the dSᵀ store
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, 64], ds_layout)
+        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+        pt_smem = ds_smem  # unread
     if DQ_TMA:
         # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split, else BLOCK_D) dQ part, bulk reduce-added
         gl.static_assert(DQ_SPLIT or BLOCK_D <= 64)  # d = 128 unsplit: two 32 KB tiles do not fit beside the ring
         DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT else BLOCK_D
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN],
-                                            gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32))
+        if DQ_SWIZZLE32:
+            # 32-byte swizzle atoms: a half-warp's 8-byte accumulator stores (4 rows x 32 bytes) hit 32 distinct
+            # banks, where the 128-byte swizzle maps rows r and r ^ 1 onto the same ones (2-way conflicts); the
+            # bulk reduce is then 8-column boxes, one per atom (Triton splits it, spread over the 4 warps)
+            dq_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
+        else:
+            dq_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN], dq_layout_s)
     else:
         dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     if STATS_SMEM:
@@ -502,13 +519,13 @@ def fa3_gluon_bwd_kernel(
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM)),
+         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM)),
+         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
          q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
          start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM)),
