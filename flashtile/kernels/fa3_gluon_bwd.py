@@ -24,11 +24,16 @@ BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA
 (``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
 ``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
 one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
+``STATS_SMEM``: the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i through
+the TMA ring and are read from shared memory straight into the score columns' layout, instead of global loads
+and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
+(conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
+``bar.sync`` fewer per step).  docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
-preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
+preprocess kernel (``STATS_SMEM``: from ``stats_preprocess_kernel``, plain Triton too).  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
 Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
