@@ -28,7 +28,7 @@ one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule
 the TMA ring and are read from shared memory straight into the score columns' layout, instead of global loads
 and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
 (conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
-``bar.sync`` fewer per step).  docs/gluon_bwd.md, "Per-step overhead".
+``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.  docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
@@ -192,7 +192,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr):
+            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
     point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
@@ -303,7 +303,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
                            k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        if not RELEASE_ONCE:  # RELEASE_ONCE: ds_empty's arrive releases the ring slot too (kernel body)
+            mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         mbarrier.arrive(ds_empty.index(buf))
         if DQ_TMA:
             _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
@@ -337,7 +338,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
               stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr):
+              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -362,13 +363,13 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
                              qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                              CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE)
+                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE, RELEASE_ONCE=RELEASE_ONCE)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
                              qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                              CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE)
+                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE, RELEASE_ONCE=RELEASE_ONCE)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -399,13 +400,13 @@ def fa3_gluon_bwd_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
-    PT_SEPARATE: gl.constexpr,
+    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
-    ``DQ_SWIZZLE32``, ``PT_SEPARATE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded up to 64) fp32 buffer of
+    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded up to 64) fp32 buffer of
     ``stats_preprocess_kernel``, Delta unread).  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -520,19 +521,26 @@ def fa3_gluon_bwd_kernel(
         stats_base = LSE + bh64 * (2 * acc_rows)
     else:
         stats_base = lse_base  # unread
+    if RELEASE_ONCE:
+        # with dQ split and 2 stages, step it's ring slot and dSᵀ buffer are both it % 2, released by both consumers
+        # after the same wait with the same phase: the producer waits on ds_empty, one arrive (2 bar.sync) fewer
+        gl.static_assert(DQ_SPLIT and NUM_STAGES == 2)
+        slot_free = ds_empty
+    else:
+        slot_free = qdo_empty
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE)),
+         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE)),
+         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
-         q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
+         q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
          start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

@@ -67,6 +67,9 @@ class GluonBwdConfig:
     # Pᵀ tiles in their own shared allocation instead of beside the dSᵀ ones: one bar.sync fewer per step (Triton's
     # barrier analysis tells allocations apart, not tiles of one)
     pt_separate: bool = False
+    # with dq_split and 2 stages: the dSᵀ buffer's release (ds_empty) also frees the Q / dO ring slot (same index and
+    # phase every step): one mbarrier arrive, and its two bar.sync, fewer per step
+    release_once: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -121,7 +124,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate"):
+    for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if cfg.dq_split and block_d(d) not in (64, 128):
@@ -132,6 +135,8 @@ def _check_config(cfg, d: int, esize: int) -> None:
         raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at head_dim {d}")
     if cfg.dq_swizzle32 and not cfg.dq_tma:
         raise ValueError(f"config: dq_swizzle32 is True only with dq_tma (it lays out the shared dQ tiles), got {cfg}")
+    if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
+        raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")
@@ -233,7 +238,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
-        cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate,
+        cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

@@ -67,10 +67,10 @@ def test_smem_estimate_matches_compile_reports():
     assert smem_bytes(GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True), 128) > SMEM_LIMIT
     # stats_smem: num_stages pairs of 64 fp32 row statistics beside the table's configs; dq_swizzle32 and
     # pt_separate lay out the same tiles
-    for stages, d, sw_pt, reported in [(2, 128, False, 214512), (4, 64, False, 166432), (2, 128, True, 214528),
+    for stages, d, sw_pt, reported in [(2, 128, False, 214512), (4, 64, False, 166432), (2, 128, True, 214496),
                                        (4, 64, True, 166448)]:
         cfg = GluonBwdConfig(num_stages=stages, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
-                             dq_swizzle32=sw_pt, pt_separate=sw_pt)
+                             dq_swizzle32=sw_pt, pt_separate=sw_pt, release_once=sw_pt and stages == 2)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and smem_bytes(cfg, d) <= SMEM_LIMIT, cfg
 
 
@@ -126,6 +126,11 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(pt_separate="no"))
     with pytest.raises(ValueError, match="dq_swizzle32"):  # it lays out dq_tma's tiles
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_swizzle32=True))
+    with pytest.raises(TypeError, match="release_once"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(release_once=1))
+    for cfg in (GluonBwdConfig(release_once=True), GluonBwdConfig(num_stages=3, dq_split=True, release_once=True)):
+        with pytest.raises(ValueError, match="release_once"):  # the ring slot and the dSᵀ buffer must coincide
+            fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=cfg)
     with pytest.raises(ValueError, match="shared memory"):
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125,
                            config=GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True))
@@ -133,7 +138,8 @@ def test_refusals_name_the_argument(monkeypatch):
                    (64, GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True)),
                    (128, GluonBwdConfig(dq_split=True, dq_tma=True)), (8, GluonBwdConfig(pingpong=True)),
                    (128, GluonBwdConfig(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True)),
-                   (64, GluonBwdConfig(num_stages=4, dq_tma=True, dq_swizzle32=True, pt_separate=True))]:
+                   (64, GluonBwdConfig(num_stages=4, dq_tma=True, dq_swizzle32=True, pt_separate=True)),
+                   (128, GluonBwdConfig(num_stages=2, dq_split=True, release_once=True))]:
         fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
@@ -236,13 +242,13 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     assert stats is pre["Stats"] and stats.shape == (b * hq, 2, 320) and stats.dtype == F32 and stats.is_contiguous()
     assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == 320
     assert (bound["NUM_STAGES"], bound["DQ_SPLIT"], bound["DQ_TMA"], bound["PINGPONG"]) == (2, True, True, True)
-    assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"]) == (False, True)
+    assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"], bound["RELEASE_ONCE"]) == (False, True, False)
 
     calls.clear()
     fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=GluonBwdConfig(num_stages=2))
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
     assert bound["STATS_SMEM"] is False and bound["LSE"].shape == (b, hq, nq)  # the flag off: as before
-    assert bound["DQ_SWIZZLE32"] is False and bound["PT_SEPARATE"] is False
+    assert bound["DQ_SWIZZLE32"] is False and bound["PT_SEPARATE"] is False and bound["RELEASE_ONCE"] is False
 
 
 def test_stats_preprocess_matches_torch():
@@ -448,13 +454,18 @@ def test_gpu_stats_smem_matches_oracle(d, causal, b, hq, hk, nq, nk):
 @hopper
 @pytest.mark.parametrize("d,causal,nq,nk,flags", [
     *[(d, c, nq, nk, "all") for d in (64, 128) for c in (False, True) for nq, nk in [(333, 517), (517, 333)]],
-    (128, False, 333, 517, "dq_swizzle32"), (128, True, 517, 333, "pt_separate")])
-def test_gpu_dq_swizzle32_and_pt_separate(d, causal, nq, nk, flags):
-    """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps) and pt_separate
-    (Pᵀ in its own allocation), all with stats_smem and each alone, on the table's config."""
-    on = dict(stats_smem=True, dq_swizzle32=True, pt_separate=True) if flags == "all" else {flags: True}
+    (128, False, 333, 517, "dq_swizzle32"), (128, True, 517, 333, "pt_separate"), (128, True, 333, 517, "release_once")])
+def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
+    """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps), pt_separate
+    (Pᵀ in its own allocation), release_once (2 stages: ds_empty frees the ring slot too), all with stats_smem and
+    each alone, on the table's config (release_once where it has 2 stages: d = 128)."""
+    table = gluon_bwd_config(d, causal)
+    if flags == "all":
+        on = dict(stats_smem=True, dq_swizzle32=True, pt_separate=True, release_once=table.num_stages == 2)
+    else:
+        on = {flags: True}
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq + d + 1)
-    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(gluon_bwd_config(d, causal), **on))
+    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(table, **on))
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
@@ -463,10 +474,12 @@ def test_gpu_dq_swizzle32_and_pt_separate(d, causal, nq, nk, flags):
 @hopper
 @pytest.mark.parametrize("d,stages", [(128, 2), (64, 4)])
 def test_gpu_stats_smem_long_sequence_and_plain_config(d, stages):
-    """stats_smem with dq_swizzle32 and pt_separate over 32 ring rounds (N = 4k, causal) on the table's config; then
-    fp16 without split and ping-pong (d = 64: unsplit dq_tma, its 64-column tile in 8 swizzle-32 boxes)."""
+    """stats_smem with dq_swizzle32, pt_separate (and release_once at d = 128: 2 stages) over 32 ring rounds
+    (N = 4k, causal) on the table's config; then fp16 without split and ping-pong (d = 64: unsplit dq_tma, its
+    64-column tile in 8 swizzle-32 boxes)."""
     q, k, v, do = inputs(1, 2, 2, 4096, 4096, d, BF16, "cuda", seed=d)
-    cfg = replace(gluon_bwd_config(d, True), stats_smem=True, dq_swizzle32=True, pt_separate=True)
+    cfg = replace(gluon_bwd_config(d, True), stats_smem=True, dq_swizzle32=True, pt_separate=True,
+                  release_once=stages == 2)
     got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
     assert_grads(got, ref)
     q, k, v, do = inputs(1, 2, 1, 300, 200, d, F16, "cuda", seed=stages)
