@@ -24,16 +24,18 @@ BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA
 (``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
 ``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
 one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
-``STATS_SMEM``: the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i through
-the TMA ring and are read from shared memory straight into the score columns' layout, instead of global loads
-and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
+``STATS_SMEM``: the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i
+through the TMA ring and are read from shared memory straight into the score columns' layout, instead of global
+loads and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
 (conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
-``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.  docs/gluon_bwd.md, "Per-step overhead".
+``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.
+docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
-preprocess kernel (``STATS_SMEM``: from ``stats_preprocess_kernel``, plain Triton too).  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
+preprocess kernel (``STATS_SMEM``: from ``stats_preprocess_kernel``, plain Triton too).  Not deterministic (the
+atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
 Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
@@ -113,7 +115,7 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
 def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
     """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
     reduce-add from the warpgroup's shared tile ``dq_tile``."""
-    tma.store_wait(0)  # the issuing thread's previous reduce has read the tile (a step ago: no stall expected)
+    tma.store_wait(0)  # the issuing threads' previous reduces have read the tile (a step ago: no stall expected)
     gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
     dq_tile.store(dq)
     fence_async_shared()  # generic-proxy writes visible to the bulk copy
@@ -361,15 +363,17 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                             CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE, RELEASE_ONCE=RELEASE_ONCE)
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                             PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                             RELEASE_ONCE=RELEASE_ONCE)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                             CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG,
-                             STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE, RELEASE_ONCE=RELEASE_ONCE)
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                             PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                             RELEASE_ONCE=RELEASE_ONCE)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -406,8 +410,9 @@ def fa3_gluon_bwd_kernel(
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
-    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded up to 64) fp32 buffer of
-    ``stats_preprocess_kernel``, Delta unread).  Launch with ``num_warps=4``."""
+    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
+    (B * Hq, 2, Nq rounded up to 64) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  Launch with
+    ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)

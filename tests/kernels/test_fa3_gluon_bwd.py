@@ -454,7 +454,8 @@ def test_gpu_stats_smem_matches_oracle(d, causal, b, hq, hk, nq, nk):
 @hopper
 @pytest.mark.parametrize("d,causal,nq,nk,flags", [
     *[(d, c, nq, nk, "all") for d in (64, 128) for c in (False, True) for nq, nk in [(333, 517), (517, 333)]],
-    (128, False, 333, 517, "dq_swizzle32"), (128, True, 517, 333, "pt_separate"), (128, True, 333, 517, "release_once")])
+    (128, False, 333, 517, "dq_swizzle32"), (128, True, 517, 333, "pt_separate"),
+    (128, True, 333, 517, "release_once")])
 def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
     """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps), pt_separate
     (Pᵀ in its own allocation), release_once (2 stages: ds_empty frees the ring slot too), all with stats_smem and
