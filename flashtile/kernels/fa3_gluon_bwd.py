@@ -24,11 +24,18 @@ BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA
 (``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
 ``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
 one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
+``STATS_SMEM``: the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i
+through the TMA ring and are read from shared memory straight into the score columns' layout, instead of global
+loads and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
+(conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
+``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.
+docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
 ``dq_postprocess_kernel`` (plain Triton: it runs in the interpreter).  D = rowsum(dO∘O) comes from FA2's
-preprocess kernel.  Not deterministic (the atomics' order varies); FA2's backward is the deterministic path.
+preprocess kernel (``STATS_SMEM``: from ``stats_preprocess_kernel``, plain Triton too).  Not deterministic (the
+atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
 Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
@@ -49,9 +56,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton._C.libtriton import ir as _ir
 from triton.experimental.gluon.language._core import builtin as _builtin
 
-from flashtile.kernels._common import LOG2E
+from flashtile.kernels._common import LOG2E, unfold_pid
 
-__all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "WG_N", "BLOCK_M"]
+__all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_kernel", "WG_N", "BLOCK_M"]
 
 WG_N = 64  # kv rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 BLOCK_M = 64  # q rows per inner step (the N of the Sᵀ / dPᵀ wgmmas)
@@ -108,7 +115,7 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
 def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
     """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
     reduce-add from the warpgroup's shared tile ``dq_tile``."""
-    tma.store_wait(0)  # the issuing thread's previous reduce has read the tile (a step ago: no stall expected)
+    tma.store_wait(0)  # the issuing threads' previous reduces have read the tile (a step ago: no stall expected)
     gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
     dq_tile.store(dq)
     fence_async_shared()  # generic-proxy writes visible to the bulk copy
@@ -136,11 +143,14 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, qdo_empty,
-              stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
-              HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
+              qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
+              first_m, n_iters, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+              STATS_SMEM: gl.constexpr):
     """K, V halves once, then Q_i, dO_i for the ``n_iters`` q tiles from ``first_m`` into ring slot
-    it % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do."""
+    it % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do.
+    ``STATS_SMEM``: the q tile's rows of ``Stats`` (2 x ``stats_rows``: log2-scaled LSE, D; padded, never
+    clipped) into ``stats_smem``'s slot too, counted on ``q_ready``."""
     dtype: gl.constexpr = Q.dtype.element_ty
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
@@ -149,6 +159,11 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
     v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
     # a box's transaction bytes count its zero-filled part too
     box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
+    if STATS_SMEM:
+        stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+        q_bytes: gl.constexpr = box_bytes + 2 * 64 * 4
+    else:
+        q_bytes: gl.constexpr = box_bytes
     has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
     mbarrier.expect(kv_bar, 4 * box_bytes, pred=has_work)
     for w in gl.static_range(2):
@@ -163,21 +178,27 @@ def _producer(Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_
         m0 = (first_m + it) * 64
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), box_bytes)
+        mbarrier.expect(q_ready.index(slot), q_bytes)
         tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
+        if STATS_SMEM:
+            tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
+            tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
+                                            stats_smem.index(2 * slot + 1))
         mbarrier.expect(do_ready.index(slot), box_bytes)
         tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
 
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
-            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem,
+            turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
+            MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
-    point at this (batch, q head)."""
+    point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
+    of ``stats_smem`` instead (``_producer``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -193,25 +214,34 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     k_wg = k_smem.index(WG + z)
     v_wg = v_smem.index(WG + z)
     m0 = (first_m + it) * 64
-    # row statistics of the q tile read before the waits in a compact layout (1 register each), moved to the
-    # score columns' layout (16 registers each) only where used: kept early, they spill at d = 128
-    vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-    rows_v = m0 + gl.arange(0, 64, layout=vec)
-    # past Nq and on rows that see no key (LSE -inf) the +inf makes P = 0
-    lse_v = gl.load(LSE + rows_v, mask=rows_v < seqlen_q, other=float("inf"))
-    lse_v = gl.where(lse_v == float("-inf"), float("inf"), lse_v * _LOG2E)
-    delta_v = gl.load(Delta + rows_v, mask=rows_v < seqlen_q, other=0.0)
+    if not STATS_SMEM:
+        # row statistics of the q tile read before the waits in a compact layout (1 register each), moved to
+        # the score columns' layout (16 registers each) only where used: kept early, they spill at d = 128
+        vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                             order=[0])
+        rows_v = m0 + gl.arange(0, 64, layout=vec)
+        # past Nq and on rows that see no key (LSE -inf) the +inf makes P = 0
+        lse_v = gl.load(LSE + rows_v, mask=rows_v < seqlen_q, other=float("inf"))
+        lse_v = gl.where(lse_v == float("-inf"), float("inf"), lse_v * _LOG2E)
+        delta_v = gl.load(Delta + rows_v, mask=rows_v < seqlen_q, other=0.0)
     zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
 
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
+    if STATS_SMEM:
+        # rows of the slot's [2, 64] tile (LSE, D) read straight into the score columns' layout: broadcast
+        # shared loads, no layout conversion; they landed with Q_i (q_ready)
+        mbarrier.wait(q_ready.index(slot), phase)
+        d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_s), 0) + zero_s
+    else:
+        d_cols = gl.expand_dims(gl.convert_layout(delta_v, col_s), 0) + zero_s
     # dPᵀ - D: the GEMM accumulates onto -D, so D is not held beside Pᵀ and dPᵀ (spills at d = 128).  The
     # rows of -D are equal: an asm per element makes them distinct registers (shared ones are copied into
     # the accumulator, and ptxas then waits for the Sᵀ GEMM before issuing this one)
-    d_cols = gl.expand_dims(gl.convert_layout(delta_v, col_s), 0) + zero_s
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
                                         pack=1)
-    mbarrier.wait(q_ready.index(slot), phase)
+    if not STATS_SMEM:
+        mbarrier.wait(q_ready.index(slot), phase)
     # PINGPONG: the tensor cores take one warpgroup's Sᵀ, dPᵀ before the other's, so its exp2 and dSᵀ run beside them
     _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -219,7 +249,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
     _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: Sᵀ done, dPᵀ may still run
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(gl.convert_layout(lse_v, col_s), 0))
+    if STATS_SMEM:
+        lse_cols = stats_smem.index(2 * slot).load(col_s)  # +inf past Nq and on rows that see no key: P = 0 there
+    else:
+        lse_cols = gl.convert_layout(lse_v, col_s)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
         cols = m0 + gl.arange(0, 64, layout=col_s)
         # key n is seen by row m iff n < Nk and, causal, n <= m + Nk - Nq (bottom-right)
@@ -230,7 +264,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
     # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
-    pt_wg = ds_smem.index(2 * NDS + WG + z)
+    if PT_SEPARATE:
+        pt_wg = pt_smem.index(WG + z)
+    else:
+        pt_wg = ds_smem.index(2 * NDS + WG + z)
     pt_wg.store(pt.to(dtype))
     fence_async_shared()
     dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
@@ -268,7 +305,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
                            k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        if not RELEASE_ONCE:  # RELEASE_ONCE: ds_empty's arrive releases the ring slot too (kernel body)
+            mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         mbarrier.arrive(ds_empty.index(buf))
         if DQ_TMA:
             _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
@@ -297,11 +335,12 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
 
 
 @gluon.jit
-def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, q_ready,
-              do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-              seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, pt_smem, kv_bar,
+              q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
+              stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -323,14 +362,18 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
-                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                             CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                             PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                             RELEASE_ONCE=RELEASE_ONCE)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
-                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, qk_scale,
-                             seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                             CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA, PINGPONG=PINGPONG)
+                             ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                             PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                             RELEASE_ONCE=RELEASE_ONCE)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -360,13 +403,16 @@ def fa3_gluon_bwd_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
-    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
+    DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
+    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
-    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA`` as in the module's
-    docstring.  Launch with ``num_warps=4``."""
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
+    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
+    (B * Hq, 2, Nq rounded up to 64) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  Launch with
+    ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
@@ -414,16 +460,35 @@ def fa3_gluon_bwd_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
-    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+    # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w (PT_SEPARATE: at w of pt_smem)
+    if PT_SEPARATE:
+        # Pᵀ in its own allocation: Triton's barrier analysis (per allocation) then needs no bar.sync between the
+        # dV GEMM's read of Pᵀ and the dSᵀ store
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, 64], ds_layout)
+        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+        pt_smem = ds_smem  # unread
     if DQ_TMA:
         # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split, else BLOCK_D) dQ part, bulk reduce-added
         gl.static_assert(DQ_SPLIT or BLOCK_D <= 64)  # d = 128 unsplit: two 32 KB tiles do not fit beside the ring
         DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT else BLOCK_D
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN],
-                                            gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32))
+        if DQ_SWIZZLE32:
+            # 32-byte swizzle atoms: a half-warp's 8-byte accumulator stores (4 rows x 32 bytes) hit 32 distinct
+            # banks, where the 128-byte swizzle maps rows r and r ^ 1 onto the same ones (2-way conflicts); the
+            # bulk reduce is then 8-column boxes, one per atom (Triton splits it, spread over the 4 warps)
+            dq_layout_s: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
+        else:
+            dq_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DQN], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, DQN], dq_layout_s)
     else:
         dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
+    if STATS_SMEM:
+        # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
+        stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 64],
+                                               gl.NVMMASharedLayout.get_default_for([64], gl.float32))
+    else:
+        stats_smem = ds_smem  # unread
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -456,20 +521,32 @@ def fa3_gluon_bwd_kernel(
     delta_base = Delta + bh64 * seqlen_q
     acc_base = DQacc + bh64 * stride_acc_h
     acc_rows = stride_acc_h // BLOCK_D
+    if STATS_SMEM:
+        # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
+        stats_base = LSE + bh64 * (2 * acc_rows)
+    else:
+        stats_base = lse_base  # unread
+    if RELEASE_ONCE:
+        # with dQ split and 2 stages, step it's ring slot and dSᵀ buffer are both it % 2, released by both consumers
+        # after the same wait with the same phase: the producer waits on ds_empty, one arrive (2 bar.sync) fewer
+        gl.static_assert(DQ_SPLIT and NUM_STAGES == 2)
+        slot_free = ds_empty
+    else:
+        slot_free = qdo_empty
     # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM,
-         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
+         dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM,
-         BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG)),
-        (_producer, (q_base, k_base, v_base, do_base, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-         qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, start_n, first_m, n_iters,
-         HEAD_DIM, BLOCK_D, NUM_STAGES)),
+         dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
+        (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
+         q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
+         start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -493,3 +570,38 @@ def dq_postprocess_kernel(
     h = (bh % n_heads).to(tl.int64)
     ptrs = DQ + b * stride_dqb + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + cols[None, :]
     tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+@triton.jit(do_not_specialize=["n_bh", "seqlen_q", "stats_rows"])
+def stats_preprocess_kernel(
+    Out, DOut, LSE, Stats,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
+    n_heads, n_bh, seqlen_q, stats_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The Gluon backward's row statistics for ``STATS_SMEM``: Stats (B * Hq, 2, ``stats_rows``) fp32, row 0 the
+    LSE times log2(e) (+inf past Nq and where LSE is -inf, so P = exp2(S log2e - it) is 0 there unmasked), row 1
+    D = rowsum(dO o O) (0 past Nq).  ``stats_rows`` is Nq rounded up to 64 (whole TMA boxes), a multiple of
+    ``BLOCK``; grid ``fold_grid(stats_rows // BLOCK, n_bh)``.  O, dO (B, Hq, Nq, HEAD_DIM) with unit stride on d; LSE
+    (B, Hq, Nq) fp32, any strides."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tile, bh = unfold_pid()
+    if bh >= n_bh:
+        return
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    in_q = rows < seqlen_q
+    mask = in_q[:, None] & (cols < HEAD_DIM)[None, :]
+    rows64 = rows.to(tl.int64)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows64[:, None] * stride_om + cols[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(DOut + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dom + cols[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows64 * stride_lm, mask=in_q, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse.to(tl.float32) * _LOG2E)
+    base = Stats + bh.to(tl.int64) * (2 * stats_rows)
+    tl.store(base + rows, lse2)
+    tl.store(base + stats_rows + rows, delta)

@@ -57,18 +57,33 @@ class GluonBwdConfig:
     dq_tma: bool = False
     # the consumers take turns issuing each step's first two GEMMs (an mbarrier each), as the forward's ping-pong
     pingpong: bool = False
+    # the q tile's log2-scaled LSE and D rows TMA-loaded with Q_i into the ring (FA3's way, from the padded buffer
+    # of stats_preprocess) and read by the consumers straight into the score columns' layout, instead of a global
+    # load and a layout conversion (shared-memory round trip, its barriers) each per step
+    stats_smem: bool = False
+    # with dq_tma: the fp32 dQ tiles in 32-byte swizzle atoms (bank-conflict-free stores from the wgmma accumulator
+    # layout; 8-column bulk reduces) instead of 128-byte ones (2-way conflicts)
+    dq_swizzle32: bool = False
+    # Pᵀ tiles in their own shared allocation instead of beside the dSᵀ ones: one bar.sync fewer per step (Triton's
+    # barrier analysis tells allocations apart, not tiles of one)
+    pt_separate: bool = False
+    # with dq_split and 2 stages: the dSᵀ buffer's release (ds_empty) also frees the Q / dO ring slot (same index and
+    # phase every step): one mbarrier arrive, and its two bar.sync, fewer per step
+    release_once: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of 64 rows (all
     ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with ``dq_tma``
-    each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), under 1 KB of
-    mbarriers (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and
-    dq_split, 213728 with 2, dq_split and dq_tma; 99008 / 131824 at d = 64 with 2 / 4)."""
+    each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), with ``stats_smem``
+    ``num_stages`` pairs of 64 fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
+    at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
+    with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4)."""
     bd = block_d(d)
     tiles = 6 if cfg.dq_split else 4
     dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
-    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + 1024
+    stats = cfg.num_stages * 2 * BLOCK_M * 4 if cfg.stats_smem else 0
+    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + stats + 1024
 
 
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
@@ -109,7 +124,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    for name in ("dq_split", "dq_tma", "pingpong"):
+    for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if cfg.dq_split and block_d(d) not in (64, 128):
@@ -118,6 +133,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if cfg.dq_tma and not cfg.dq_split and block_d(d) > 64:
         # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
         raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at head_dim {d}")
+    if cfg.dq_swizzle32 and not cfg.dq_tma:
+        raise ValueError(f"config: dq_swizzle32 is True only with dq_tma (it lays out the shared dQ tiles), got {cfg}")
+    if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
+        raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")
@@ -177,13 +196,18 @@ def fa3_gluon_backward(
         for ret in rets:
             ret.zero_()
         return rets
-    lse = lse.to(dtype=torch.float32).contiguous()
+    if not cfg.stats_smem:
+        lse = lse.to(dtype=torch.float32).contiguous()
     # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back
     partials = hq > hk
     dq_buf, dk_buf, dv_buf = bufs = grad_buffers(rets, q, k, v, partials)
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     with torch.cuda.device(q.device):
-        delta = _preprocess(out, dout, b, hq, nq, d)
+        if cfg.stats_smem:
+            # LSE · log2 e and D in one padded (B * Hq, 2, rows) buffer, passed as the kernel's LSE (Delta unread)
+            lse = delta = stats_preprocess(out, dout, lse)
+        else:
+            delta = _preprocess(out, dout, b, hq, nq, d)
         # rows padded to a multiple of 64 and BLOCK_D columns: the kernel's reductions need no mask
         dq_acc = torch.zeros((b * hq, triton.cdiv(nq, BLOCK_M) * BLOCK_M, block_d(d)), dtype=torch.float32,
                              device=q.device)
@@ -196,7 +220,8 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
                      cfg: GluonBwdConfig) -> None:
     """The Gluon kernel on checked views with work to do.  ``dk``, ``dv`` (B, Hk, Nk, d) in q's dtype, or
     (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed (B * Hq, Nq rounded up to 64, block_d(d))
-    fp32 accumulator; the descriptor allocator installed (``fa3_fwd.ensure_allocator``)."""
+    fp32 accumulator; the descriptor allocator installed (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem``
+    ``lse`` is :func:`stats_preprocess`'s buffer (its rows padded as ``dq_acc``'s) and ``delta`` unread."""
     from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
@@ -213,10 +238,27 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
         # constexprs, in the kernel's order
         d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
-        cfg.dq_tma, cfg.pingpong,
+        cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once,
     )
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+
+
+def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The (B * Hq, 2, Nq rounded up to 64) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past Nq
+    and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
+    lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too)."""
+    from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel
+    from flashtile.runtime.common import fold_grid
+    from flashtile.runtime.launch import launch as run_kernel
+
+    b, hq, nq, d = out.shape
+    rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
+    stats = torch.empty((b * hq, 2, rows), dtype=torch.float32, device=out.device)
+    static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, d, block_d(d), BLOCK_M)
+    run_kernel(stats_preprocess_kernel, fold_grid(rows // BLOCK_M, b * hq), (out, dout, lse, stats), static,
+               num_warps=4, num_stages=1)
+    return stats
 
 
 def dq_postprocess(dq_acc: torch.Tensor, dq: torch.Tensor, softmax_scale: float) -> None:

@@ -12,6 +12,7 @@ import inspect
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from flashtile.runtime import fa3_gluon_bwd
 from flashtile.runtime.fa3_gluon_bwd import (
     GLUON_BWD_HEAD_DIMS, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward, gluon_bwd_config,
-    smem_bytes,
+    smem_bytes, stats_preprocess,
 )
 from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
 from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs
@@ -64,6 +65,13 @@ def test_smem_estimate_matches_compile_reports():
         cfg = GluonBwdConfig(num_stages=stages, dq_split=split, dq_tma=tma)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024, cfg
     assert smem_bytes(GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True), 128) > SMEM_LIMIT
+    # stats_smem: num_stages pairs of 64 fp32 row statistics beside the table's configs; dq_swizzle32 and
+    # pt_separate lay out the same tiles
+    for stages, d, sw_pt, reported in [(2, 128, False, 214512), (4, 64, False, 166432), (2, 128, True, 214496),
+                                       (4, 64, True, 166448)]:
+        cfg = GluonBwdConfig(num_stages=stages, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
+                             dq_swizzle32=sw_pt, pt_separate=sw_pt, release_once=sw_pt and stages == 2)
+        assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and smem_bytes(cfg, d) <= SMEM_LIMIT, cfg
 
 
 def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
@@ -110,12 +118,28 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_tma="yes"))
     with pytest.raises(TypeError, match="pingpong"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(pingpong=None))
+    with pytest.raises(TypeError, match="stats_smem"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(stats_smem=1))
+    with pytest.raises(TypeError, match="dq_swizzle32"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_swizzle32=0))
+    with pytest.raises(TypeError, match="pt_separate"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(pt_separate="no"))
+    with pytest.raises(ValueError, match="dq_swizzle32"):  # it lays out dq_tma's tiles
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(dq_swizzle32=True))
+    with pytest.raises(TypeError, match="release_once"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(release_once=1))
+    for cfg in (GluonBwdConfig(release_once=True), GluonBwdConfig(num_stages=3, dq_split=True, release_once=True)):
+        with pytest.raises(ValueError, match="release_once"):  # the ring slot and the dSᵀ buffer must coincide
+            fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=cfg)
     with pytest.raises(ValueError, match="shared memory"):
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125,
                            config=GluonBwdConfig(num_stages=3, dq_split=True, dq_tma=True))
     for d, cfg in [(64, GluonBwdConfig(dq_split=True)), (40, GluonBwdConfig(dq_tma=True)),
                    (64, GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True)),
-                   (128, GluonBwdConfig(dq_split=True, dq_tma=True)), (8, GluonBwdConfig(pingpong=True))]:
+                   (128, GluonBwdConfig(dq_split=True, dq_tma=True)), (8, GluonBwdConfig(pingpong=True)),
+                   (128, GluonBwdConfig(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True)),
+                   (64, GluonBwdConfig(num_stages=4, dq_tma=True, dq_swizzle32=True, pt_separate=True)),
+                   (128, GluonBwdConfig(num_stages=2, dq_split=True, release_once=True))]:
         fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
@@ -183,6 +207,71 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
         320 * block_d(d), block_d(d), hq, nq)
     assert (post["HEAD_DIM"], post["BLOCK_D"]) == (d, block_d(d)) and grid == (b * hq * post["num_tiles"],)
     assert post["num_tiles"] * post["BLOCK"] >= nq > (post["num_tiles"] - 1) * post["BLOCK"]
+
+
+def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
+    """``stats_smem``: the statistics preprocess runs instead of FA2's, and its (B * Hq, 2, Nq rounded up to 64)
+    buffer is the kernel's LSE (rows padded as the dQ accumulator's: the kernel derives one from the other)."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, fa3_gluon_bwd_kernel, stats_preprocess_kernel
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    b, hq, hk, nq, nk, d = 2, 4, 2, 300, 500, 128
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
+    k = torch.zeros(b, hk, nk, d, dtype=BF16)
+    lse = torch.zeros(b, nq, hq).transpose(1, 2)  # strided: read in place by the preprocess
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True)
+    fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=cfg)
+    assert [c[0][0] for c in calls] == [stats_preprocess_kernel, fa3_gluon_bwd_kernel, dq_postprocess_kernel]
+
+    (kernel, grid, dynamic, static), _ = calls[0]
+    pre = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert pre["LSE"] is lse and pre["Out"] is q and pre["DOut"] is q
+    assert (pre["stride_lb"], pre["stride_lh"], pre["stride_lm"]) == lse.stride()
+    assert (pre["n_heads"], pre["n_bh"], pre["seqlen_q"], pre["stats_rows"]) == (hq, b * hq, nq, 320)
+    assert grid[0] * pre["BLOCK"] == 320 and grid[1] * grid[2] >= b * hq
+
+    (kernel, grid, dynamic, static), _ = calls[1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    stats = bound["LSE"]
+    assert stats is pre["Stats"] and stats.shape == (b * hq, 2, 320) and stats.dtype == F32 and stats.is_contiguous()
+    assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == 320
+    assert (bound["NUM_STAGES"], bound["DQ_SPLIT"], bound["DQ_TMA"], bound["PINGPONG"]) == (2, True, True, True)
+    assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"], bound["RELEASE_ONCE"]) == (False, True, False)
+
+    calls.clear()
+    fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=GluonBwdConfig(num_stages=2))
+    bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+    assert bound["STATS_SMEM"] is False and bound["LSE"].shape == (b, hq, nq)  # the flag off: as before
+    assert bound["DQ_SWIZZLE32"] is False and bound["PT_SEPARATE"] is False and bound["RELEASE_ONCE"] is False
+
+
+def test_stats_preprocess_matches_torch():
+    """Interpreted: row 0 LSE · log2 e (+inf on a -inf row and past Nq), row 1 rowsum(dO∘O) (0 past Nq), rows padded
+    to 64; O in (B, N, H, d) storage, LSE strided."""
+    import math
+
+    b, h, nq, d = 2, 3, 70, 40
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(b, nq, h, d, generator=g).to(BF16).transpose(1, 2)
+    dout = torch.randn(b, h, nq, d, generator=g).to(BF16)
+    lse = torch.randn(b, nq, h, generator=g).transpose(1, 2)
+    lse[0, 1, 5] = lse[1, 2, nq - 1] = float("-inf")  # rows that see no key
+    stats = stats_preprocess(out, dout, lse)
+    assert stats.shape == (b * h, 2, 128) and stats.dtype == F32
+    ref_d = (out.double() * dout.double()).sum(-1).reshape(b * h, nq)
+    ref_l = lse.double().reshape(b * h, nq) / math.log(2)
+    ref_l = torch.where(torch.isinf(ref_l), float("inf"), ref_l)
+    assert_close(stats[:, 1, :nq], ref_d, F32, "cpu", "D", magnitude=float(ref_d.abs().max()))
+    assert torch.equal(stats[:, 0, :nq].isinf(), ref_l.isinf()) and (stats[:, 0, :nq][ref_l.isinf()] > 0).all()
+    fin = ref_l.isfinite()
+    assert_close(stats[:, 0, :nq][fin], ref_l[fin], F32, "cpu", "LSE log2e", magnitude=float(ref_l[fin].abs().max()))
+    assert (stats[:, 0, nq:] == float("inf")).all() and (stats[:, 1, nq:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
@@ -342,6 +431,62 @@ def test_gpu_dq_split_matches_oracle(d, tma, pingpong, causal, nq, nk):
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq)
     cfg = GluonBwdConfig(num_stages=2 if tma and d == 128 else 3, dq_split=True, dq_tma=tma, pingpong=pingpong)
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,hq,hk,nq,nk", [(2, 4, 2, 333, 517), (2, 4, 2, 517, 333), (1, 2, 2, 1, 300)])
+def test_gpu_stats_smem_matches_oracle(d, causal, b, hq, hk, nq, nk):
+    """stats_smem on the table's config: LSE · log2 e and D TMA-loaded with Q_i (padded rows: +inf, 0), read from
+    shared memory.  Causal 517 x 333: rows 0-183 see no key (LSE -inf: P = 0, dq = 0 exactly); GQA 4:2; Nq = 1."""
+    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=nq + d)
+    cfg = replace(gluon_bwd_config(d, causal), stats_smem=True)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,causal,nq,nk,flags", [
+    *[(d, c, nq, nk, "all") for d in (64, 128) for c in (False, True) for nq, nk in [(333, 517), (517, 333)]],
+    (128, False, 333, 517, "dq_swizzle32"), (128, True, 517, 333, "pt_separate"),
+    (128, True, 333, 517, "release_once")])
+def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
+    """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps), pt_separate
+    (Pᵀ in its own allocation), release_once (2 stages: ds_empty frees the ring slot too), all with stats_smem and
+    each alone, on the table's config (release_once where it has 2 stages: d = 128)."""
+    table = gluon_bwd_config(d, causal)
+    if flags == "all":
+        on = dict(stats_smem=True, dq_swizzle32=True, pt_separate=True, release_once=table.num_stages == 2)
+    else:
+        on = {flags: True}
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq + d + 1)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(table, **on))
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,stages", [(128, 2), (64, 4)])
+def test_gpu_stats_smem_long_sequence_and_plain_config(d, stages):
+    """stats_smem with dq_swizzle32, pt_separate (and release_once at d = 128: 2 stages) over 32 ring rounds
+    (N = 4k, causal) on the table's config; then fp16 without split and ping-pong (d = 64: unsplit dq_tma, its
+    64-column tile in 8 swizzle-32 boxes)."""
+    q, k, v, do = inputs(1, 2, 2, 4096, 4096, d, BF16, "cuda", seed=d)
+    cfg = replace(gluon_bwd_config(d, True), stats_smem=True, dq_swizzle32=True, pt_separate=True,
+                  release_once=stages == 2)
+    got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
+    assert_grads(got, ref)
+    q, k, v, do = inputs(1, 2, 1, 300, 200, d, F16, "cuda", seed=stages)
+    tma = dict(dq_tma=True, dq_swizzle32=True) if d <= 64 else {}
+    cfg = GluonBwdConfig(num_stages=stages, stats_smem=True, pt_separate=True, **tma)
+    got, ref, visible = run(q, k, v, do, causal=True, config=cfg)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
