@@ -41,9 +41,10 @@ def test_config_table_fits():
             assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
             assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
     # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128
-    both = dict(dq_split=True, dq_tma=True, pingpong=True)
+    both = dict(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True)
     assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **both)
-    assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, **both)
+    assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, dq_swizzle32=True,
+                                                                                    **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
     for d in (0, 4, 100, 136, 256):
         with pytest.raises(NotImplementedError, match="head_dim"):
@@ -171,7 +172,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
     lse = torch.zeros(b, hq, nq)
-    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=tma, pingpong=tma) if split else None
+    cfg = GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=tma, pingpong=tma) if split else GluonBwdConfig(4)
     dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=-0.5, causal=causal, config=cfg)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dk.dtype == BF16
     kernels = [c[0][0] for c in calls]
