@@ -38,9 +38,9 @@ preprocess kernel (``STATS_SMEM``: from ``stats_preprocess_kernel``, plain Trito
 atomics' order varies); FA2's backward is the deterministic path.
 The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 
-Status: correct on an H100 without ``DQ_TMA`` and with ``DQ_SPLIT`` at d = 128 (bench/NOTES.md, "Gluon
-backward"); ``DQ_SPLIT`` at d <= 64 and ``DQ_TMA`` compile for sm_90a with Triton 3.6 (``scratch/cc_gluon_bwd.py``,
-docs/gluon_bwd.md) and are not yet run on a GPU; not dispatched by default (``runtime.fa3_gluon_bwd.ENABLED``).
+Every flag is checked against the float64 oracle on an H100 (``pytest -m gpu tests/kernels/test_fa3_gluon_bwd.py``);
+which ones the table takes, and where the backward is dispatched, is ``runtime.fa3_gluon_bwd`` (bench/NOTES.md,
+"Gluon backward").
 """
 
 from __future__ import annotations
@@ -288,8 +288,9 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
-    # the accumulator has BLOCK_D columns and its rows padded to a multiple of 64: no mask
-    acc_tile = DQacc + m0 * BLOCK_D
+    # the accumulator has BLOCK_D columns and its rows padded to a multiple of 64: no mask; int64 (Nq * BLOCK_D
+    # passes 2^31 from Nq = 2^24 at BLOCK_D = 128)
+    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D
     if DQ_SPLIT:
         # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
         HALF: gl.constexpr = BLOCK_D // 2
@@ -564,11 +565,12 @@ def dq_postprocess_kernel(
     rows = (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen_q
-    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows[:, None] * stride_acc_m + cols[None, :],
+    rows64 = rows.to(tl.int64)  # Nq * BLOCK_D passes 2^31 from Nq = 2^24 at BLOCK_D = 128
+    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows64[:, None] * stride_acc_m + cols[None, :],
                   mask=row_ok[:, None], other=0.0)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
-    ptrs = DQ + b * stride_dqb + h * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqm + cols[None, :]
+    ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqm + cols[None, :]
     tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (cols < HEAD_DIM)[None, :])
 
 

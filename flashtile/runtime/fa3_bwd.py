@@ -155,6 +155,8 @@ def _check(q, k, v, dout, out, lse) -> None:
             raise NotImplementedError(
                 f"{name}: fa3_backward needs unit stride on d, a nonzero row stride, 16-byte aligned base and strides"
             )
+    if out.stride(3) != 1:  # D = rowsum(dO o O) reads O's rows by pointers, columns adjacent
+        raise NotImplementedError(f"out: fa3_backward needs unit stride on d, got strides {tuple(out.stride())}")
 
 
 def _grad_out(given, like: torch.Tensor, name: str) -> torch.Tensor:

@@ -90,6 +90,18 @@ def test_refuses_what_it_does_not_cover():
         fa3_backward(h3, h3, h2, h2, h3, torch.zeros(1, 3, 16), softmax_scale=0.125)
 
 
+def test_refuses_out_without_unit_stride_on_d():
+    """O's rows are read by pointers with adjacent columns (D = rowsum(dO o O), both backwards' preprocess): an
+    out of another layout is refused by name, not read as if it were one."""
+    from flashtile.runtime.fa3_gluon_bwd import fa3_gluon_backward
+
+    h = torch.zeros(1, 1, 16, 64, dtype=F16)
+    out = torch.zeros(1, 1, 64, 16, dtype=F16).transpose(2, 3)  # q's shape, stride 16 on d
+    for backward in (fa3_backward, fa3_gluon_backward):
+        with pytest.raises(NotImplementedError, match="out: "):
+            backward(h, h, h, h, out, torch.zeros(1, 1, 16), softmax_scale=0.125)
+
+
 @pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
 def test_head_dim_split_widths(d):
     """Two power-of-two column parts (``head_split``) exactly where they are narrower than ``block_d(d)``

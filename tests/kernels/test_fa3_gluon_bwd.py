@@ -2,7 +2,7 @@
 
 Gluon kernels do not run in Triton's interpreter, so on the CPU: the config table, the wrapper's refusals, the
 launcher's argument lists (bound to the kernels' signatures), the dQ postprocess (plain Triton, interpreted) and
-the autograd hook (off by default).  Gradients against the float64 oracle are GPU-only (``pytest -m gpu``, sm_90).
+the autograd hook and its switch.  Gradients against the float64 oracle are GPU-only (``pytest -m gpu``, sm_90).
 """
 
 from __future__ import annotations
@@ -532,6 +532,28 @@ def test_gpu_long_sequence_against_fa2(causal):
     fa2 = fa2_backward(do, q, k, v, out.to("cuda", BF16), lse.to("cuda", F32), softmax_scale=128 ** -0.5,
                        causal=causal, deterministic=True)
     assert_grads(got, Ref(*fa2, ref.slack))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("table", [True, False])
+def test_gpu_dq_accumulator_rows_past_int32(table):
+    """Nq = 2^24 + 192 at d = 128: offsets into the fp32 dQ accumulator (row * 128 elements) pass 2^31 (the dQ
+    postprocess; without dq_tma also the kernel's reductions).  q and dO are 0 outside the last 256 rows, whose
+    LSE is -inf elsewhere (P = 0), so dK, dV and those rows' dQ are the oracle's on that slice and every other
+    row's dQ is exactly 0.  ~27 GB."""
+    n, tail, d, scale = 2**24 + 192, 256, 128, 128 ** -0.5
+    qt, k, v, dot = inputs(1, 1, 1, tail, 128, d, BF16, "cuda", seed=19)
+    out_t, lse_t, dq_t, dk_t, dv_t = attention_ref_grads(qt, k, v, dot, scale=scale)
+    q, do, out = (torch.zeros(1, 1, n, d, dtype=BF16, device="cuda") for _ in range(3))
+    lse = torch.full((1, 1, n), float("-inf"), device="cuda")
+    for full, part in ((q, qt), (do, dot), (out, out_t), (lse, lse_t)):
+        full[:, :, -tail:] = part.to(device="cuda", dtype=full.dtype)
+    cfg = gluon_bwd_config(d, False) if table else GluonBwdConfig(num_stages=2)
+    dq, dk, dv = fa3_gluon_backward(do, q, k, v, out, lse, softmax_scale=scale, config=cfg)
+    slack = rounding_slack(*(x.double() for x in (qt, k, v, dot)), BF16, scale=scale)
+    assert_grads((dq[:, :, -tail:], dk, dv), Ref(dq_t, dk_t, dv_t, slack))
+    assert not dq[:, :, :-tail].any()
 
 
 @pytest.mark.gpu
