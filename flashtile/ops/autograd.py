@@ -192,8 +192,8 @@ def flash_attn_bwd(
     deterministic: bool,
     seq_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward (FA2's kernels, the Hopper ones where ``runtime.fa3_bwd.prefer_hopper_bwd`` says, or the
-    Gluon one where ``runtime.fa3_gluon_bwd.prefer_gluon_bwd`` says, only with its ``ENABLED`` switch on):
+    """Attention backward (FA2's kernels, the Gluon Hopper one where ``runtime.fa3_gluon_bwd.prefer_gluon_bwd`` says,
+    or the Triton Hopper ones where ``runtime.fa3_bwd.prefer_hopper_bwd`` says):
     ``(dq, dk, dv)`` contiguous in the layout and dtype of q, k, v.
 
     Replays the forward's dropout from ``rng_state`` (read on the device); ``deterministic=True``
@@ -218,7 +218,7 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     dob, qb, kb, vb = _bhnd(dout, seq_major), _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
-    # the Gluon backward only where its switch is on (runtime.fa3_gluon_bwd.ENABLED, off by default)
+    # the Gluon backward only with its switch on (runtime.fa3_gluon_bwd.ENABLED; FLASHTILE_GLUON_BWD=0 turns it off)
     if fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(
         qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain, deterministic=deterministic
     ):
