@@ -59,7 +59,7 @@ def bwd_widths(d: int, split: bool = True) -> tuple[int, int]:
     return (d0, d1) if d0 + d1 < block_d(d) else (block_d(d), 0)
 
 
-# d > 128 before the head-dim split: one next_power_of_2(d) part (kept for the probes' A/B, scratch/bsplit_probe.py)
+# d > 128 as one next_power_of_2(d) part, 32 x 64 dK/dV tiles: the baseline scratch/bsplit_probe.py times the table against
 FA3_BWD_WIDE = Fa3BwdConfig(32, 64, 8, 2, False, 128, 64, 8, 1, False, split_d=False)
 
 
