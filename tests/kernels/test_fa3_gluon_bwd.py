@@ -536,6 +536,19 @@ def test_gpu_long_sequence_against_fa2(causal):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fp16_table_configs(d, causal):
+    """The table's config in fp16, as dispatched (d = 40-64: dq_swizzle32 too), GQA 4:2, ragged both ways."""
+    q, k, v, do = inputs(2, 4, 2, 333, 517, d, F16, "cuda", seed=d + causal)
+    got, ref, visible = run(q, k, v, do, causal=causal)
+    assert all(g.dtype == F16 for g in got)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("table", [True, False])
 def test_gpu_dq_accumulator_rows_past_int32(table):
     """Nq = 2^24 + 192 at d = 128: offsets into the fp32 dQ accumulator (row * 128 elements) pass 2^31 (the dQ
