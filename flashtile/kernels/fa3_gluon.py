@@ -209,44 +209,107 @@ def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_em
 
 
 @gluon.jit
-def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                              stride_vb, stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
+                              total_tiles, tile_id, kv_it, q_count, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
+                              BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr,
+                              HOST_DESC: gl.constexpr):
+    """The loads of tile ``tile_id`` after ``kv_it`` kv iterations and ``q_count`` tiles with work:
+    (kv_it, q_count) after it."""
+    bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
+        tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
+        BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+    if n_tiles > 0:
+        # the first tile passes on the fresh barrier
+        mbarrier.wait(q_empty, (q_count & 1) ^ 1)
+        if HOST_DESC:
+            b32 = off_b.to(gl.int32)
+            _producer_tile((Q[0], Q[1], b32, off_h.to(gl.int32)), (K[0], K[1], b32, off_hk.to(gl.int32)),
+                           (V[0], V[1], b32, off_hk.to(gl.int32)), q_tiles, k_tiles, v_tiles, q_bar,
+                           k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
+                           start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True)
+        else:
+            # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
+            # after q_empty, when every load issued with the previous ones has completed: each consumer
+            # arrives after waiting for the previous tile's Q, last K and last V
+            _producer_tile(Q + off_b * stride_qb + off_h * stride_qh,
+                           K + off_b * stride_kb + off_hk * stride_kh,
+                           V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
+                           k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
+                           start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False)
+    kv_it += n_tiles
+    q_count += (n_tiles > 0).to(gl.int32)
+    return kv_it, q_count
+
+
+@gluon.jit
+def _ring_put(sched, n, value):
+    """Dynamic scheduler: the producer hands the ``n``-th next tile index ``value`` to the consumers through
+    slot n % 2 of the ring ``sched`` = (counter, ring, full, empty); the slot's previous value read (every
+    consumer arrived on ``empty``; the first round passes on fresh barriers)."""
+    slot = n % 2
+    mbarrier.wait(sched[3].index(slot), ((n // 2) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    sched[1].index(slot).store(gl.full([1], value, gl.int32, layout))
+    mbarrier.arrive(sched[2].index(slot))
+
+
+@gluon.jit
+def _ring_get(sched, n):
+    """Dynamic scheduler: a consumer's ``n``-th next tile index, from slot n % 2 of the ring, then the slot
+    released (one arrival per consumer warpgroup, after the warpgroup's barrier: every warp has read it)."""
+    slot = n % 2
+    mbarrier.wait(sched[2].index(slot), (n // 2) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    value = gl.max(sched[1].index(slot).load(layout), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(sched[3].index(slot))
+    return value
+
+
+@gluon.jit
+def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, sched,
                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
                          total_tiles, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                          NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr):
-    """Loads of tiles pid, pid + P, ... (P programs): the kv ring index runs on across tiles; a tile's Q
-    waits for ``q_empty`` (every consumer done with the previous Q and every K / V load of the previous
-    tile).  Tiles that see no key load nothing (the consumers count tiles with work the same way).
-    ``HOST_DESC``: ``Q``, ``K``, ``V`` are (desc0, desc1) pairs of host descriptors, nothing is rebuilt."""
+                         CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr,
+                         DYNAMIC: gl.constexpr):
+    """Loads of tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` of pid, then of the tiles the
+    program claims (P + the global counter's old value, in claim order), each claim made once the previous
+    tile's loads are issued and handed to the consumers (``_ring_put``; a value >= total_tiles stops both).
+    The kv ring index runs on across tiles; a tile's Q waits for ``q_empty`` (every consumer done with the
+    previous Q and every K / V load of the previous tile).  Tiles that see no key load nothing (the consumers
+    count tiles with work the same way).  ``HOST_DESC``: ``Q``, ``K``, ``V`` are (desc0, desc1) pairs of host
+    descriptors, nothing is rebuilt."""
     kv_it = 0  # kv iterations issued so far: ring slot and parity
     q_count = 0  # tiles with work so far: q_empty's parity
-    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-        bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
-            tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
-            BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
-        if n_tiles > 0:
-            # the first tile passes on the fresh barrier
-            mbarrier.wait(q_empty, (q_count & 1) ^ 1)
-            if HOST_DESC:
-                b32 = off_b.to(gl.int32)
-                _producer_tile((Q[0], Q[1], b32, off_h.to(gl.int32)), (K[0], K[1], b32, off_hk.to(gl.int32)),
-                               (V[0], V[1], b32, off_hk.to(gl.int32)), q_tiles, k_tiles, v_tiles, q_bar,
-                               k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
-                               start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-                               NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True)
-            else:
-                # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
-                # after q_empty, when every load issued with the previous ones has completed: each consumer
-                # arrives after waiting for the previous tile's Q, last K and last V
-                _producer_tile(Q + off_b * stride_qb + off_h * stride_qh,
-                               K + off_b * stride_kb + off_hk * stride_kh,
-                               V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
-                               k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
-                               start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-                               NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False)
-        kv_it += n_tiles
-        q_count += (n_tiles > 0).to(gl.int32)
+    if DYNAMIC:
+        tile_id = gl.program_id(0)
+        n = 0  # tiles claimed so far: the scheduler ring's slot and parity
+        while tile_id < total_tiles:
+            kv_it, q_count = _producer_persistent_tile(
+                Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
+                HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
+                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC)
+            # the counter counts claims past the first P tiles; relaxed: only its atomicity matters
+            tile_id = gl.num_programs(0) + gl.atomic_add(sched[0], 1, sem="relaxed")
+            _ring_put(sched, n, tile_id)
+            n += 1
+    else:
+        for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            kv_it, q_count = _producer_persistent_tile(
+                Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
+                HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
+                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -605,43 +668,79 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
 
 
 @gluon.jit
+def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                              turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                              num_m_tiles, total_tiles, tile_id, kv_it, turn, WG: gl.constexpr,
+                              NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
+                              BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                              CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
+                              SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
+                              HOST_DESC: gl.constexpr):
+    """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it."""
+    bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
+        tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
+        BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+    if HOST_DESC and O_STORE == 2:
+        o_dst = _out_target(Out[0] + off_b * stride_ob + off_h * stride_oh, (Out[1], Out[2]), off_b, off_h,
+                            HOST_DESC=HOST_DESC, O_STORE=O_STORE)
+    else:
+        o_dst = Out + off_b * stride_ob + off_h * stride_oh
+    _consumer_tile(o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
+                   k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
+                   seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
+                   NUM_WG=NUM_WG,
+                   HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
+                   NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
+                   PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
+                   HOST_DESC=HOST_DESC)
+    kv_it += n_tiles
+    turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
+    return kv_it, turn
+
+
+@gluon.jit
 def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                         turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                          num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                         LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr):
-    """Tiles pid, pid + P, ... (P programs), as the producer walks them: the ring index, the Q barrier's
-    parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile of n > 0 kv tiles, the
-    same for every consumer) run on across tiles.  ``Out``: the output's base pointer, or with host
-    descriptors and ``O_STORE`` 2 (pointer, desc0, desc1)."""
+                         LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr):
+    """Tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` pid and then the tiles the producer hands
+    over (``_ring_get``, read after each tile; a value >= total_tiles stops), as the producer walks them: the
+    ring index, the Q barrier's parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile
+    of n > 0 kv tiles, the same for every consumer) run on across tiles.  ``Out``: the output's base pointer,
+    or with host descriptors and ``O_STORE`` 2 (pointer, desc0, desc1)."""
     kv_it = 0
     turn = 0  # n + 1 per tile with n > 0 kv tiles: turn - kv_it counts the tiles with work (Q parity)
-    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-        bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
-            tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
-            BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
-        if HOST_DESC and O_STORE == 2:
-            o_dst = _out_target(Out[0] + off_b * stride_ob + off_h * stride_oh, (Out[1], Out[2]), off_b, off_h,
-                                HOST_DESC=HOST_DESC, O_STORE=O_STORE)
-        else:
-            o_dst = Out + off_b * stride_ob + off_h * stride_oh
-        _consumer_tile(o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
-                       k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
-                       seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
-                       NUM_WG=NUM_WG,
-                       HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
-                       NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
-                       PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
-                       HOST_DESC=HOST_DESC)
-        kv_it += n_tiles
-        turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
+    if DYNAMIC:
+        tile_id = gl.program_id(0)
+        n = 0
+        while tile_id < total_tiles:
+            kv_it, turn = _consumer_persistent_tile(
+                Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
+                qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
+                tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
+                PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
+                HOST_DESC=HOST_DESC)
+            tile_id = _ring_get(sched, n)
+            n += 1
+    else:
+        for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            kv_it, turn = _consumer_persistent_tile(
+                Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
+                qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
+                tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
+                BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
+                PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
+                HOST_DESC=HOST_DESC)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles"])
 def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
+    tile_counter,  # DYNAMIC: one int32 the caller zeroes per launch (claims past the first P tiles); else None
     qk_scale,  # softmax_scale * log2(e), > 0
     # HOST_DESC: host TMA descriptors over the (B, H, N, d) views, boxes [1, 1, rows, BLOCK_D0 | BLOCK_D1]
     # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0; otherwise None
@@ -656,6 +755,7 @@ def fa3_gluon_kernel(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -750,39 +850,51 @@ def fa3_gluon_kernel(
         # one arrival per consumer warpgroup: done with the tile's Q and its last K / V
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_empty, count=NUM_WG)
+        if DYNAMIC:
+            # the scheduler ring: two tile indices, each written by the producer (``full``, one arrival) and
+            # read by every consumer (``empty``, one arrival per warpgroup)
+            ring = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            ring_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            ring_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(ring_full.index(i), count=1)
+                mbarrier.init(ring_empty.index(i), count=NUM_WG)
+            sched = (tile_counter, ring, ring_full, ring_empty)
+        else:  # unread
+            sched = (q_empty,)
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
-                 v_ready, kv_empty, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                 v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
-                 v_ready, kv_empty, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                 v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         if HOST_DESC:

@@ -69,6 +69,9 @@ class GluonConfig:
     persistent: bool = False  # min(tiles, SMs) programs looping over the tiles (sm_count), not one per tile
     # TMA descriptors built on the host (kernel parameters over the (B, H, N, d) views), not per tile in the kernel
     host_desc: bool = False
+    # persistent only: each program's tiles after its first claimed from a global counter in the tile order
+    # (dynamic scheduling, FA3's for causal), not the static round robin pid, pid + P, ...
+    dynamic: bool = False
 
     @property
     def block_m(self) -> int:
@@ -170,6 +173,10 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: persistent must be a bool, got {cfg}")
     if not isinstance(cfg.host_desc, bool):
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
+    if not isinstance(cfg.dynamic, bool):
+        raise TypeError(f"config: dynamic must be a bool, got {cfg}")
+    if cfg.dynamic and not cfg.persistent:
+        raise ValueError(f"config: dynamic needs persistent (it schedules the persistent tile loop), got {cfg}")
     if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
         raise ValueError(f"config: lpt_group must be an int in [0, 1024], got {cfg}")
     if cfg.num_wg not in (2, 3):
@@ -309,7 +316,11 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
     unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
     ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
-    kernel's tile order.  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
+    kernel's tile order, or with ``cfg.dynamic`` tile p, then tiles grid + c (c: a global int32 counter's
+    old value, one atomic add per claim).  Invariant: the counter is a fresh ``torch.zeros`` per launch on
+    the launch's stream (a memset kernel ordered before it: no host sync; each launch, each stream and
+    each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
+    until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
     stride rules them out, in the kernel as without it."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
@@ -332,7 +343,8 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         if cfg.host_desc:
             ensure_allocator()
         descs = _NO_DESCS
-    dynamic = (q, k, v, out, lse, softmax_scale * LOG2E, *descs)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.dynamic else None
+    dynamic = (q, k, v, out, lse, counter, softmax_scale * LOG2E, *descs)
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -342,7 +354,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not _NO_DESCS,
+        descs is not _NO_DESCS, cfg.dynamic,
     )
     with torch.cuda.device(q.device):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

@@ -128,6 +128,10 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=1))
     with pytest.raises(TypeError, match="host_desc"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, host_desc=1))
+    with pytest.raises(TypeError, match="dynamic"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=True, dynamic=1))
+    with pytest.raises(ValueError, match="dynamic needs persistent"):  # it schedules the persistent loop only
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
     for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
@@ -142,6 +146,7 @@ def test_refusals_name_the_argument(monkeypatch):
     (40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None), (128, None),
     (96, GluonConfig(64, 4, num_wg=3)), (96, GluonConfig(128, 3, split_d=False)),
     (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
+    (128, GluonConfig(128, 3, persistent=True, dynamic=True)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
@@ -190,6 +195,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
     assert cfg.producer() == (32 if cfg.persistent and cfg.num_wg == 2 else 24)  # 0 spills, scratch/cc_gluon.py
     assert bound["HOST_DESC"] is False and all(bound[f"{t}_desc{i}"] is None for t in "qkvo" for i in (0, 1))
+    assert bound["DYNAMIC"] is cfg.dynamic and (bound["tile_counter"] is None) is not cfg.dynamic
 
 
 def _capture_launch(monkeypatch):
@@ -250,6 +256,29 @@ def test_launcher_passes_host_descriptors(monkeypatch, d, cfg):
             # the unchecked construction equals the dataclass's own (its checks pass on these views)
             assert desc == TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, width], desc.layout)
     assert bound["Q"] is q and bound["Out"] is out and bound["stride_om"] == 4 * d
+
+
+@pytest.mark.parametrize("host_desc", [False, True])
+def test_dynamic_launch_passes_a_fresh_zeroed_counter(monkeypatch, host_desc):
+    """The dynamic scheduler's counter: one zeroed int32 on q's device per launch (each launch counts its
+    claims from 0; no host sync, no state kept between calls), passed as ``tile_counter`` with DYNAMIC on;
+    the persistent grid and tile count as without it."""
+    calls, _ = _capture_launch(monkeypatch)
+    q = torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16)
+    cfg = GluonConfig(128, 3, persistent=True, dynamic=True, host_desc=host_desc)
+    for _ in range(2):
+        fa3_gluon_forward(q, q, q, softmax_scale=0.5, causal=True, config=cfg)
+        calls[-1][1]["tile_counter"].add_(7)  # what a launch's claims would leave behind
+    (grid0, first), (grid1, second) = calls
+    assert grid0 == grid1 == (5,) and first["total_tiles"] == second["total_tiles"] == 2 * 4 * 3
+    assert first["DYNAMIC"] is True and first["PERSISTENT"] is True and first["HOST_DESC"] is host_desc
+    for bound in (first, second):
+        counter = bound["tile_counter"]
+        assert counter.dtype == torch.int32 and counter.shape == (1,) and counter.device == q.device
+    assert first["tile_counter"] is not second["tile_counter"]
+    assert second["tile_counter"].item() == 7  # zero when launched
+    fa3_gluon_forward(q, q, q, softmax_scale=0.5, causal=True, config=replace(cfg, dynamic=False))
+    assert calls[-1][1]["DYNAMIC"] is False and calls[-1][1]["tile_counter"] is None
 
 
 def test_host_descriptors_strides_of_unit_and_expanded_axes(monkeypatch):
