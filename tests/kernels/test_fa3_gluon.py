@@ -633,3 +633,121 @@ def test_gpu_host_descriptors_expanded_and_unit_axes():
     ref_o, ref_lse = attention_ref(q1.double().cpu(), k1.double().cpu(), k1.double().cpu(), scale=0.1)
     assert_close(o, ref_o, o.dtype, o.device, "out")
     assert_close(lse, ref_lse, torch.float32, lse.device, "lse")
+
+
+# --------------------------------------------------------------------------- #
+# GPU (sm_90): dynamic tile scheduler (GluonConfig.dynamic)
+# --------------------------------------------------------------------------- #
+def _dynamic(d, causal, host_desc, **kw):
+    return replace(gluon_config(d, causal), persistent=True, dynamic=True, host_desc=host_desc, **kw)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("host_desc", [False, True])
+def test_gpu_dynamic_matches_float64(monkeypatch, d, causal, host_desc):
+    """Claimed tiles against the float64 oracle and the static round robin (the same per-tile arithmetic:
+    equal bit for bit): 3 programs (many claims each: ring slots and parities, Q reloads, tiles that see no
+    key handed over between tiles with work) and the device's SM count; GQA 4:2, ragged 517 x 333 and
+    333 x 517, one query."""
+    from flashtile.runtime import fa3_gluon
+
+    cfg = _dynamic(d, causal, host_desc)
+    real = fa3_gluon.sm_count(torch.cuda.current_device())
+    for sms in (3, real):
+        monkeypatch.setattr(fa3_gluon, "sm_count", lambda index, sms=sms: sms)
+        for nq, nk in [(517, 333), (333, 517), (1, 300)]:
+            o_dyn, lse_dyn = _gpu_case(d, causal, cfg, nq, nk, seed=sms)
+            o_st, lse_st = _gpu_case(d, causal, replace(cfg, dynamic=False), nq, nk, seed=sms)
+            assert torch.equal(o_dyn, o_st) and torch.equal(lse_dyn, lse_st), (sms, nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("schedule", ["lpt-3-heads", "neither", "both+tma-store", "coalesced-store"])
+def test_gpu_dynamic_schedules(monkeypatch, schedule):
+    """Claims in the LPT_GROUP order and beside the other schedules / O stores (3 programs, causal, d = 128)."""
+    from flashtile.runtime import fa3_gluon
+
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
+    cfg = _dynamic(128, True, False, **SCHEDULES[schedule])
+    for nq, nk in [(517, 333), (333, 517)]:
+        _gpu_case(128, True, cfg, nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_dynamic_fp16_real_grid(d, causal):
+    """fp16, the device's SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles, so
+    programs claim): the one-program-per-tile result on every head, the float64 oracle's on two."""
+    cfg = gluon_config(d, causal)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 4096, d, generator=g).to("cuda", torch.float16)
+    k = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
+    v = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
+    o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=replace(cfg, persistent=False))
+    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=torch.full_like(q, float("nan")),
+                                 config=_dynamic(d, causal, True))
+    torch.testing.assert_close(o2, o1, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse2, lse1, atol=1e-4, rtol=1e-5)
+    ref_o, ref_lse = attention_ref(q[:1, :2].double().cpu(), k[:1, :1].double().cpu(), v[:1, :1].double().cpu(),
+                                   scale=d ** -0.5, causal=causal)
+    assert_close(o2[:1, :2], ref_o, o2.dtype, o2.device, "out")
+    assert_close(lse2[:1, :2], ref_lse, torch.float32, lse2.device, "lse")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dynamic_back_to_back_on_two_streams(d):
+    """40 dynamic launches in flight on two streams (each its own counter; programs of different launches
+    sharing SMs, more tiles than SMs): no hang, every result equal to one launch's bit for bit (which program
+    runs a tile does not change its arithmetic)."""
+    cfg = _dynamic(d, True, True)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    want, _ = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for i in range(40):
+        s = streams[i % 2]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o in outs)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_dynamic_cuda_graph_replays(d):
+    """A captured dynamic launch replayed twice, its output NaN-poisoned before each replay: every replay
+    runs every tile (the captured memset zeroes the counter; a counter left at its end value would let each
+    program run its first tile only)."""
+    cfg = _dynamic(d, True, True)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    v = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
+    want, want_lse = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)  # compiled
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm the bound launch off the capture
+        fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)
+    for _ in range(2):
+        o.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, want) and torch.equal(lse, want_lse)
