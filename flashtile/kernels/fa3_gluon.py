@@ -42,6 +42,10 @@ Ring slots and parities follow a running kv-iteration count, the Q barrier's par
 tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
 and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
 (without ``HOST_DESC``) descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
+``DYNAMIC`` (persistent only): program p runs tile p, then the tiles its producer claims (``P +
+atomic_add(tile_counter, 1)``, the counter zeroed by the caller per launch) in the same order, each claim
+handed to the consumers through a two-slot shared-memory ring (``_ring_put`` / ``_ring_get``); a claim past
+the last tile stops both sides.
 """
 
 from __future__ import annotations
