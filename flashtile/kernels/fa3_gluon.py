@@ -783,6 +783,7 @@ def fa3_gluon_kernel(
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     # a consumer frees slot j - 1 only after waiting for K_j: one slot would deadlock
     gl.static_assert(NUM_STAGES >= 2)
+    gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     dtype: gl.constexpr = Q.dtype.element_ty
     if not PERSISTENT:
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
