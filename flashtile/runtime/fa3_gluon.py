@@ -133,7 +133,7 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False) -> GluonConfig:
     rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
     Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); causal
     and narrower widths do not (static round robin: causal 0.65-0.9x, d = 64 at 16k 0.93x); ``dynamic`` (claimed
-tiles, FA3's causal scheduler) is never set here until an H100 A/B (scratch/gsched_probe.py).  ``host_desc``:
+    tiles, FA3's causal scheduler) is not set here until an H100 A/B (scratch/gsched_probe.py).  ``host_desc``:
     the caller's choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
