@@ -23,6 +23,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
+from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "gluon_bwd_launch",
            "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
@@ -35,11 +36,6 @@ BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's
 POST_BLOCK = 64  # rows per program of the dQ postprocess
 # the dispatch switch (prefer_gluon_bwd)
 ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
-
-
-def block_d(d: int) -> int:
-    """Width of every tile at head dim ``d``: the next power of two, at least 16 (wgmma K step)."""
-    return max(16, triton.next_power_of_2(d))
 
 
 @dataclass(frozen=True)
