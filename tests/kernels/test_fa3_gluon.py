@@ -529,15 +529,20 @@ def test_gpu_persistent_matches_float64(monkeypatch, d, schedule, causal):
 def test_gpu_persistent_fp16_real_grid(d, causal):
     """fp16, the device's own SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles):
     the one-program-per-tile kernel's result on every head, and the float64 oracle's on two of them."""
-    cfg = gluon_config(d, causal)
+    _fp16_real_grid_matches(d, causal, replace(gluon_config(d, causal), persistent=True))
+
+
+def _fp16_real_grid_matches(d, causal, cfg):
+    """``cfg`` (a persistent grid) on 2 x 8 heads x 4k fp16 queries at the device's SM count against one program
+    per tile on every head and the float64 oracle on two heads; the output NaN-poisoned."""
     g = torch.Generator().manual_seed(d)
     q = torch.randn(2, 8, 4096, d, generator=g).to("cuda", torch.float16)
     k = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
     v = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
-    o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=cfg)
+    per_tile = replace(cfg, persistent=False, dynamic=False)
+    o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=per_tile)
     poisoned = torch.full_like(q, float("nan"))
-    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=poisoned,
-                                 config=replace(cfg, persistent=True))
+    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=poisoned, config=cfg)
     # the same per-tile arithmetic in the same order (every head, not just the oracle's two): equal up to the
     # rounding a different register allocation may bring; a skipped (NaN) or misplaced tile is far off
     torch.testing.assert_close(o2, o1, atol=2e-3, rtol=2e-3)
@@ -555,7 +560,11 @@ def test_gpu_persistent_fp16_real_grid(d, causal):
 def test_gpu_persistent_back_to_back_on_two_streams(d):
     """Many persistent launches in flight on two streams (programs of different launches sharing SMs, each
     launch looping over more tiles than SMs): no hang, every result equal to one launch's bit for bit."""
-    cfg = replace(gluon_config(d, True), persistent=True)
+    _two_streams_bitwise(d, replace(gluon_config(d, True), persistent=True))
+
+
+def _two_streams_bitwise(d, cfg):
+    """40 causal launches of ``cfg`` alternating between two streams, each result equal to one launch's."""
     g = torch.Generator().manual_seed(d)
     q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
     k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
@@ -684,20 +693,7 @@ def test_gpu_dynamic_schedules(monkeypatch, schedule):
 def test_gpu_dynamic_fp16_real_grid(d, causal):
     """fp16, the device's SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles, so
     programs claim): the one-program-per-tile result on every head, the float64 oracle's on two."""
-    cfg = gluon_config(d, causal)
-    g = torch.Generator().manual_seed(d)
-    q = torch.randn(2, 8, 4096, d, generator=g).to("cuda", torch.float16)
-    k = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
-    v = torch.randn(2, 4, 4096, d, generator=g).to("cuda", torch.float16)
-    o1, lse1 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, config=replace(cfg, persistent=False))
-    o2, lse2 = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=torch.full_like(q, float("nan")),
-                                 config=_dynamic(d, causal, True))
-    torch.testing.assert_close(o2, o1, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse2, lse1, atol=1e-4, rtol=1e-5)
-    ref_o, ref_lse = attention_ref(q[:1, :2].double().cpu(), k[:1, :1].double().cpu(), v[:1, :1].double().cpu(),
-                                   scale=d ** -0.5, causal=causal)
-    assert_close(o2[:1, :2], ref_o, o2.dtype, o2.device, "out")
-    assert_close(lse2[:1, :2], ref_lse, torch.float32, lse2.device, "lse")
+    _fp16_real_grid_matches(d, causal, _dynamic(d, causal, True))
 
 
 @pytest.mark.gpu
@@ -707,21 +703,7 @@ def test_gpu_dynamic_back_to_back_on_two_streams(d):
     """40 dynamic launches in flight on two streams (each its own counter; programs of different launches
     sharing SMs, more tiles than SMs): no hang, every result equal to one launch's bit for bit (which program
     runs a tile does not change its arithmetic)."""
-    cfg = _dynamic(d, True, True)
-    g = torch.Generator().manual_seed(d)
-    q = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
-    k = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
-    v = torch.randn(2, 8, 2048, d, generator=g).to("cuda", torch.bfloat16)
-    want, _ = fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    outs = []
-    for i in range(40):
-        s = streams[i % 2]
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)[0])
-    torch.cuda.synchronize()
-    assert all(torch.equal(o, want) for o in outs)
+    _two_streams_bitwise(d, _dynamic(d, True, True))
 
 
 @pytest.mark.gpu
