@@ -521,7 +521,8 @@ def fa3_gluon_bwd_kernel(
     lse_base = LSE + bh64 * seqlen_q
     delta_base = Delta + bh64 * seqlen_q
     acc_base = DQacc + bh64 * stride_acc_h
-    acc_rows = stride_acc_h // BLOCK_D
+    # rows of one head's accumulator (< 2^31; stride_acc_h itself passes 2^31 from Nq = 2^24): TMA offsets are i32
+    acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
     if STATS_SMEM:
         # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
         stats_base = LSE + bh64 * (2 * acc_rows)
