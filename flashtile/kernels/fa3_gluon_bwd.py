@@ -577,16 +577,17 @@ def dq_postprocess_kernel(
 
 @triton.jit(do_not_specialize=["n_bh", "seqlen_q", "stats_rows"])
 def stats_preprocess_kernel(
-    Out, DOut, LSE, Stats,
+    Out, DOut, LSE, Stats, DQacc,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
     n_heads, n_bh, seqlen_q, stats_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
     """The Gluon backward's row statistics for ``STATS_SMEM``: Stats (B * Hq, 2, ``stats_rows``) fp32, row 0 the
     LSE times log2(e) (+inf past Nq and where LSE is -inf, so P = exp2(S log2e - it) is 0 there unmasked), row 1
     D = rowsum(dO o O) (0 past Nq).  ``stats_rows`` is Nq rounded up to 64 (whole TMA boxes), a multiple of
     ``BLOCK``; grid ``fold_grid(stats_rows // BLOCK, n_bh)``.  O, dO (B, Hq, Nq, HEAD_DIM) with unit stride on d; LSE
-    (B, Hq, Nq) fp32, any strides."""
+    (B, Hq, Nq) fp32, any strides.  ``ZERO_ACC``: also zero this block of rows of DQacc, the backward's
+    (B * Hq, ``stats_rows``, BLOCK_D) fp32 accumulator (one launch fewer than a separate memset)."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tile, bh = unfold_pid()
     if bh >= n_bh:
@@ -608,3 +609,6 @@ def stats_preprocess_kernel(
     base = Stats + bh.to(tl.int64) * (2 * stats_rows)
     tl.store(base + rows, lse2)
     tl.store(base + stats_rows + rows, delta)
+    if ZERO_ACC:
+        acc = DQacc + bh.to(tl.int64) * stats_rows * BLOCK_D + rows64[:, None] * BLOCK_D + cols[None, :]
+        tl.store(acc, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32))

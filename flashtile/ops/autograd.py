@@ -141,7 +141,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
     ``rng_state``: dropout's [seed, offset] chosen by the caller (ring attention gives each of its
     kernel calls its own counter range); None draws one."""
     from flashtile.runtime.fa2_fwd import fa2_forward
-    from flashtile.runtime.fa3_fwd import fa3_forward, prefer_hopper
+    from flashtile.runtime.fa3_fwd import forward_checked, prefer_hopper
 
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
@@ -149,7 +149,8 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
     out = _out_like(q, seq_major)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     if prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
-        _, lse = fa3_forward(qb, kb, vb, softmax_scale=softmax_scale, causal=causal, out=_bhnd(out, seq_major))
+        # the public wrappers checked shapes, GQA and the scale; prefer_hopper dtype, device and strides
+        _, lse = forward_checked(qb, kb, vb, softmax_scale, causal, _bhnd(out, seq_major))
         return out, lse, torch.zeros(2, dtype=torch.int64)
     _, lse = fa2_forward(
         qb, kb, vb,
@@ -222,9 +223,9 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     if fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(
         qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain, deterministic=deterministic
     ):
-        fa3_gluon_bwd.fa3_gluon_backward(dob, qb, kb, vb, _bhnd(out, seq_major), lse, softmax_scale=softmax_scale,
-                                         causal=causal, dq=_bhnd(dq, seq_major), dk=_bhnd(dk, seq_major),
-                                         dv=_bhnd(dv, seq_major))
+        # the forward checked and produced q, k, v, out, lse; autograd gives dout out's shape, dtype and device
+        fa3_gluon_bwd.backward_into(dob, qb, kb, vb, _bhnd(out, seq_major), lse, _bhnd(dq, seq_major),
+                                    _bhnd(dk, seq_major), _bhnd(dv, seq_major), softmax_scale, causal)
         return dq, dk, dv
     if prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain):
         fa3_backward(dob, qb, kb, vb, _bhnd(out, seq_major), lse, softmax_scale=softmax_scale, causal=causal,
@@ -292,10 +293,14 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
+        # lse and rng_state carry no gradient: no zero tensors made for them per backward (a fill kernel)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse, _drng):
+        if dout is None:  # out's gradient undefined (materialisation off): nothing flows back
+            return (None,) * (6 + len(ctx.options))
         return _grads(ctx, dout, _bwd_impl)
 
 
@@ -481,10 +486,13 @@ class _EagerVarlenAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)  # as _EagerAttention
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse, _drng):
+        if dout is None:
+            return (None,) * (7 + len(ctx.options))
         return _varlen_grads(ctx, dout, _varlen_bwd_impl)
 
 

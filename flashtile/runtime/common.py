@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -27,6 +28,16 @@ def on_tensor_device(impl):
         return impl(*args)
 
     return guarded
+
+
+_CURRENT = contextlib.nullcontext()
+
+
+def on_device(x: torch.Tensor):
+    """A context manager making ``x``'s CUDA device current: a no-op one when it is already (or ``x`` is not
+    on CUDA), which costs less host time than ``torch.cuda.device`` entering the current device again."""
+    index = x.get_device()
+    return _CURRENT if index < 0 or index == cuda_device_index() else torch.cuda.device(index)
 
 
 def interpreting(device: torch.device | str | None = None) -> bool:

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
-from flashtile.runtime.common import capability as device_capability
+from flashtile.runtime.common import capability as device_capability, on_device
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
            "smem_bytes", "packed_view", "prefer_hopper_varlen",
@@ -236,7 +236,7 @@ def fa3_forward_fp8(
     vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
     vt[..., :nk].copy_(v.transpose(2, 3))
     ensure_allocator()
-    with torch.cuda.device(q.device):
+    with on_device(q):
         launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
                descales=descales, err=error_flags(q.device, "flash_attn_func")[1:])
     return out, lse
@@ -312,22 +312,31 @@ def fa3_forward(
     passed), ``lse`` (B, Hq, Nq) float32 natural-log sum-exp, -inf (and a zero
     output) on rows that see no key."""
     _check(q, k, v, out)
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return forward_checked(q, k, v, softmax_scale, causal, out)
+
+
+def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fa3_forward` without its checks, for ``ops.autograd._fwd_impl`` after :func:`prefer_hopper`
+    (the public wrappers checked shapes, GQA and a finite ``softmax_scale``; ``out`` None or the op's own)."""
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     out, lse, work = outputs(q, k, out, q.dtype)
     if not work:
         return out, lse
-    softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     q, softmax_scale = positive_scale(q, softmax_scale)
-    ensure_allocator()
     if use_gluon(d, causal):
         from flashtile.runtime.fa3_gluon import HOST_DESC_MIN_WORK, gluon_config, gluon_launch
 
         big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal, big))
+        cfg = gluon_config(d, causal, big)
+        if not cfg.host_desc:
+            ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
         return out, lse
-    with torch.cuda.device(q.device):
+    ensure_allocator()
+    with on_device(q):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse
 
@@ -378,7 +387,7 @@ def fa3_varlen_forward(
         max_k = 0
     err = error_flags(q.device, caller="flash_attn_varlen_func")[1:]  # exists already under capture, or raises
     ensure_allocator()
-    with torch.cuda.device(q.device):
+    with on_device(q):
         launch(qv, kv, vv, packed_view(out), lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, max_q, max_k),
                err=err, varlen=(cu_seqlens_q, cu_seqlens_k, max_q, max_k))
     return out, lse

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
+from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
@@ -34,7 +35,7 @@ BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's
 
 def block_d(d: int) -> int:
     """Width of every tile at head dim ``d``: the next power of two, at least 16 (wgmma K step)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())  # not triton.next_power_of_2: several calls per backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,6 +358,6 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
         descs is not _NO_DESCS, cfg.dynamic,
     )
-    with torch.cuda.device(q.device):
+    with on_device(q):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
         run_kernel(fa3_gluon_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

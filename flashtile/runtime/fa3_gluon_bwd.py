@@ -15,6 +15,7 @@ given.  Not deterministic (dQ is summed by atomics in any order): ``deterministi
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
+from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "gluon_bwd_launch",
@@ -82,6 +84,7 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + stats + 1024
 
 
+@functools.lru_cache(maxsize=None)  # per backward call: a table lookup, memoised (16 us of host time unmemoised)
 def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
     fill the register file), so the ring is as deep as shared memory allows: 4 stages at d <= 64, 2 at d <= 128
@@ -188,32 +191,65 @@ def fa3_gluon_backward(
     if config is not None:
         _check_config(config, d, q.element_size())
     cfg = config if config is not None else gluon_bwd_config(d, causal)
-    from flashtile.runtime.fa3_bwd import _preprocess, grad_buffers, grad_outputs, write_back
-    from flashtile.runtime.fa3_fwd import ensure_allocator
+    from flashtile.runtime.fa3_bwd import grad_buffers, grad_outputs, write_back
 
     rets = grad_outputs(dq, dk, dv, q, k, v)
     if b * hq * nq == 0 or nk == 0:
         for ret in rets:
             ret.zero_()
         return rets
-    if not cfg.stats_smem:
-        lse = lse.to(dtype=torch.float32).contiguous()
     # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back
     partials = hq > hk
-    dq_buf, dk_buf, dv_buf = bufs = grad_buffers(rets, q, k, v, partials)
-    ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
-    with torch.cuda.device(q.device):
-        if cfg.stats_smem:
-            # LSE · log2 e and D in one padded (B * Hq, 2, rows) buffer, passed as the kernel's LSE (Delta unread)
-            lse = delta = stats_preprocess(out, dout, lse)
-        else:
-            delta = _preprocess(out, dout, b, hq, nq, d)
-        # rows padded to a multiple of 64 and BLOCK_D columns: the kernel's reductions need no mask
-        dq_acc = torch.zeros((b * hq, triton.cdiv(nq, BLOCK_M) * BLOCK_M, block_d(d)), dtype=torch.float32,
-                             device=q.device)
-        gluon_bwd_launch(q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, softmax_scale, causal, cfg)
-        dq_postprocess(dq_acc, dq_buf, softmax_scale)
+    bufs = grad_buffers(rets, q, k, v, partials)
+    with on_device(q):
+        _launch_all(dout, q, k, v, out, lse, *bufs, softmax_scale, causal, cfg)
     return write_back(rets, bufs, partials)
+
+
+def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool) -> None:
+    """:func:`fa3_gluon_backward` for ``ops.autograd._bwd_impl`` after :func:`prefer_gluon_bwd`, without its
+    checks: q, k, v, out, lse as the forward checked and produced them, dout with q's shape, dtype and device,
+    dq, dk, dv fresh tensors with unit stride on d; q's device current."""
+    b, hq, nq, _ = q.shape
+    hk = k.shape[1]
+    if b * hq * nq == 0 or k.shape[2] == 0:
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return
+    cfg = gluon_bwd_config(q.shape[3], causal)
+    if hq == hk:
+        _launch_all(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cfg)
+        return
+    from flashtile.runtime.fa3_bwd import grad_buffers, write_back
+
+    bufs = grad_buffers((dq, dk, dv), q, k, v, True)
+    _launch_all(dout, q, k, v, out, lse, *bufs, softmax_scale, causal, cfg)
+    write_back((dq, dk, dv), bufs, True)
+
+
+def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: float, causal: bool,
+                cfg: GluonBwdConfig) -> None:
+    """The statistics, the kernel into a zeroed fp32 dQ accumulator, then dQ's scaling into ``dq_buf``, on
+    checked views with work to do (``dk_buf``, ``dv_buf``: fp32 per-q-head partials under GQA)."""
+    from flashtile.runtime.fa3_fwd import ensure_allocator
+
+    b, hq, nq, d = q.shape
+    ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+    # rows padded to a multiple of 64 and BLOCK_D columns: the kernel's reductions need no mask
+    acc_shape = (b * hq, triton.cdiv(nq, BLOCK_M) * BLOCK_M, block_d(d))
+    if cfg.stats_smem:
+        # LSE · log2 e and D in one padded (B * Hq, 2, rows) buffer, passed as the kernel's LSE (Delta unread);
+        # the same kernel zeroes the accumulator
+        dq_acc = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
+        lse = delta = stats_preprocess(out, dout, lse, dq_acc)
+    else:
+        from flashtile.runtime.fa3_bwd import _preprocess
+
+        dq_acc = torch.zeros(acc_shape, dtype=torch.float32, device=q.device)
+        lse = lse.to(dtype=torch.float32).contiguous()
+        delta = _preprocess(out, dout, b, hq, nq, d)
+    gluon_bwd_launch(q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, softmax_scale, causal, cfg)
+    dq_postprocess(dq_acc, dq_buf, softmax_scale)
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
@@ -244,10 +280,12 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
 
 
-def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                     dq_acc: torch.Tensor | None = None) -> torch.Tensor:
     """The (B * Hq, 2, Nq rounded up to 64) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past Nq
     and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
-    lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too)."""
+    lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too).  ``dq_acc``: the backward's contiguous
+    (B * Hq, rows, block_d(d)) fp32 accumulator, zeroed by the same kernel."""
     from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel
     from flashtile.runtime.common import fold_grid
     from flashtile.runtime.launch import launch as run_kernel
@@ -255,9 +293,15 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -
     b, hq, nq, d = out.shape
     rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
     stats = torch.empty((b * hq, 2, rows), dtype=torch.float32, device=out.device)
-    static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, d, block_d(d), BLOCK_M)
-    run_kernel(stats_preprocess_kernel, fold_grid(rows // BLOCK_M, b * hq), (out, dout, lse, stats), static,
-               num_warps=4, num_stages=1)
+    zero_acc = dq_acc is not None
+    if zero_acc and (dq_acc.shape != (b * hq, rows, block_d(d)) or not dq_acc.is_contiguous()
+                     or dq_acc.dtype != torch.float32):
+        raise ValueError(f"dq_acc must be a contiguous fp32 {(b * hq, rows, block_d(d))} tensor, got "
+                         f"{tuple(dq_acc.shape)} {dq_acc.dtype}")
+    static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, d, block_d(d), BLOCK_M,
+              zero_acc)
+    run_kernel(stats_preprocess_kernel, fold_grid(rows // BLOCK_M, b * hq),
+               (out, dout, lse, stats, dq_acc if zero_acc else stats), static, num_warps=4, num_stages=1)
     return stats
 
 

@@ -244,6 +244,8 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == 320
     assert (bound["NUM_STAGES"], bound["DQ_SPLIT"], bound["DQ_TMA"], bound["PINGPONG"]) == (2, True, True, True)
     assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"], bound["RELEASE_ONCE"]) == (False, True, False)
+    # the preprocess zeroes the accumulator the kernel adds into (no separate memset)
+    assert pre["ZERO_ACC"] is True and pre["DQacc"] is bound["DQacc"]
 
     calls.clear()
     fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=GluonBwdConfig(num_stages=2))
@@ -263,8 +265,12 @@ def test_stats_preprocess_matches_torch():
     dout = torch.randn(b, h, nq, d, generator=g).to(BF16)
     lse = torch.randn(b, nq, h, generator=g).transpose(1, 2)
     lse[0, 1, 5] = lse[1, 2, nq - 1] = float("-inf")  # rows that see no key
-    stats = stats_preprocess(out, dout, lse)
+    acc = torch.full((b * h, 128, block_d(d)), float("nan"))
+    stats = stats_preprocess(out, dout, lse, acc)
     assert stats.shape == (b * h, 2, 128) and stats.dtype == F32
+    assert (acc == 0).all()  # the dQ accumulator zeroed, padding rows and columns too
+    with pytest.raises(ValueError, match="dq_acc"):
+        stats_preprocess(out, dout, lse, acc[:, :64])
     ref_d = (out.double() * dout.double()).sum(-1).reshape(b * h, nq)
     ref_l = lse.double().reshape(b * h, nq) / math.log(2)
     ref_l = torch.where(torch.isinf(ref_l), float("inf"), ref_l)
@@ -327,13 +333,13 @@ def test_dispatch_switch_off_keeps_fa2(monkeypatch):
     q, k, v = (torch.randn(1, 8, 1, 16, dtype=F32, requires_grad=True) for _ in range(3))
     seen = []
 
-    def fake(dout, q, k, v, out, lse, *, softmax_scale, causal, dq, dk, dv):
+    def fake(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal):
         seen.append((q.shape, softmax_scale, causal))
         for g in (dq, dk, dv):
             g.fill_(7.0)
 
     monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *a, **kw: True)
-    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_backward", fake)
+    monkeypatch.setattr(fa3_gluon_bwd, "backward_into", fake)
     flash_attn_func(q, k, v, causal=True).sum().backward()
     assert not seen and not (q.grad == 7.0).all()  # the switch is off: FA2's backward ran
 
@@ -593,8 +599,8 @@ def test_gpu_autograd_hook(monkeypatch):
     q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in inputs(2, 8, 2, 1000, 1000, 128, BF16,
                                                                                     "cuda", seed=3))
     called = []
-    real = fa3_gluon_bwd.fa3_gluon_backward
-    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_backward", lambda *a, **kw: called.append(1) or real(*a, **kw))
+    real = fa3_gluon_bwd.backward_into
+    monkeypatch.setattr(fa3_gluon_bwd, "backward_into", lambda *a, **kw: called.append(1) or real(*a, **kw))
     base = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do.detach())
     assert not called
     monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", True)

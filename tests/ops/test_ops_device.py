@@ -58,6 +58,19 @@ def test_guard_enters_the_tensors_device_only_when_it_is_not_current(monkeypatch
     assert current[0] == 1
 
 
+def test_on_device_enters_only_another_device(monkeypatch):
+    """The kernel wrappers' ``on_device(x)``: ``torch.cuda.device`` only when x's device is not current."""
+    entered = []
+    from flashtile.runtime import common as common_module
+
+    monkeypatch.setattr(common_module, "cuda_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index) or contextlib.nullcontext())
+    for arg in (_Arg("cuda:0"), _Arg("cpu"), _Arg("cuda:1")):
+        with common_module.on_device(arg):
+            pass
+    assert entered == [1]
+
+
 def test_forward_and_backward_impls_are_guarded():
     assert autograd_module._fwd_impl.__wrapped__ is not None
     assert autograd_module._bwd_impl.__wrapped__ is not None
