@@ -280,9 +280,10 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
 
         payload = db.run_dispatch(points, args.out, budget_s=args.budget_s, progress=progress)
     table = Table(title=f"kernel paths per head dim, {args.dtype} TFLOP/s on {payload['env']['device']} "
-                        f"(bwd = forward + backward; regret = t(chosen) / t(best))")
-    for col in ("d", "N", "causal", "mode", *db.PATHS, "chosen", "best", "regret"):
-        table.add_column(col, justify="right", min_width=len(col) if col in db.PATHS else None)
+                        f"(bwd = forward + backward; triton = hopper-triton; regret = t(chosen) / t(best))")
+    short = {"hopper-triton": "triton"}  # column width: the table fits 80 columns
+    for col in ("d", "N", "causal", "mode", *(short.get(p, p) for p in db.PATHS), "chosen", "best", "regret"):
+        table.add_column(col, justify="right")
 
     def cell(e):
         if e["status"] == "ok":
@@ -291,7 +292,8 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
 
     for r in payload["points"]:
         table.add_row(str(r["head_dim"]), str(r["seqlen"]), "y" if r["causal"] else "n", r["mode"],
-                      *[cell(r["paths"][p]) for p in db.PATHS], r["chosen"] or "—", r["best"] or "—",
+                      *[cell(r["paths"][p]) for p in db.PATHS], short.get(r["chosen"], r["chosen"] or "—"),
+                      short.get(r["best"], r["best"] or "—"),
                       f"{r['regret']:.3f}" if r["regret"] else "—")
     console.print(table)
     if payload["skipped"]:
