@@ -278,7 +278,7 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
         def progress(i, n, what):
             prog.update(task, completed=i, description=what)
 
-        payload = db.run_dispatch(points, args.out, budget_s=args.budget_s, progress=progress)
+        payload = db.run_dispatch(points, args.out, budget_s=args.budget_s, resume=args.resume, progress=progress)
     table = Table(title=f"kernel paths per head dim, {args.dtype} TFLOP/s on {payload['env']['device']} "
                         f"(bwd = forward + backward; triton = hopper-triton; regret = t(chosen) / t(best))")
     short = {"hopper-triton": "triton"}  # column width: the table fits 80 columns
@@ -296,8 +296,11 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
                       short.get(r["best"], r["best"] or "—"),
                       f"{r['regret']:.3f}" if r["regret"] else "—")
     console.print(table)
+    if payload["resumed"]:
+        console.print(f"{payload['resumed']} points kept from the previous run (--resume)")
     if payload["skipped"]:
-        console.print(f"budget of {args.budget_s} s spent: {len(payload['skipped'])} points skipped (in the JSON)")
+        console.print(f"budget of {args.budget_s} s spent: {len(payload['skipped'])} points skipped (in the JSON; "
+                      f"--resume runs them)")
     console.print(f"wrote {payload['path']}")
     if not args.no_plot and payload["points"]:
         try:
@@ -543,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     dsp.add_argument("--budget-s", type=float, default=540.0,
                      help="wall-clock seconds after which the remaining points are skipped (the JSON is still written)")
     dsp.add_argument("--out", default="bench/results")
+    dsp.add_argument("--resume", action="store_true",
+                     help="keep the points already in --out's dispatch_<device>.json and run the rest (a sweep longer "
+                          "than one command: the same command again)")
     dsp.add_argument("--no-plot", action="store_true")
     dsp.set_defaults(func=_cmd_bench_dispatch)
     abl = bsub.add_parser("hopper-ablation", help="the Hopper forward with warp specialisation, pipelining stages, "

@@ -20,7 +20,8 @@ recording which kernel entry point the call reaches (:func:`recorded_paths`), so
 decision; ``best`` the fastest timed path; ``regret`` = t(chosen) / t(best).
 
 ``budget_s`` bounds the wall clock: past it the remaining paths and points are recorded as skipped, and the
-JSON (written after every point) still holds everything measured.
+JSON (written after every point) still holds everything measured; ``resume`` keeps the rows a previous run wrote
+there and runs the rest.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -337,25 +340,55 @@ def run_point(pt: DispatchPoint, device: str | None = None, deadline: float | No
     return row
 
 
+def _row_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("mode", "head_dim", "seqlen", "causal", "dtype", "batch", "heads"))
+
+
+def _point_key(pt: DispatchPoint) -> tuple:
+    return (pt.mode, pt.head_dim, pt.seqlen, pt.causal, pt.dtype, pt.batch, pt.heads)
+
+
+def _finished_rows(out_dir, env: dict) -> list[dict]:
+    """The rows of the ``dispatch_<device>.json`` that :func:`run_dispatch` writes under ``out_dir`` for ``env``'s
+    device, less those with a path skipped by the budget ([] without a readable file)."""
+    path = Path(out_dir) / f"dispatch_{env.get('device', 'cpu').replace(' ', '-')}.json"  # common.write_json's name
+    try:
+        rows = json.loads(path.read_text()).get("points", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("paths"), dict)
+            and all(isinstance(e, dict) and e.get("status") != "skipped" for e in r["paths"].values())]
+
+
 def run_dispatch(
     points: list[DispatchPoint], out_dir, *, budget_s: float | None = 540.0, device: str | None = None,
-    progress: Callable[[int, int, str], None] | None = None,
+    resume: bool = False, progress: Callable[[int, int, str], None] | None = None,
 ) -> dict:
     """Run ``points`` (from :func:`dispatch_sweep`) until ``budget_s`` seconds of wall clock have passed (None: no
     bound); writes ``dispatch_<device>.json`` under ``out_dir`` after every point (a run stopped early keeps what
     it measured) and once at the end, and returns the payload with its ``path``.  ``device``: ``"cuda"`` when
-    available, else ``"cpu"`` (the interpreter: every Hopper path n/a, times are wall-clock smoke numbers)."""
+    available, else ``"cpu"`` (the interpreter: every Hopper path n/a, times are wall-clock smoke numbers).
+    ``resume``: the rows already in that file (same device) are kept, not run again (``resumed`` counts those of
+    this grid), so a sweep longer than one command's time limit is the same command repeated."""
     if budget_s is not None and not (isinstance(budget_s, (int, float)) and budget_s > 0 and math.isfinite(budget_s)):
         raise ValueError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = _clock()
     deadline = None if budget_s is None else start + budget_s
-    payload = {"env": environment(), "paths": list(PATHS), "tolerance": TOLERANCE, "budget_s": budget_s,
+    env = environment()
+    done = {_row_key(r): r for r in _finished_rows(out_dir, env)} if resume else {}
+    grid = {_point_key(pt) for pt in points}
+    payload = {"env": env, "paths": list(PATHS), "tolerance": TOLERANCE, "budget_s": budget_s,
                "flops_convention": "4*B*H*N^2*d forward, /2 causal, x3.5 fwd+bwd",
                "timing": "do_bench median" if device == "cuda" else "wall-clock median (interpreter smoke run)",
-               "points": [], "skipped": [], "elapsed_s": 0.0}
+               "points": [r for k, r in done.items() if k not in grid],  # earlier rows outside this grid, kept
+               "skipped": [], "resumed": 0, "elapsed_s": 0.0}
     for i, pt in enumerate(points):
         what = f"{pt.mode} d={pt.head_dim} N={pt.seqlen} causal={pt.causal}"
+        if _point_key(pt) in done:
+            payload["points"].append(done[_point_key(pt)])
+            payload["resumed"] += 1
+            continue
         if _over(deadline):
             payload["skipped"].append({"mode": pt.mode, "head_dim": pt.head_dim, "seqlen": pt.seqlen,
                                        "causal": pt.causal, "dtype": pt.dtype})

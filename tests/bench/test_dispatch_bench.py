@@ -129,9 +129,9 @@ def test_chosen_is_the_path_the_runtime_dispatch_takes(monkeypatch):
     assert row["paths"]["fa2"]["status"] == "ok" and row["best"] in ("fa2", "gluon") and row["regret"] >= 1
 
 
-def test_budget_skips_paths_and_points(tmp_path, monkeypatch):
+def test_budget_skips_points_and_resume_runs_them(tmp_path, monkeypatch):
     """Past the budget the remaining paths of a point and the remaining points are skipped; the JSON written
-    holds what ran and names what did not."""
+    holds what ran and names what did not; a resumed run keeps the finished rows and runs the others."""
     now = [0.0]
     monkeypatch.setattr(db, "_clock", lambda: now[0])
     real = db.run_point
@@ -150,6 +150,19 @@ def test_budget_skips_paths_and_points(tmp_path, monkeypatch):
     row = real(points[0], "cpu", deadline=-1.0)  # a deadline already passed: every path skipped
     assert all(e["status"] == "skipped" and e["reason"] == "budget" for e in row["paths"].values())
     assert row["best"] is None and row["regret"] is None
+
+    # --resume: the finished rows are kept, the skipped point and a row with a skipped path run again
+    stored = json.loads(Path(payload["path"]).read_text())
+    stored["points"][1]["paths"]["gluon"]["status"] = "skipped"
+    Path(payload["path"]).write_text(json.dumps(stored))
+    ran = []
+    monkeypatch.setattr(db, "run_point",
+                        lambda pt, device, deadline: ran.append(pt.head_dim) or real(pt, device, deadline))
+    again = db.run_dispatch(points, tmp_path, budget_s=None, device="cpu", resume=True)
+    assert ran == [16, 24] and again["resumed"] == 1 and again["skipped"] == []
+    assert [p["head_dim"] for p in again["points"]] == [8, 16, 24] and again["points"][0] == stored["points"][0]
+    fresh = db.run_dispatch(points[:1], tmp_path, budget_s=None, device="cpu")  # without resume: runs again
+    assert ran == [16, 24, 8] and fresh["resumed"] == 0
 
 
 def test_cli_tiny_grid_writes_the_documented_json(tmp_path, capsys):
