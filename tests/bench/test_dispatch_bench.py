@@ -108,6 +108,26 @@ def test_a_failing_path_is_reported_and_the_switches_restored(monkeypatch):
     assert row["best"] is None and row["regret"] is None
 
 
+def test_a_wrong_path_is_reported_not_timed(monkeypatch):
+    """A path whose output is off fp32 math by more than the tolerance is ``wrong``, with its error, and not timed."""
+    original = fa2_fwd.fa2_forward
+
+    def off_by_half(*args, **kwargs):
+        o, lse = original(*args, **kwargs)
+        o.mul_(1.5)
+        return o, lse
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a wrong path was timed")
+
+    monkeypatch.setattr(fa2_fwd, "fa2_forward", off_by_half)
+    monkeypatch.setattr(db, "_wall_ms", no_timing)
+    row = db.run_point(_tiny("fwd"), "cpu")
+    fa2 = row["paths"]["fa2"]
+    assert fa2["status"] == "wrong" and fa2["err"] > db.TOLERANCE["fwd"] and "not timed" in fa2["reason"]
+    assert fa2["ms"] is None and row["chosen"] == "fa2" and row["best"] is None and row["regret"] is None
+
+
 def test_chosen_is_the_path_the_runtime_dispatch_takes(monkeypatch):
     """``chosen`` is observed, not derived: with the runtime's Gluon-backward predicate saying yes (its kernel
     stood in for by FA2's), the backward point's chosen path is ``gluon``, and the forced ``gluon`` path runs it."""
