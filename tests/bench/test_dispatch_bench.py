@@ -183,6 +183,9 @@ def test_budget_skips_points_and_resume_runs_them(tmp_path, monkeypatch):
     assert [p["head_dim"] for p in again["points"]] == [8, 16, 24] and again["points"][0] == stored["points"][0]
     fresh = db.run_dispatch(points[:1], tmp_path, budget_s=None, device="cpu")  # without resume: runs again
     assert ran == [16, 24, 8] and fresh["resumed"] == 0
+    pytest.importorskip("matplotlib")
+    db.plot(again, tmp_path / "dispatch.png")
+    assert (tmp_path / "dispatch.png").stat().st_size > 0
 
 
 def test_cli_tiny_grid_writes_the_documented_json(tmp_path, capsys):
