@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|fp8-error|hopper-ablation|ring|train]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train]`."""
 
 from __future__ import annotations
 
@@ -248,6 +248,72 @@ def _cmd_bench_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def dispatch_points(args: argparse.Namespace) -> list:
+    """The grid `flashtile bench dispatch` runs for parsed ``args``."""
+    from flashtile.bench.dispatch import dispatch_sweep
+
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return dispatch_sweep(args.modes, args.head_dims, args.seqlens, causal, args.dtype, args.total_tokens, args.hidden)
+
+
+def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console()
+    try:
+        points = dispatch_points(args)
+        if args.budget_s is not None and not args.budget_s > 0:
+            raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    _use_interpreter_without_gpu()
+    from flashtile.bench import dispatch as db
+
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("dispatch", total=len(points))
+
+        def progress(i, n, what):
+            prog.update(task, completed=i, description=what)
+
+        payload = db.run_dispatch(points, args.out, budget_s=args.budget_s, resume=args.resume, progress=progress)
+    table = Table(title=f"kernel paths per head dim, {args.dtype} TFLOP/s on {payload['env']['device']} "
+                        f"(bwd = forward + backward; triton = hopper-triton; regret = t(chosen) / t(best))")
+    short = {"hopper-triton": "triton"}  # column width: the table fits 80 columns
+    for col in ("d", "N", "causal", "mode", *(short.get(p, p) for p in db.PATHS), "chosen", "best", "regret"):
+        table.add_column(col, justify="right")
+
+    def cell(e):
+        if e["status"] == "ok":
+            return f"{e['tflops']:.0f}" if e["tflops"] >= 1 else f"{e['tflops']:.2g}"
+        return {"wrong": "wrong", "failed": "failed", "skipped": "skipped"}.get(e["status"], "n/a")
+
+    for r in payload["points"]:
+        table.add_row(str(r["head_dim"]), str(r["seqlen"]), "y" if r["causal"] else "n", r["mode"],
+                      *[cell(r["paths"][p]) for p in db.PATHS], short.get(r["chosen"], r["chosen"] or "—"),
+                      short.get(r["best"], r["best"] or "—"),
+                      f"{r['regret']:.3f}" if r["regret"] else "—")
+    console.print(table)
+    if payload["resumed"]:
+        console.print(f"{payload['resumed']} points kept from the previous run (--resume)")
+    if payload["skipped"]:
+        console.print(f"budget of {args.budget_s} s spent: {len(payload['skipped'])} points skipped (in the JSON; "
+                      f"--resume runs them)")
+    console.print(f"wrote {payload['path']}")
+    if not args.no_plot and payload["points"]:
+        try:
+            from pathlib import Path
+
+            png = Path(payload["path"]).with_suffix(".png")
+            db.plot(payload, png)
+            console.print(f"wrote {png}")
+        except ImportError:
+            console.print("matplotlib not installed: no plot (pip install 'flashtile[bench]')")
+    return 0
+
+
 def _cmd_bench_fp8_error(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -464,6 +530,27 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     tune.add_argument("--out", default="bench/results")
     tune.set_defaults(func=_cmd_bench_tune)
+    dsp = bsub.add_parser("dispatch", help="per head dim, each kernel path (FA2, Triton Hopper, Gluon) forced, "
+                                          "checked and timed, next to the path the dispatcher picks")
+    from flashtile.bench.dispatch import DEFAULT_HEAD_DIMS, DTYPES
+
+    dsp.add_argument("--head-dims", nargs="+", type=int, default=list(DEFAULT_HEAD_DIMS),
+                     help="default: every multiple of 8 up to 256")
+    dsp.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096])
+    dsp.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    dsp.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
+                     help="bwd: forward + backward, the backward's path forced")
+    dsp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    dsp.add_argument("--total-tokens", type=int, default=16384, help="batch x seqlen (batch = max(1, this // N))")
+    dsp.add_argument("--hidden", type=int, default=2048, help="heads x head dim (heads = max(1, this // d))")
+    dsp.add_argument("--budget-s", type=float, default=540.0,
+                     help="wall-clock seconds after which the remaining points are skipped (the JSON is still written)")
+    dsp.add_argument("--out", default="bench/results")
+    dsp.add_argument("--resume", action="store_true",
+                     help="keep the points already in --out's dispatch_<device>.json and run the rest (a sweep longer "
+                          "than one command: the same command again)")
+    dsp.add_argument("--no-plot", action="store_true")
+    dsp.set_defaults(func=_cmd_bench_dispatch)
     abl = bsub.add_parser("hopper-ablation", help="the Hopper forward with warp specialisation, pipelining stages, "
                                                   "the TMA epilogue and FP8 switched one at a time (FA3's ablation)")
     abl.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
