@@ -62,7 +62,7 @@ _ENTRIES = {
             ("gluon", "flashtile.runtime.fa3_gluon", "gluon_launch")),
     "bwd": (("fa2", "flashtile.runtime.fa2_bwd", "fa2_backward"),
             ("hopper-triton", "flashtile.runtime.fa3_bwd", "fa3_backward"),
-            ("gluon", "flashtile.runtime.fa3_gluon_bwd", "fa3_gluon_backward")),
+            ("gluon", "flashtile.runtime.fa3_gluon_bwd", "backward_into")),
 }
 
 

@@ -24,7 +24,7 @@ def _switches():
         (fa3_fwd, "ENABLED"), (fa3_fwd, "GLUON"), (fa3_fwd, "hopper_wins"), (fa3_fwd, "use_gluon"),
         (fa3_bwd, "ENABLED"), (fa3_bwd, "hopper_bwd_wins"), (fa3_gluon_bwd, "ENABLED"),
         (fa3_gluon_bwd, "gluon_bwd_wins"), (fa2_fwd, "fa2_forward"), (fa2_bwd, "fa2_backward"),
-        (fa3_fwd, "launch"), (fa3_bwd, "fa3_backward"), (fa3_gluon_bwd, "fa3_gluon_backward"))}
+        (fa3_fwd, "launch"), (fa3_bwd, "fa3_backward"), (fa3_gluon_bwd, "backward_into"))}
 
 
 def _tiny(mode="fwd", causal=True):
@@ -131,12 +131,11 @@ def test_a_wrong_path_is_reported_not_timed(monkeypatch):
 def test_chosen_is_the_path_the_runtime_dispatch_takes(monkeypatch):
     """``chosen`` is observed, not derived: with the runtime's Gluon-backward predicate saying yes (its kernel
     stood in for by FA2's), the backward point's chosen path is ``gluon``, and the forced ``gluon`` path runs it."""
-    def gluon_stand_in(dout, q, k, v, out, lse, *, softmax_scale, causal, dq, dk, dv, **kwargs):
-        return fa2_bwd.fa2_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dq=dq,
-                                    dk=dk, dv=dv)
+    def gluon_stand_in(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal):
+        fa2_bwd.fa2_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dq=dq, dk=dk, dv=dv)
 
     monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *args, **kwargs: fa3_gluon_bwd.ENABLED)
-    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_backward", gluon_stand_in)
+    monkeypatch.setattr(fa3_gluon_bwd, "backward_into", gluon_stand_in)
     with db.recorded_paths("bwd") as seen:
         x = torch.randn(1, 8, 1, 16, requires_grad=True)
         from flashtile import flash_attn_func
