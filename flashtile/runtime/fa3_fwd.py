@@ -327,10 +327,10 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
         return out, lse
     q, softmax_scale = positive_scale(q, softmax_scale)
     if use_gluon(d, causal):
-        from flashtile.runtime.fa3_gluon import HOST_DESC_MIN_WORK, gluon_config, gluon_launch
+        from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, gluon_config, gluon_launch
 
         big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
-        cfg = gluon_config(d, causal, big)
+        cfg = gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS)
         if not cfg.host_desc:
             ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
         gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)

@@ -118,10 +118,12 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
 # +1-23 % device time, the most at 1k keys; about +35 us of host time per call, Triton's per-call tensor-map
 # encoding): from 2^32 (17 GFLOP, ~35 us of kernel time) the device time saved outweighs the host time
 HOST_DESC_MIN_WORK = 1 << 32
+# keys from which a causal call with tiles wider than 64 claims its tiles dynamically (gluon_config's ``many_keys``)
+DYNAMIC_MIN_KEYS = 2048
 
 
 @functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
-def gluon_config(d: int, causal: bool, host_desc: bool = False) -> GluonConfig:
+def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool = False) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
@@ -132,10 +134,12 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False) -> GluonConfig:
     144-192 (split) both schedules, 64-key tiles, 3 stages (197024 B at d = 192; 128-key tiles need 240 KB
     at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
     rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
-    Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); causal
-    and narrower widths do not (static round robin: causal 0.65-0.9x, d = 64 at 16k 0.93x); ``dynamic`` (claimed
-    tiles, FA3's causal scheduler) is not set here until an H100 A/B (scratch/gsched_probe.py).  ``host_desc``:
-    the caller's choice (``HOST_DESC_MIN_WORK``)."""
+    Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); narrower
+    widths do not (d = 64 at 16k 0.93x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
+    tiles wider than 64 loops persistently over dynamically claimed tiles (``dynamic``; static round robin lost,
+    0.65-0.9x): dynamic / one program per tile 1.01-1.09x at 2k-16k for d = 96, 128, 192, 256 in interleaved
+    rounds; 0.86-0.87x at 1k, d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler").  ``host_desc``: the
+    caller's choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -155,6 +159,8 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False) -> GluonConfig:
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
     if not causal and width >= 128:
         cfg = replace(cfg, persistent=True)
+    elif causal and many_keys and width > 64:
+        cfg = replace(cfg, persistent=True, dynamic=True)
     if host_desc:
         cfg = replace(cfg, host_desc=True)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:

@@ -39,6 +39,12 @@ def test_config_table_fits():
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
     assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
     assert gluon_config(32, False).num_wg == 2
+    # causal with many keys: persistent over dynamically claimed tiles, from tiles wider than 64
+    assert gluon_config(128, True, many_keys=True) == GluonConfig(block_n=128, num_stages=3, persistent=True,
+                                                                  dynamic=True)
+    assert gluon_config(96, True, many_keys=True).dynamic and gluon_config(192, True, False, True).dynamic
+    assert not gluon_config(64, True, many_keys=True).dynamic and not gluon_config(40, True, many_keys=True).persistent
+    assert gluon_config(128, False, many_keys=True) == gluon_config(128, False)  # non-causal: static persistent
     for d in (64, 96, 128, 192):  # host_desc is the caller's per-call choice, the rest of the row unchanged
         assert gluon_config(d, True, True) == replace(gluon_config(d, True), host_desc=True)
     assert [block_d(d) for d in (8, 16, 24, 40, 64, 72, 192, 256)] == [16, 16, 32, 64, 64, 128, 256, 256]
@@ -433,6 +439,27 @@ def test_gpu_forward_builds_host_descriptors_for_large_calls(monkeypatch):
         out, _ = fa3_forward(q, q, q, softmax_scale=0.1, causal=False)
         ref = attention_ref(*(x.double() for x in (q, q, q)), scale=0.1)[0]
         assert_close(out, ref, out.dtype, out.device, f"N = {n}")
+    assert seen == [False, True]
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_forward_claims_causal_tiles_dynamically_from_many_keys(monkeypatch):
+    """fa3_forward's causal Gluon launches take the dynamic scheduler from DYNAMIC_MIN_KEYS keys on (d = 128),
+    one program per tile below; both match the oracle (Nq < Nk: bottom-right causal)."""
+    from flashtile.runtime import fa3_gluon
+    from flashtile.runtime.fa3_fwd import fa3_forward
+
+    seen = []
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a: seen.append(a[-1].dynamic) or real(*a))
+    for nk in (fa3_gluon.DYNAMIC_MIN_KEYS - 8, fa3_gluon.DYNAMIC_MIN_KEYS):
+        q = torch.randn(2, 3, 1000, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 3, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = fa3_forward(q, k, v, softmax_scale=0.1, causal=True)
+        ref_o, ref_lse = attention_ref(*(x.double() for x in (q, k, v)), scale=0.1, causal=True)
+        assert_close(out, ref_o, out.dtype, out.device, f"out, Nk = {nk}")
+        assert_close(lse, ref_lse, torch.float32, lse.device, f"lse, Nk = {nk}")
     assert seen == [False, True]
 
 
