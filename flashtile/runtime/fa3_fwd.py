@@ -134,17 +134,17 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     """The measured part of :func:`prefer_hopper`: head dim ``d`` (covered: multiples of 8 up to 256),
     causal or not, ``nk`` keys.
 
-    Through the kernels on an H100 (bf16, B*N = 16k, H*d = 2048; bench/NOTES.md, "Hopper forward,
-    dispatch" and "Forward dispatch"), against the FA2 kernel: d > 128 1.4-2.6x at every N; 64 < d <= 128
-    1.05-1.4x without a mask from 1k keys, causal 0.86-1.09x at 1k, at 2k 1.2x for d = 96 and 0.97x for
-    d = 128 (which keeps FA2 there), 1.2-1.5x from 4k; 32 < d <= 64 (three consumer warpgroups) 0.93x at
-    1k, 1.05-1.24x from 2k without a mask, causal 0.73-0.85x at 1k-2k, at 4k 0.9x and 1.1x in two runs,
-    1.2x at 16k: from 8k keys.  d <= 32 was not measured: FA2."""
+    Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; ``flashtile bench dispatch``,
+    bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192) against the FA2 kernel:
+    d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x);
+    d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
+    1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k (earlier sweeps: 0.9-1.1x at 4k, 1.2x at
+    16k): from 8k keys.  d <= 32 was not measured: FA2."""
     if d not in SUPPORTED_HEAD_DIMS or d <= 32:
         return False
     if d <= 64:
         return nk >= (8192 if causal else 2048)
-    return d > 128 or not causal or nk >= (2048 if d < 128 else 4096)
+    return d != 128 or not causal or nk >= 2048
 
 
 def prefer_hopper(

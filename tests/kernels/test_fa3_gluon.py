@@ -709,6 +709,8 @@ def test_gpu_dynamic_schedules(monkeypatch, schedule):
 
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
     cfg = _dynamic(128, True, False, **SCHEDULES[schedule])
+    while smem_bytes(cfg, 128) > SMEM_LIMIT:  # the coalesced store's scratch leaves room for 2 stages
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     for nq, nk in [(517, 333), (333, 517)]:
         _gpu_case(128, True, cfg, nq, nk)
 
