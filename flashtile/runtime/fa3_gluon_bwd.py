@@ -107,12 +107,14 @@ def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
 
 
 def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
-    """The measured part of :func:`prefer_gluon_bwd`, backward alone against FA2's (H100, bf16, B*N = 16k,
-    H*d = 2048, ``scratch/gbwd_probe.py``): 128-wide tiles (d = 72-128) 1.04-1.20x at 1k-16k, causal or not;
-    64-wide tiles 1.09-1.10x at 16k but 0.95x at 4k and 0.85x at 1k; narrower tiles unmeasured (FA2)."""
+    """The measured part of :func:`prefer_gluon_bwd`, against FA2's backward (H100, bf16, B*N = 16k, H*d = 2048):
+    128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
+    ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
+    dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
+    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2)."""
     del causal
     width = block_d(d)
-    return width == 128 or (width == 64 and nk >= 8192)
+    return width == 128 or (width == 64 and nk >= 4096)
 
 
 def _check_config(cfg, d: int, esize: int) -> None:

@@ -311,11 +311,11 @@ def test_float64_twin_at_the_kernels_tiling(causal):
 
 
 def test_dispatch_rule():
-    """Measured (``gluon_bwd_wins``): 128-wide tiles at every length, 64-wide from 8k keys, narrower never (the
+    """Measured (``gluon_bwd_wins``): 128-wide tiles at every length, 64-wide from 4k keys, narrower never (the
     rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
     wins = fa3_gluon_bwd.gluon_bwd_wins
     assert all(wins(d, c, 1) for d in (72, 96, 128) for c in (False, True))
-    assert wins(64, False, 8192) and wins(40, True, 16384) and not wins(64, False, 4096)
+    assert wins(64, False, 4096) and wins(40, True, 16384) and not wins(64, False, 4095) and not wins(48, True, 1024)
     assert not wins(32, False, 1 << 20) and not wins(136, False, 1 << 20)
     assert fa3_gluon_bwd.ENABLED is True
 
