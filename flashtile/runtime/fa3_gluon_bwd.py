@@ -1,12 +1,13 @@
 """Host side of the Gluon Hopper backward (:mod:`flashtile.kernels.fa3_gluon_bwd`, FA3's Algorithm 3 with dQ by
 fp32 reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
-Dispatched where :func:`gluon_bwd_wins` says (H100 probe, bench/NOTES.md "Gluon backward, dQ through TMA"): every
-head dim from 72 to 128, and 40-64 from 8k keys; ``ENABLED`` (environment ``FLASHTILE_GLUON_BWD=0`` when this
+Above d = 128 the wide kernel (:mod:`flashtile.kernels.fa3_gluon_bwd_wide`: the warpgroups split the head dim).
+Dispatched where :func:`gluon_bwd_wins` says (H100, bench/NOTES.md "Gluon backward", "Dispatch sweep, backward"):
+every head dim from 72 to 128, and 40-64 from 4k keys; ``ENABLED`` (environment ``FLASHTILE_GLUON_BWD=0`` when this
 module is first imported turns it off) gates the dispatch.
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
-(B, H, N, d) views, head dims multiple of 8 up to 128, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
+(B, H, N, d) views, head dims multiple of 8 up to 256, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
 partials per q head summed here), ragged Nq / Nk; results in q's dtype, written into ``dq``, ``dk``, ``dv`` when
 given.  Not deterministic (dQ is summed by atomics in any order): ``deterministic=True`` raises
 ``NotImplementedError`` (FA2's backward is the deterministic path).  Anything else it does not cover raises
@@ -30,8 +31,10 @@ from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the G
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "gluon_bwd_launch",
            "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
-GLUON_BWD_HEAD_DIMS = tuple(range(8, 129, 8))  # TMA: 16-byte rows; dK and dV halves fill the registers at 128
-BLOCK_N = 128  # kv rows per program (two consumer warpgroups of 64)
+GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: 16-byte rows
+# 256-wide tiles: the wide kernel (kernels.fa3_gluon_bwd_wide), its warpgroups splitting the head dim
+WIDE_HEAD_DIMS = tuple(range(136, 257, 8))
+BLOCK_N = 128  # kv rows per program of the narrow kernel (two consumer warpgroups of 64; the wide one: 64)
 BLOCK_M = 64  # q rows per inner step
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's kernel[grid] on every call
@@ -76,8 +79,12 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), with ``stats_smem``
     ``num_stages`` pairs of 64 fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
-    with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4)."""
+    with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
+    ring, two Pᵀ and two dSᵀ tiles, the statistics (230816 B compiled at 2 stages)."""
     bd = block_d(d)
+    if d in WIDE_HEAD_DIMS:
+        stats = cfg.num_stages * 2 * BLOCK_M * 4
+        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * bd * esize + 4 * 64 * 64 * esize + stats + 1024
     tiles = 6 if cfg.dq_split else 4
     dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
     stats = cfg.num_stages * 2 * BLOCK_M * 4 if cfg.stats_smem else 0
@@ -93,10 +100,14 @@ def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     bench/NOTES.md): d = 128 443 TFLOP/s at 16k non-causal vs 371 for register reductions; d = 64 352 vs 235.
     The q tile's LSE and D through shared memory with Q (``stats_smem``) and Pᵀ in its own buffer
     (``pt_separate``): +10-16 % at 1k / 4k (d = 128: 292 / 453 vs 255 / 390 non-causal); 32-byte swizzled dQ
-    tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones)."""
+    tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones).  Above 128 the
+    wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
+    other path) and Pᵀ in its own tiles; not dispatched until measured (``gluon_bwd_wins``)."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
-        raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 128, got head_dim {d}")
+        raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
+    if d in WIDE_HEAD_DIMS:
+        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, pt_separate=True)
     if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
         return GluonBwdConfig(num_stages=4)
     cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True,
@@ -111,7 +122,8 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
-    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2)."""
+    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles and the wide kernel (d > 128)
+    unmeasured (FA2, the Triton Hopper backward)."""
     del causal
     width = block_d(d)
     return width == 128 or (width == 64 and nk >= 4096)
@@ -132,6 +144,13 @@ def _check_config(cfg, d: int, esize: int) -> None:
     for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
+    if d in WIDE_HEAD_DIMS:
+        # the wide kernel has one dQ path (reductions from registers), the statistics through shared memory and
+        # Pᵀ in its own tiles: a config saying otherwise would not describe what runs
+        if cfg.dq_split or cfg.dq_tma or cfg.dq_swizzle32 or cfg.release_once or not (cfg.stats_smem and
+                                                                                   cfg.pt_separate):
+            raise ValueError(f"config: above head_dim 128 only num_stages, registers and pingpong vary (stats_smem "
+                             f"and pt_separate True, the dQ flags False), got {cfg} at head_dim {d}")
     if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
         raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
@@ -152,7 +171,7 @@ def _check(q, k, v, dout, out, lse) -> None:
 
     check_fa3_bwd(q, k, v, dout, out, lse)  # types, dtypes, shapes, GQA, one device, sm_90, descriptor-ready
     if q.shape[3] not in GLUON_BWD_HEAD_DIMS:
-        raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 128, got head_dim "
+        raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim "
                                   f"{q.shape[3]}")
     if q.device.type != "cuda":
         raise NotImplementedError(f"fa3_gluon_backward needs an sm_90 (Hopper) CUDA device, got q on {q.device}")
@@ -256,30 +275,39 @@ def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
                      cfg: GluonBwdConfig) -> None:
-    """The Gluon kernel on checked views with work to do.  ``dk``, ``dv`` (B, Hk, Nk, d) in q's dtype, or
+    """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv`` (B, Hk, Nk, d) in q's dtype, or
     (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed (B * Hq, Nq rounded up to 64, block_d(d))
     fp32 accumulator; the descriptor allocator installed (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem``
     ``lse`` is :func:`stats_preprocess`'s buffer (its rows padded as ``dq_acc``'s) and ``delta`` unread."""
-    from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    num_n_tiles = triton.cdiv(nk, BLOCK_N)
+    wide = d in WIDE_HEAD_DIMS
+    block_n = 64 if wide else BLOCK_N
+    num_n_tiles = triton.cdiv(nk, block_n)
     grid = (b * hq * num_n_tiles,)
     if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * Hq * cdiv(Nk, {BLOCK_N}) = {grid[0]} programs exceed the grid's axis 0")
+        raise NotImplementedError(f"B * Hq * cdiv(Nk, {block_n}) = {grid[0]} programs exceed the grid's axis 0")
     partial = dk.shape[1] != hk
-    dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
-    static = (
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles,
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
+               *dv.stride()[:3], dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles)
+    if wide:
+        from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel as kernel
+
+        dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
-        d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs, cfg.dq_split,
-        cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once,
-    )
+        static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
+                  cfg.producer_regs, cfg.pingpong)
+    else:
+        from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
+
+        dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
+        static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs,
+                  cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate,
+                  cfg.release_once)
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
-    run_kernel(fa3_gluon_bwd_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+    run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
 
 
 def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,

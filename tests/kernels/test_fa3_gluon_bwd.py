@@ -34,7 +34,7 @@ BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # CPU: config table, refusals, argument lists, postprocess, dispatch switch
 # --------------------------------------------------------------------------- #
 def test_config_table_fits():
-    assert GLUON_BWD_HEAD_DIMS == tuple(range(8, 129, 8))
+    assert GLUON_BWD_HEAD_DIMS == tuple(range(8, 257, 8))
     for d in GLUON_BWD_HEAD_DIMS:
         for causal in (False, True):
             cfg = gluon_bwd_config(d, causal)
@@ -46,7 +46,10 @@ def test_config_table_fits():
     assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, dq_swizzle32=True,
                                                                                     **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
-    for d in (0, 4, 100, 136, 256):
+    # above 128 the wide kernel's one shape
+    wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, pt_separate=True)
+    assert gluon_bwd_config(136, False) == gluon_bwd_config(256, True) == gluon_bwd_config(192, False) == wide
+    for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError, match="head_dim"):
             gluon_bwd_config(d, False)
 
@@ -58,6 +61,9 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
     for stages, reported in [(2, 180960), (3, 213776)]:
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
+    # the wide kernel (scratch/cc_gluon_bwd_wide.py): 230816 B at every head dim above 128, with or without ping-pong
+    for d in (136, 192, 256):
+        assert 0 <= smem_bytes(gluon_bwd_config(d, False), d) - 230816 <= 1024 and 230816 <= SMEM_LIMIT
     # dq_split at d = 64 (K swizzled in 64-byte half-rows), dq_tma's fp32 dQ tiles (one per warpgroup)
     for stages, d, split, tma, reported in [(4, 64, True, False, 148240), (4, 64, False, True, 164592),
                                             (4, 64, True, True, 164624), (2, 64, True, True, 131808),
@@ -148,10 +154,15 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dq=[0.0])
 
 
-def test_head_dims_past_128_refused_before_the_device():
-    """d = 136 passes runtime.fa3_bwd's checks (it covers 256) and is refused here, naming head_dim."""
-    with pytest.raises(NotImplementedError, match="head_dim 136"):
-        fa3_gluon_backward(*_args(d=136), softmax_scale=0.125)
+def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
+    """Above d = 128 a config must describe the wide kernel (no dQ split / TMA / swizzle / release-once, statistics
+    and Pᵀ through shared memory): anything else is a ValueError naming config, before any launch."""
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    base = gluon_bwd_config(192, False)
+    for bad in (dict(dq_split=True), dict(dq_tma=True), dict(stats_smem=False), dict(pt_separate=False),
+                dict(num_stages=3)):
+        with pytest.raises(ValueError, match="config"):
+            fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
 
 
 @pytest.mark.parametrize("d,hq,hk,causal,split,tma", [(40, 4, 2, True, False, False), (128, 2, 2, False, True, False),
@@ -254,6 +265,39 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     assert bound["DQ_SWIZZLE32"] is False and bound["PT_SEPARATE"] is False and bound["RELEASE_ONCE"] is False
 
 
+def test_launcher_wide_kernel_arguments(monkeypatch):
+    """d > 128: the statistics kernel (zeroing the accumulator), the wide kernel over 64-key tiles with 256-wide
+    tiles, then the dQ postprocess; arguments bound to the wide kernel's signature by position, GQA partials."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, stats_preprocess_kernel
+    from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    b, hq, hk, nq, nk, d = 2, 4, 2, 300, 500, 192
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
+    k = torch.zeros(b, hk, nk, d, dtype=BF16)
+    lse = torch.zeros(b, hq, nq)
+    fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True)
+    assert [c[0][0] for c in calls] == [stats_preprocess_kernel, fa3_gluon_bwd_wide_kernel, dq_postprocess_kernel]
+    pre = dict(zip(inspect.signature(calls[0][0][0].fn).parameters, (*calls[0][0][2], *calls[0][0][3])))
+    (kernel, grid, dynamic, static), kw = calls[1]
+    params = list(inspect.signature(kernel.fn).parameters)
+    bound = dict(zip(params, (*dynamic, *static)))
+    assert kernel.is_gluon() and kw["num_warps"] == 4 and len(params) == len(dynamic) + len(static)
+    assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
+    assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"]) == (
+        d, 256, 2, True, True)
+    assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
+    assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
+    assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
+    assert bound["qk_scale"] == pytest.approx(0.5 * 1.4426950408889634) and bound["softmax_scale"] == 0.5
+
+
 def test_stats_preprocess_matches_torch():
     """Interpreted: row 0 LSE · log2 e (+inf on a -inf row and past Nq), row 1 rowsum(dO∘O) (0 past Nq), rows padded
     to 64; O in (B, N, H, d) storage, LSE strided."""
@@ -316,7 +360,7 @@ def test_dispatch_rule():
     wins = fa3_gluon_bwd.gluon_bwd_wins
     assert all(wins(d, c, 1) for d in (72, 96, 128) for c in (False, True))
     assert wins(64, False, 4096) and wins(40, True, 16384) and not wins(64, False, 4095) and not wins(48, True, 1024)
-    assert not wins(32, False, 1 << 20) and not wins(136, False, 1 << 20)
+    assert not wins(32, False, 1 << 20) and not wins(136, False, 1 << 20)  # the wide kernel: unmeasured
     assert fa3_gluon_bwd.ENABLED is True
 
     q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
@@ -386,6 +430,35 @@ def test_gpu_matches_oracle(d, causal, nq, nk, hq, hk):
     assert all(g.dtype == BF16 for g in got)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [136, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (64, 64)])
+def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
+    """The wide kernel (d > 128, the warpgroups splitting the head dim), GQA 4:2, ragged Nq / Nk, the table's
+    config; gradients against the float64 oracle, exact zeros where no row sees a key."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq + causal)
+    got, ref, visible = run(q, k, v, do, causal=causal)
+    assert all(g.dtype == BF16 for g in got)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong):
+    """fp16, ping-pong on and off, one (batch, head) with 2000 x 3000 (many q steps, several kv programs per
+    head, unmasked interior tiles), MQA."""
+    q, k, v, do = inputs(1, 3, 1, 2000, 3000, 256, F16, "cuda", seed=5 + pingpong)
+    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong)
+    for causal in (False, True):
+        got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+        assert_grads(got, ref)
+        assert_exact_zeros(got, visible)
 
 
 @pytest.mark.gpu

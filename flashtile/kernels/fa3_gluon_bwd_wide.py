@@ -1,0 +1,284 @@
+"""Hopper (sm_90a) attention backward in Gluon for head dims above 128 (tiles 256 wide): the schedule of
+:mod:`flashtile.kernels.fa3_gluon_bwd` (FA3's Algorithm 3, kv tiles outer, q tiles inner, dQ by fp32 reductions;
+the math is FA2's Algorithm 2, float64 twin :func:`flashtile.reference.backward.flash_attn_backward`) with the
+two consumer warpgroups splitting the head dim instead of the keys.
+
+At d = 256 a warpgroup's dK and dV for 64 keys are 2 x 64 x 256 fp32, twice the registers it has, so one
+program owns a kv tile of ``BLOCK_N = 64`` keys and warpgroup w owns columns [w, w + 1) * BLOCK_D / 2 of that
+tile's dK and dV (64 + 64 registers per thread, the narrow kernel's count at d = 128).  Each step (a q tile of
+64 rows), both warpgroups compute the whole Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (64 x 64, reduced over all of d) and so
+hold identical Pᵀ and dSᵀ: no exchange between them, at the price of the two score GEMMs done twice (7 GEMM
+passes over the tile instead of 5).  Then, in its columns: dV += Pᵀ dO, dK += dSᵀ Q, and dQ_i's part = dS K added
+into the fp32 accumulator 64 columns at a time (``red.global.add.v2.f32``, as the narrow kernel without
+``DQ_TMA``).  Partitions (``gl.warp_specialize``): a producer warp (TMA: K, V once, then Q_i, dO_i and the
+q tile's log2-scaled LSE and D rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring)
+and the two consumer warpgroups; ``PINGPONG`` as in the narrow kernel.  Pᵀ and dSᵀ reach the GEMMs that read
+them from shared memory through one tile each per warpgroup.
+
+Shared memory at BLOCK_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics
+1 KB: 225 KB of the 227.  d = 136-248 take the same 256-wide tiles (TMA zero-fills columns past d; stores are
+masked).  The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+from flashtile.kernels.fa3_gluon_bwd import _red_add, _turn_pass, _turn_wait
+
+__all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
+
+WIDE_BLOCK_N = 64  # keys per program (both consumer warpgroups' wgmma M)
+
+
+@gluon.jit
+def _wide_producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
+                   qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
+                   first_m, n_iters, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K_j, V_j once, then Q_i, dO_i and the q tile's [LSE · log2 e, D] rows for the ``n_iters`` q tiles from
+    ``first_m`` into ring slot it % NUM_STAGES (boxes BLOCK_D wide: columns past HEAD_DIM and rows past N read 0)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], q_smem.layout)
+    do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], do_smem.layout)
+    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
+    v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], v_smem.layout)
+    stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+    box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8  # zero-filled parts count too
+    has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
+    mbarrier.expect(kv_bar, 2 * box_bytes, pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem.index(0), pred=has_work)
+    for it in range(n_iters):
+        slot = it % NUM_STAGES
+        m0 = (first_m + it) * 64
+        # parity of the previous round of this slot; the first round passes on fresh barriers
+        mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), box_bytes + 2 * 64 * 4)
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
+        tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
+                                        stats_smem.index(2 * slot + 1))
+        mbarrier.expect(do_ready.index(slot), box_bytes)
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready, do_ready,
+                 qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+                 WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 MASKED: gl.constexpr, PINGPONG: gl.constexpr):
+    """q tile ``first_m + it`` against the program's 64 keys ``kv_rows``: this warpgroup's columns of dV, dK
+    updated in registers, of dQ_i added into ``DQacc`` (this (batch, q head)'s (rows, BLOCK_D) accumulator)."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = ds_smem.dtype
+
+    slot = it % NUM_STAGES
+    phase = (it // NUM_STAGES) & 1
+    # K, V and this warpgroup's Pᵀ / dSᵀ tiles indexed by an opaque zero: constant indices let LLVM hoist the
+    # wgmma descriptors (64-bit each) out of the q loop, and ptxas spills them
+    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    k_t = k_smem.index(z)
+    v_t = v_smem.index(z)
+    pt_wg = pt_smem.index(WG + z)
+    ds_wg = ds_smem.index(WG + z)
+    m0 = (first_m + it) * 64
+    zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    q_s = q_smem.index(slot)
+    do_s = do_smem.index(slot)
+    mbarrier.wait(q_ready.index(slot), phase)
+    # dPᵀ - D accumulated onto -D (the rows of D, broadcast from the slot's statistics, made distinct registers)
+    d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_s), 0) + zero_s
+    minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
+                                        pack=1)
+    _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
+    st = warpgroup_mma(k_t, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), minus_d, is_async=True)
+    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
+    st = warpgroup_mma_wait(1, deps=(st,))  # Sᵀ done, dPᵀ may still run
+    lse_cols = stats_smem.index(2 * slot).load(col_s)  # +inf past Nq and on rows that see no key: P = 0 there
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
+    if MASKED:
+        cols = m0 + gl.arange(0, 64, layout=col_s)
+        # key n is seen by row m iff n < Nk and, causal, n <= m + Nk - Nq (bottom-right)
+        keep = gl.expand_dims(kv_rows < seqlen_k, 1)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(kv_rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+        pt = gl.where(keep, pt, 0.0)
+    # the previous step's GEMMs reading Pᵀ and dSᵀ retired at its final wait
+    pt_wg.store(pt.to(dtype))
+    fence_async_shared()
+    dv = warpgroup_mma(pt_wg, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+    dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
+    dst16 = (pt * dpt).to(dtype)
+    ds_wg.store(dst16)
+    fence_async_shared()
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ds_a = gl.convert_layout(dst16, a_layout)
+    dk = warpgroup_mma(ds_a, q_s.slice(WG * HALF, HALF, dim=1), dk, is_async=True)
+    # dQ_i[:, this warpgroup's columns] += dS K in 64-column parts (32 registers each beside dK, dV); the
+    # accumulator has BLOCK_D columns and rows padded to 64: no mask; int64 offsets
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 16])
+    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+    ds_t = ds_wg.permute((1, 0))
+    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
+    dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+    # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+    dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+    _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    for c in gl.static_range(1, HALF // 64):
+        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
+        _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    return dk, dv
+
+
+@gluon.jit
+def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, kv_bar, q_ready,
+                   do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+                   seqlen_k, start_n, first_m, n_masked, n_iters, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Columns [WG, WG + 1) * BLOCK_D / 2 of dK, dV for keys [start_n, start_n + 64): the q loop (masked steps
+    first: the causal diagonal, or every step when the kv tile crosses Nk), then dK · scale and dV stored."""
+    gl.static_assert(gl.num_warps() == 4)
+    HALF: gl.constexpr = BLOCK_D // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16])
+    kv_rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
+    if n_iters > 0:
+        mbarrier.wait(kv_bar, 0)
+        for it in range(0, n_masked):
+            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
+                                  first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
+                                  MASKED=True, PINGPONG=PINGPONG)
+        for it in range(n_masked, n_iters):
+            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
+                                  first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
+                                  MASKED=False, PINGPONG=PINGPONG)
+    dk = dk * softmax_scale
+    out_dtype: gl.constexpr = DK.dtype.element_ty
+    rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+    mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    rows64 = rows.to(gl.int64)
+    gl.store(DK + gl.expand_dims(rows64 * stride_dkn, 1) + gl.expand_dims(cols, 0), dk.to(out_dtype), mask=mask)
+    gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
+def fa3_gluon_bwd_wide_kernel(
+    Q, K, V, DO, Stats, DK, DV, DQacc,
+    qk_scale,  # softmax_scale * log2(e), any sign
+    softmax_scale,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+):
+    """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
+    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
+    to 64, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
+    by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two), ``HEAD_DIM`` > 128.  Launch with
+    ``num_warps=4``."""
+    gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides
+    gl.static_assert(BLOCK_D >= HEAD_DIM)
+    gl.static_assert(BLOCK_D == 256)  # each warpgroup's half is a whole number of 64-column dQ parts
+    gl.static_assert(NUM_STAGES >= 2)  # a slot is refilled once both consumers release it
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid = gl.program_id(0)
+    bh = pid // num_n_tiles
+    tile = pid % num_n_tiles
+    off_b = (bh // n_heads).to(gl.int64)
+    off_h = (bh % n_heads).to(gl.int64)
+    off_hk = off_h // kv_group
+    start_n = tile * 64
+
+    # q tiles: from the first whose last row sees key start_n (causal), the first n_masked crossing the
+    # diagonal or, when the kv tile crosses Nk, all of them
+    num_m_tiles = gl.cdiv(seqlen_q, 64)
+    shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
+    if CAUSAL:
+        first_m = gl.maximum(start_n - shift, 0) // 64
+        # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + 63 - shift
+        full_m = gl.cdiv(gl.maximum(start_n + 63 - shift, 0), 64)
+    else:
+        first_m = 0
+        full_m = 0
+    first_m = gl.minimum(first_m, num_m_tiles)
+    n_iters = num_m_tiles - first_m
+    n_masked = gl.minimum(gl.maximum(full_m - first_m, 0), n_iters)
+    if start_n + 64 > seqlen_k:
+        n_masked = n_iters
+
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 64, BLOCK_D], box_layout)  # one tile, indexed (_wide_q_step)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 64, BLOCK_D], box_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
+    # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 64],
+                                           gl.NVMMASharedLayout.get_default_for([64], gl.float32))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per consumer
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)  # PINGPONG: the other warpgroup's pass
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if GQA_PARTIAL:
+        dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
+        dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
+    else:
+        dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
+        dv_base = DV + off_b * stride_dvb + off_hk * stride_dvh
+    bh64 = bh.to(gl.int64)
+    acc_base = DQacc + bh64 * stride_acc_h
+    # rows of one head's accumulator and statistics (< 2^31, where stride_acc_h may not be): TMA offsets are i32
+    acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
+    stats_base = Stats + bh64 * (2 * acc_rows)
+    # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
+    gl.warp_specialize([
+        (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+         kv_bar, q_ready, do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+         seqlen_k, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+        (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+         kv_bar, q_ready, do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
+         seqlen_k, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+        (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem,
+         kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
+         acc_rows, start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
