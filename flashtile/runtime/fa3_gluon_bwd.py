@@ -2,9 +2,9 @@
 fp32 reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
 Above d = 128 the wide kernel (:mod:`flashtile.kernels.fa3_gluon_bwd_wide`: the warpgroups split the head dim).
-Dispatched where :func:`gluon_bwd_wins` says (H100, bench/NOTES.md "Gluon backward", "Dispatch sweep, backward"):
-every head dim from 72 to 128, and 40-64 from 4k keys; ``ENABLED`` (environment ``FLASHTILE_GLUON_BWD=0`` when this
-module is first imported turns it off) gates the dispatch.
+Dispatched where :func:`gluon_bwd_wins` says (H100, bench/NOTES.md "Gluon backward", "Dispatch sweep, backward",
+"Gluon backward above 128"): every head dim from 72 to 128, 40-64 from 4k keys, 200-256; ``ENABLED`` (environment
+``FLASHTILE_GLUON_BWD=0`` when this module is first imported turns it off) gates the dispatch.
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
 (B, H, N, d) views, head dims multiple of 8 up to 256, causal (bottom-right) or not, GQA / MQA (fp32 dK / dV
@@ -122,11 +122,13 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
-    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles and the wide kernel (d > 128)
-    unmeasured (FA2, the Triton Hopper backward)."""
+    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
+    against the Triton Hopper backward (``scratch/gwide_probe.py``, "Gluon backward above 128"): d = 256 backward
+    alone 1.00-1.24x at 1k-16k, fwd+bwd 0.99-1.18x; d = 192 (a 256-wide tile for 192 columns) 0.92-1.11x: from
+    d = 200 (the Triton kernel pads those to 256 columns too)."""
     del causal
     width = block_d(d)
-    return width == 128 or (width == 64 and nk >= 4096)
+    return width == 128 or (width == 64 and nk >= 4096) or (width == 256 and d > 192)
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
