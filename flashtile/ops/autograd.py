@@ -31,6 +31,7 @@ recompute it.  :func:`next_philox_state` tells which pair the next call will
 draw.  Without dropout ``rng_state`` is a CPU tensor of zeros (no device work).
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -96,6 +97,24 @@ def _out_like(q: torch.Tensor, seq_major: bool) -> torch.Tensor:
     return torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
+def _check_op_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_major: bool) -> None:
+    """What the kernels index by, for a direct call of the op (the public functions run ops.validate first, and
+    the Hopper paths trust them): 4-D q, k, v of one dtype and device, k and v of one shape, q's batch and head
+    dim (1..256), Hq a multiple of Hk.  Tuple comparisons: well under a microsecond."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q, k, v must be 4-D with k and v of one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}, {k.dtype}, {v.dtype} on {q.device}, "
+                         f"{k.device}, {v.device}")
+    h_ax = 2 if seq_major else 1
+    hk = k.shape[h_ax]
+    if (k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or not 1 <= q.shape[3] <= 256 or hk == 0
+            or q.shape[h_ax] % hk):
+        raise ValueError(f"k, v {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim (<= 256), "
+                         "with q's heads a multiple of theirs")
+
+
 def _block_mask(mask: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int) -> Optional[BlockMask]:
     return None if mask is None else BlockMask(mask, (mask_block_q, mask_block_k))
 
@@ -143,13 +162,17 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
     from flashtile.runtime.fa2_fwd import fa2_forward
     from flashtile.runtime.fa3_fwd import forward_checked, prefer_hopper
 
+    _check_op_tensors(q, k, v, seq_major)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
     b, hq, nq, _ = qb.shape
     rng = None if dropout_p == 0 else rng_state if rng_state is not None else _philox(q.device)
     out = _out_like(q, seq_major)
     plain = bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
     if prefer_hopper(qb, kb, vb, causal=causal, window=(window_left, window_right), plain=plain):
-        # the public wrappers checked shapes, GQA and the scale; prefer_hopper dtype, device and strides
+        # ops.validate (or _check_op_tensors) checked shapes, dtypes, devices, GQA and the scale; prefer_hopper
+        # the head dim, the device's capability and the strides
         _, lse = forward_checked(qb, kb, vb, softmax_scale, causal, _bhnd(out, seq_major))
         return out, lse, torch.zeros(2, dtype=torch.int64)
     _, lse = fa2_forward(
@@ -212,6 +235,11 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     from flashtile.runtime.fa2_bwd import fa2_backward
     from flashtile.runtime.fa3_bwd import fa3_backward, prefer_hopper_bwd
 
+    if not isinstance(dout, torch.Tensor) or dout.shape != out.shape or dout.dtype != out.dtype \
+            or dout.device != out.device:  # autograd guarantees it; a direct call of the op may not
+        raise ValueError(f"dout must have out's shape {tuple(out.shape)}, dtype {out.dtype} and device {out.device}, "
+                         f"got {getattr(dout, 'shape', type(dout).__name__)}")
+    _check_op_tensors(q, k, v, seq_major)
     if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
         dout = dout.contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -223,7 +251,7 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     if fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(
         qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain, deterministic=deterministic
     ):
-        # the forward checked and produced q, k, v, out, lse; autograd gives dout out's shape, dtype and device
+        # the forward checked and produced q, k, v, out, lse; dout has out's shape, dtype and device (checked above)
         fa3_gluon_bwd.backward_into(dob, qb, kb, vb, _bhnd(out, seq_major), lse, _bhnd(dq, seq_major),
                                     _bhnd(dk, seq_major), _bhnd(dv, seq_major), softmax_scale, causal)
         return dq, dk, dv

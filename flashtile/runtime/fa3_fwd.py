@@ -21,7 +21,7 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability, on_device
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
            "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
            "GLUON", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
@@ -138,8 +138,8 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192) against the FA2 kernel:
     d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x);
     d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
-    1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k (earlier sweeps: 0.9-1.1x at 4k, 1.2x at
-    16k): from 8k keys.  d <= 32 was not measured: FA2."""
+    1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k (0.9-1.1x at 4k, 1.2x at 16k in the Hopper
+    dispatch probe): from 8k keys.  d <= 32 was not measured: FA2."""
     if d not in SUPPORTED_HEAD_DIMS or d <= 32:
         return False
     if d <= 64:

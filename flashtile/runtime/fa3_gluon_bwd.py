@@ -28,8 +28,9 @@ from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
-__all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "gluon_bwd_launch",
-           "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
+__all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
+           "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "WIDE_HEAD_DIMS", "ENABLED",
+           "BLOCK_N", "BLOCK_M"]
 
 GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: 16-byte rows
 # 256-wide tiles: the wide kernel (kernels.fa3_gluon_bwd_wide), its warpgroups splitting the head dim
@@ -102,7 +103,7 @@ def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     (``pt_separate``): +10-16 % at 1k / 4k (d = 128: 292 / 453 vs 255 / 390 non-causal); 32-byte swizzled dQ
     tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones).  Above 128 the
     wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
-    other path) and Pᵀ in its own tiles; not dispatched until measured (``gluon_bwd_wins``)."""
+    other path) and Pᵀ in its own tiles; dispatched from d = 200 (``gluon_bwd_wins``)."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -277,16 +278,20 @@ def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
                      cfg: GluonBwdConfig) -> None:
-    """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv`` (B, Hk, Nk, d) in q's dtype, or
-    (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed (B * Hq, Nq rounded up to 64, block_d(d))
-    fp32 accumulator; the descriptor allocator installed (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem``
-    ``lse`` is :func:`stats_preprocess`'s buffer (its rows padded as ``dq_acc``'s) and ``delta`` unread."""
+    """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv``
+    (B, Hk, Nk, d) in q's dtype, or (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed
+    (B * Hq, Nq rounded up to 64, block_d(d)) fp32 accumulator; the descriptor allocator installed
+    (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem`` ``lse`` is :func:`stats_preprocess`'s buffer (its rows
+    padded as ``dq_acc``'s) and ``delta`` unread."""
     from flashtile.runtime.launch import launch as run_kernel
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     wide = d in WIDE_HEAD_DIMS
-    block_n = 64 if wide else BLOCK_N
+    if wide:
+        from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N as block_n
+    else:
+        block_n = BLOCK_N
     num_n_tiles = triton.cdiv(nk, block_n)
     grid = (b * hq * num_n_tiles,)
     if grid[0] >= 2**31:
@@ -354,10 +359,10 @@ def prefer_gluon_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool,
     window: tuple[int, int], plain: bool, deterministic: bool, capability: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether ``ops.autograd._bwd_impl`` runs :func:`fa3_gluon_backward` on these (B, H, N, d) views: only with
-    ``ENABLED``, then what the kernel covers: ``plain`` (no softcap, ALiBi, bias, dropout,
+    """Whether ``ops.autograd._bwd_impl`` runs the Gluon backward (:func:`backward_into`) on these (B, H, N, d)
+    views: only with ``ENABLED``, then what the kernels cover: ``plain`` (no softcap, ALiBi, bias, dropout,
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
-    to 128, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
+    to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
     if not ENABLED:
         return False
     from flashtile.runtime.common import capability as device_capability

@@ -762,3 +762,19 @@ def test_gpu_dynamic_cuda_graph_replays(d):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(o, want) and torch.equal(lse, want_lse)
+
+
+def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
+    """fa3_fwd.forward_checked (the ops' entry) asks gluon_config for the dynamic causal grid from
+    DYNAMIC_MIN_KEYS keys on, not below, and never without a mask (the launch itself stubbed: no sm_90 here)."""
+    from flashtile.runtime import fa3_fwd, fa3_gluon
+
+    seen = []
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a: seen.append((a[-2], a[-1])))
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    for nk, causal in ((fa3_gluon.DYNAMIC_MIN_KEYS - 1, True), (fa3_gluon.DYNAMIC_MIN_KEYS, True),
+                       (fa3_gluon.DYNAMIC_MIN_KEYS, False)):
+        k = torch.zeros(1, 2, nk, 128, dtype=torch.bfloat16)
+        fa3_fwd.forward_checked(q, k, k, 0.1, causal)
+    assert [(c, cfg.dynamic) for c, cfg in seen] == [(True, False), (True, True), (False, False)]

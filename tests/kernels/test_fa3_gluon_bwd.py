@@ -159,10 +159,37 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     and Pᵀ through shared memory): anything else is a ValueError naming config, before any launch."""
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
     base = gluon_bwd_config(192, False)
-    for bad in (dict(dq_split=True), dict(dq_tma=True), dict(stats_smem=False), dict(pt_separate=False),
-                dict(num_stages=3)):
-        with pytest.raises(ValueError, match="config"):
+    for bad in (dict(stats_smem=False), dict(pt_separate=False), dict(release_once=True, dq_split=True),
+                dict(dq_tma=True, dq_split=True)):
+        with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
+    with pytest.raises(ValueError, match="shared memory"):  # a third ring stage does not fit
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=3))
+
+
+def test_backward_into_paths(monkeypatch):
+    """The ops' entry: no kernel and zero gradients without rows or keys; the kernels straight into the given
+    gradients when Hq == Hk; under GQA into fp32 per-q-head partials, summed into dk / dv per kv head."""
+    launched = []
+
+    def fake_launch(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, cfg):
+        launched.append((dq, dk, dv, cfg))
+        dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
+
+    monkeypatch.setattr(fa3_gluon_bwd, "_launch_all", fake_launch)
+    q = torch.zeros(1, 2, 8, 64, dtype=BF16)
+    grads = [torch.full_like(q, float("nan")) for _ in range(3)]
+    fa3_gluon_bwd.backward_into(q, q, q[:, :, :0], q[:, :, :0], q, torch.zeros(1, 2, 8), grads[0], grads[1][:, :, :0],
+                                grads[2][:, :, :0], 0.1, False)
+    assert not launched and (grads[0] == 0).all()  # no keys: dq is 0, no launch
+    fa3_gluon_bwd.backward_into(q, q, q, q, q, torch.zeros(1, 2, 8), *grads, 0.1, True)
+    assert launched[-1][0] is grads[0] and launched[-1][1] is grads[1] and launched[-1][3] == gluon_bwd_config(64, True)
+    k = torch.zeros(1, 1, 8, 64, dtype=BF16)
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
+    fa3_gluon_bwd.backward_into(q, q, k, k, q, torch.zeros(1, 2, 8), grads[0], dk, dv, 0.1, False)
+    partial_dk = launched[-1][1]
+    assert partial_dk.dtype == F32 and partial_dk.shape == (1, 2, 8, 64)  # per q head
+    assert (dk == 4.0).all() and (dv == 6.0).all()  # two q heads' partials summed into the kv head
 
 
 @pytest.mark.parametrize("d,hq,hk,causal,split,tma", [(40, 4, 2, True, False, False), (128, 2, 2, False, True, False),
@@ -435,9 +462,9 @@ def test_gpu_matches_oracle(d, causal, nq, nk, hq, hk):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [136, 192, 256])
+@pytest.mark.parametrize("d", [136, 192, 200, 248, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (64, 64)])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (64, 64), (100, 40)])
 def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     """The wide kernel (d > 128, the warpgroups splitting the head dim), GQA 4:2, ragged Nq / Nk, the table's
     config; gradients against the float64 oracle, exact zeros where no row sees a key."""
