@@ -13,7 +13,10 @@ into the fp32 accumulator 64 columns at a time (``red.global.add.v2.f32``, as th
 ``DQ_TMA``).  Partitions (``gl.warp_specialize``): a producer warp (TMA: K, V once, then Q_i, dO_i and the
 q tile's log2-scaled LSE and D rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring)
 and the two consumer warpgroups; ``PINGPONG`` as in the narrow kernel.  Pᵀ and dSᵀ reach the GEMMs that read
-them from shared memory through one tile each per warpgroup.
+them from shared memory through one tile each per warpgroup.  ``SPLIT_S`` (FA3's split): warpgroup w computes
+Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two
+buffers, ``ds_full`` / ``ds_empty`` between the warpgroups) that both then read whole: 5 GEMM passes, one
+exchange per step.
 
 Shared memory at BLOCK_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics
 1 KB: 225 KB of the 227.  d = 136-248 take the same 256-wide tiles (TMA zero-fills columns past d; stores are
@@ -143,10 +146,87 @@ def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, 
 
 
 @gluon.jit
+def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready,
+                       do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
+                       first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                       CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr):
+    """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
+    [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
+    tiles of buffer it % 2, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
+    both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``)."""
+    HALF: gl.constexpr = BLOCK_D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 32, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = ds_smem.dtype
+
+    slot = it % NUM_STAGES
+    phase = (it // NUM_STAGES) & 1
+    buf = it % 2
+    # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
+    # descriptors (64-bit each) out of the q loop, and ptxas spills them
+    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    k_t = k_smem.index(z)
+    v_t = v_smem.index(z)
+    pt_b = pt_smem.index(buf + z)
+    ds_b = ds_smem.index(buf + z)
+    m0 = (first_m + it) * 64
+    zero_s = gl.zeros([64, 32], gl.float32, layout=s_layout)
+    q_s = q_smem.index(slot)
+    do_s = do_smem.index(slot)
+    mbarrier.wait(q_ready.index(slot), phase)
+    d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).slice(WG * 32, 32).load(col_s), 0) + zero_s
+    minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
+                                        pack=1)
+    _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
+    st = warpgroup_mma(k_t, q_s.slice(WG * 32, 32, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(v_t, do_s.slice(WG * 32, 32, dim=0).permute((1, 0)), minus_d, is_async=True)
+    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
+    st = warpgroup_mma_wait(1, deps=(st,))
+    lse_cols = stats_smem.index(2 * slot).slice(WG * 32, 32).load(col_s)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
+    if MASKED:
+        cols = m0 + WG * 32 + gl.arange(0, 32, layout=col_s)
+        rows = gl.convert_layout(kv_rows, gl.SliceLayout(1, s_layout))  # the same rows per thread at N = 32
+        keep = gl.expand_dims(rows < seqlen_k, 1)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+        pt = gl.where(keep, pt, 0.0)
+    # the buffer's readers of two steps ago (both warpgroups) retired; the first round passes on fresh barriers
+    mbarrier.wait(ds_empty.index(buf), ((it // 2) & 1) ^ 1)
+    pt_b.slice(WG * 32, 32, dim=1).store(pt.to(dtype))
+    dpt = warpgroup_mma_wait(0, deps=(dpt,))
+    ds_b.slice(WG * 32, 32, dim=1).store((pt * dpt).to(dtype))
+    fence_async_shared()
+    mbarrier.arrive(ds_full.index(buf))
+    mbarrier.wait(ds_full.index(buf), (it // 2) & 1)  # both warpgroups' columns written
+    dv = warpgroup_mma(pt_b, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+    dk = warpgroup_mma(ds_b, q_s.slice(WG * HALF, HALF, dim=1), dk, is_async=True)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 64, 16])
+    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+    ds_t = ds_b.permute((1, 0))
+    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
+    dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+    _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    for c in gl.static_range(1, HALF // 64):
+        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
+        _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    mbarrier.arrive(ds_empty.index(buf))  # this warpgroup's last read of the buffer retired
+    return dk, dv
+
+
+@gluon.jit
 def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, kv_bar, q_ready,
-                   do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-                   seqlen_k, start_n, first_m, n_masked, n_iters, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                   do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
+                   seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, WG: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr):
     """Columns [WG, WG + 1) * BLOCK_D / 2 of dK, dV for keys [start_n, start_n + 64): the q loop (masked steps
     first: the causal diagonal, or every step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -161,15 +241,27 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
-            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
-                                  first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
-                                  MASKED=True, PINGPONG=PINGPONG)
+            if SPLIT_S:
+                dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                            q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
+                                            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                            NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG)
+            else:
+                dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
+                                      first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                      CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG)
         for it in range(n_masked, n_iters):
-            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
-                                  first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
-                                  MASKED=False, PINGPONG=PINGPONG)
+            if SPLIT_S:
+                dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                            q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
+                                            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                            NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG)
+            else:
+                dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
+                                      first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                      CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG)
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -195,6 +287,7 @@ def fa3_gluon_bwd_wide_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    SPLIT_S: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
@@ -237,8 +330,16 @@ def fa3_gluon_bwd_wide_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [1, 64, BLOCK_D], box_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
-    ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
+    if SPLIT_S:
+        # two buffers of the shared Pᵀ / dSᵀ tiles, each warpgroup writing 32 of their 64 columns: 64-byte swizzle
+        # atoms, so each warpgroup's column slice is whole atoms
+        half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
+                                                         element_bitwidth=dtype.primitive_bitwidth, rank=2)
+        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
+    else:
+        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
     # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
     stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 64],
                                            gl.NVMMASharedLayout.get_default_for([64], gl.float32))
@@ -250,6 +351,15 @@ def fa3_gluon_bwd_wide_kernel(
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn_bars.index(i), count=1)  # PINGPONG: the other warpgroup's pass
+    if SPLIT_S:
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):  # one arrival per warpgroup and use of a buffer
+            mbarrier.init(ds_full.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+    else:
+        ds_full = turn_bars  # unread: warp_specialize's arguments must be IR values
+        ds_empty = turn_bars
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -273,11 +383,13 @@ def fa3_gluon_bwd_wide_kernel(
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-         seqlen_k, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
+         stride_dvn, seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL,
+         PINGPONG, SPLIT_S)),
         (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn, seqlen_q,
-         seqlen_k, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
+         stride_dvn, seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL,
+         PINGPONG, SPLIT_S)),
         (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem,
          kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
          acc_rows, start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES)),

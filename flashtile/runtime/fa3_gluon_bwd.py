@@ -72,6 +72,9 @@ class GluonBwdConfig:
     # with dq_split and 2 stages: the dSᵀ buffer's release (ds_empty) also frees the Q / dO ring slot (same index and
     # phase every step): one mbarrier arrive, and its two bar.sync, fewer per step
     release_once: bool = False
+    # the wide kernel (d > 128): each warpgroup computes Sᵀ / dPᵀ for 32 of the 64 q columns and the two exchange Pᵀ
+    # and dSᵀ through shared tiles (FA3's split), instead of both computing all 64 (two score GEMMs done twice)
+    split_s: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -144,7 +147,8 @@ def _check_config(cfg, d: int, esize: int) -> None:
     # setmaxnreg: two consumer warpgroups and the producer (padded to 4 warps) share 64K registers
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
-    for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once"):
+    for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once",
+                 "split_s"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
@@ -152,8 +156,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
         # Pᵀ in its own tiles: a config saying otherwise would not describe what runs
         if cfg.dq_split or cfg.dq_tma or cfg.dq_swizzle32 or cfg.release_once or not (cfg.stats_smem and
                                                                                    cfg.pt_separate):
-            raise ValueError(f"config: above head_dim 128 only num_stages, registers and pingpong vary (stats_smem "
-                             f"and pt_separate True, the dQ flags False), got {cfg} at head_dim {d}")
+            raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong and split_s vary "
+                             f"(stats_smem and pt_separate True, the dQ flags False), got {cfg} at head_dim {d}")
+    elif cfg.split_s:
+        raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at head_dim {d}")
     if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
         raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
@@ -305,7 +311,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
         static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
-                  cfg.producer_regs, cfg.pingpong)
+                  cfg.producer_regs, cfg.pingpong, cfg.split_s)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 

@@ -165,6 +165,9 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
     with pytest.raises(ValueError, match="shared memory"):  # a third ring stage does not fit
         fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=3))
+    with pytest.raises(ValueError, match="split_s is True only above head_dim 128"):  # a wide-kernel flag
+        fa3_gluon_backward(*_args(d=128), softmax_scale=0.125, config=replace(gluon_bwd_config(128, False),
+                                                                              split_s=True))
 
 
 def test_backward_into_paths(monkeypatch):
@@ -317,8 +320,8 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert kernel.is_gluon() and kw["num_warps"] == 4 and len(params) == len(dynamic) + len(static)
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
     assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
-    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"]) == (
-        d, 256, 2, True, True)
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"],
+            bound["SPLIT_S"]) == (d, 256, 2, True, True, False)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -477,12 +480,29 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d", [192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
-def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong):
-    """fp16, ping-pong on and off, one (batch, head) with 2000 x 3000 (many q steps, several kv programs per
-    head, unmasked interior tiles), MQA."""
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
+def test_gpu_wide_split_s_matches_oracle(d, causal, pingpong, nq, nk):
+    """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles):
+    GQA 4:2, ragged Nq / Nk, ping-pong on and off, against the float64 oracle."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nk + causal)
+    cfg = replace(gluon_bwd_config(d, causal), split_s=True, pingpong=pingpong)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("split_s", [False, True])
+def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, split_s):
+    """fp16, ping-pong and split_s on and off, 2000 x 3000 (many q steps, several kv programs per head, unmasked
+    interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, 256, F16, "cuda", seed=5 + pingpong)
-    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong)
+    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, split_s=split_s)
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
         assert_grads(got, ref)
