@@ -21,8 +21,8 @@ import triton
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability, on_device
 
-__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8", "fa3_varlen_forward", "launch",
-           "smem_bytes", "packed_view", "prefer_hopper_varlen",
+__all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
+           "fa3_varlen_forward", "launch", "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
            "GLUON", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
@@ -326,16 +326,13 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
     if not work:
         return out, lse
     q, softmax_scale = positive_scale(q, softmax_scale)
+    ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     if use_gluon(d, causal):
         from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, gluon_config, gluon_launch
 
         big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
-        cfg = gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS)
-        if not cfg.host_desc:
-            ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS))
         return out, lse
-    ensure_allocator()
     with on_device(q):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse

@@ -72,8 +72,8 @@ class GluonBwdConfig:
     # with dq_split and 2 stages: the dSᵀ buffer's release (ds_empty) also frees the Q / dO ring slot (same index and
     # phase every step): one mbarrier arrive, and its two bar.sync, fewer per step
     release_once: bool = False
-    # the wide kernel (d > 128): each warpgroup computes Sᵀ / dPᵀ for 32 of the 64 q columns and the two exchange Pᵀ
-    # and dSᵀ through shared tiles (FA3's split), instead of both computing all 64 (two score GEMMs done twice)
+    # the wide kernel (d > 128): each warpgroup computes Sᵀ / dPᵀ for 32 of the 64 q columns and the two exchange
+    # Pᵀ and dSᵀ through shared tiles (FA3's split), instead of both computing all 64 (two score GEMMs done twice)
     split_s: bool = False
 
 
@@ -159,7 +159,8 @@ def _check_config(cfg, d: int, esize: int) -> None:
             raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong and split_s vary "
                              f"(stats_smem and pt_separate True, the dQ flags False), got {cfg} at head_dim {d}")
     elif cfg.split_s:
-        raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at head_dim {d}")
+        raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "
+                         f"head_dim {d}")
     if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
         raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
