@@ -16,7 +16,9 @@ and the two consumer warpgroups; ``PINGPONG`` as in the narrow kernel.  Pᵀ and
 them from shared memory through one tile each per warpgroup.  ``SPLIT_S`` (FA3's split): warpgroup w computes
 Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two
 buffers, ``ds_full`` / ``ds_empty`` between the warpgroups) that both then read whole: 5 GEMM passes, one
-exchange per step.
+exchange per step.  ``DQ_TMA`` (not with ``SPLIT_S``): dQ's parts go through a [64, 32] fp32 shared tile per
+warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from registers; Pᵀ is then the dV
+GEMM's register operand, its shared tiles' 16 KB holding the staging tiles.
 
 Shared memory at BLOCK_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics
 1 KB: 225 KB of the 227.  d = 136-248 take the same 256-wide tiles (TMA zero-fills columns past d; stores are
@@ -30,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _red_add, _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _red_add, _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -70,11 +72,12 @@ def _wide_producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_sm
 
 @gluon.jit
 def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready, do_ready,
-                 qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+                 qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
                  WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASKED: gl.constexpr, PINGPONG: gl.constexpr):
+                 MASKED: gl.constexpr, PINGPONG: gl.constexpr, DQ_TMA: gl.constexpr):
     """q tile ``first_m + it`` against the program's 64 keys ``kv_rows``: this warpgroup's columns of dV, dK
-    updated in registers, of dQ_i added into ``DQacc`` (this (batch, q head)'s (rows, BLOCK_D) accumulator)."""
+    updated in registers, of dQ_i added into ``DQacc`` (this (batch, q head)'s (rows, BLOCK_D) accumulator;
+    ``DQ_TMA``: 32-column parts through ``dq_smem`` and bulk reduce-adds on ``dq_desc``, Pᵀ a register operand)."""
     HALF: gl.constexpr = BLOCK_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
@@ -116,32 +119,51 @@ def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, 
         if CAUSAL:
             keep = keep & (gl.expand_dims(kv_rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
         pt = gl.where(keep, pt, 0.0)
-    # the previous step's GEMMs reading Pᵀ and dSᵀ retired at its final wait
-    pt_wg.store(pt.to(dtype))
-    fence_async_shared()
-    dv = warpgroup_mma(pt_wg, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if DQ_TMA:
+        # Pᵀ as the dV GEMM's register operand: its shared tile's 16 KB hold the fp32 dQ staging tiles instead
+        pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+        dv = warpgroup_mma(pt_a, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+    else:
+        # the previous step's GEMMs reading Pᵀ and dSᵀ retired at its final wait
+        pt_wg.store(pt.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(pt_wg, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
     dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
     dst16 = (pt * dpt).to(dtype)
     ds_wg.store(dst16)
     fence_async_shared()
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_s.slice(WG * HALF, HALF, dim=1), dk, is_async=True)
     # dQ_i[:, this warpgroup's columns] += dS K in 64-column parts (32 registers each beside dK, dV); the
     # accumulator has BLOCK_D columns and rows padded to 64: no mask; int64 offsets
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 64, 16])
-    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
     ds_t = ds_wg.permute((1, 0))
-    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
-    dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-    # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
-    dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-    _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-    for c in gl.static_range(1, HALF // 64):
-        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
-        _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    if DQ_TMA:
+        PART: gl.constexpr = 32
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, PART, 16])
+        dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, PART, dim=1), dq_zero, use_acc=False, is_async=True)
+        # pt_a and ds_a are read by the in-flight dV / dK GEMMs from registers: kept alive until this wait
+        dv, dk, dq, pt_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_a, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
+        for c in gl.static_range(1, HALF // PART):
+            dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * PART, PART, dim=1), dq_zero, use_acc=False)
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF + c * PART)
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 64, 16])
+        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
+        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
+        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        for c in gl.static_range(1, HALF // 64):
+            dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
+            _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     return dk, dv
 
 
@@ -222,11 +244,11 @@ def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_
 
 
 @gluon.jit
-def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, kv_bar, q_ready,
-                   do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn, stride_dvn,
-                   seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, WG: gl.constexpr,
+def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, dq_smem, kv_bar,
+                   q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
+                   stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr):
+                   PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr):
     """Columns [WG, WG + 1) * BLOCK_D / 2 of dK, dV for keys [start_n, start_n + 64): the q loop (masked steps
     first: the causal diagonal, or every step when the kv tile crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
@@ -238,6 +260,12 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
     kv_rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
+    if DQ_TMA:
+        # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
+        dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1], [64, dq_smem.shape[2]],
+                                             dq_smem.layout)
+    else:
+        dq_desc = None
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
@@ -248,9 +276,10 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
                                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG)
             else:
                 dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
-                                      first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                                      CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG)
+                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale,
+                                      seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                      NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG,
+                                      DQ_TMA=DQ_TMA)
         for it in range(n_masked, n_iters):
             if SPLIT_S:
                 dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
@@ -259,9 +288,12 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
                                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG)
             else:
                 dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
-                                      first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                                      CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG)
+                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale,
+                                      seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                      NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG,
+                                      DQ_TMA=DQ_TMA)
+        if DQ_TMA:
+            tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
@@ -287,7 +319,7 @@ def fa3_gluon_bwd_wide_kernel(
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    SPLIT_S: gl.constexpr,
+    SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
@@ -337,9 +369,19 @@ def fa3_gluon_bwd_wide_kernel(
                                                          element_bitwidth=dtype.primitive_bitwidth, rank=2)
         pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
+    elif DQ_TMA:
+        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
+        pt_smem = ds_smem  # unread: Pᵀ is the dV GEMM's register operand
     else:
         pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
+    gl.static_assert(not (DQ_TMA and SPLIT_S))  # split_s needs both Pᵀ buffers: no room for the dQ tiles
+    if DQ_TMA:
+        # one fp32 [64, 32] dQ part per warpgroup, bulk reduce-added into the accumulator
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 32],
+                                            gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32))
+    else:
+        dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
     stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 64],
                                            gl.NVMMASharedLayout.get_default_for([64], gl.float32))
@@ -383,13 +425,13 @@ def fa3_gluon_bwd_wide_kernel(
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
-         stride_dvn, seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL,
-         PINGPONG, SPLIT_S)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
         (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
-         stride_dvn, seqlen_q, seqlen_k, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL,
-         PINGPONG, SPLIT_S)),
+         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM,
+         BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
         (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem,
          kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
          acc_rows, start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES)),

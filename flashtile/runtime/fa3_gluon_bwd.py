@@ -152,12 +152,16 @@ def _check_config(cfg, d: int, esize: int) -> None:
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
-        # the wide kernel has one dQ path (reductions from registers), the statistics through shared memory and
-        # Pᵀ in its own tiles: a config saying otherwise would not describe what runs
-        if cfg.dq_split or cfg.dq_tma or cfg.dq_swizzle32 or cfg.release_once or not (cfg.stats_smem and
-                                                                                   cfg.pt_separate):
-            raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong and split_s vary "
-                             f"(stats_smem and pt_separate True, the dQ flags False), got {cfg} at head_dim {d}")
+        # the wide kernel: the statistics through shared memory; dQ by reductions from registers with Pᵀ in its own
+        # tiles, or (dq_tma) through 32-column staging tiles with Pᵀ a register operand; a config saying otherwise
+        # would not describe what runs
+        if cfg.dq_split or cfg.dq_swizzle32 or cfg.release_once or not cfg.stats_smem or \
+                cfg.pt_separate == cfg.dq_tma:
+            raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong, split_s and dq_tma "
+                             f"vary (stats_smem True, pt_separate = not dq_tma, the other dQ flags False), got {cfg} "
+                             f"at head_dim {d}")
+        if cfg.dq_tma and cfg.split_s:  # split_s's two Pᵀ buffers leave no room for the dQ staging tiles
+            raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 128, got {cfg}")
     elif cfg.split_s:
         raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "
                          f"head_dim {d}")
@@ -312,7 +316,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
         static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
-                  cfg.producer_regs, cfg.pingpong, cfg.split_s)
+                  cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 

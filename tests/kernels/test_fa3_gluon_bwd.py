@@ -160,9 +160,12 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
     base = gluon_bwd_config(192, False)
     for bad in (dict(stats_smem=False), dict(pt_separate=False), dict(release_once=True, dq_split=True),
-                dict(dq_tma=True, dq_split=True)):
+                dict(dq_tma=True, dq_split=True), dict(dq_tma=True)):  # dq_tma: Pᵀ leaves shared memory
         with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
+    with pytest.raises(ValueError, match="exclude each other"):
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125,
+                           config=replace(base, dq_tma=True, pt_separate=False, split_s=True))
     with pytest.raises(ValueError, match="shared memory"):  # a third ring stage does not fit
         fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=3))
     with pytest.raises(ValueError, match="split_s is True only above head_dim 128"):  # a wide-kernel flag
@@ -321,7 +324,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
     assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"],
-            bound["SPLIT_S"]) == (d, 256, 2, True, True, False)
+            bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 2, True, True, False, False)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -496,13 +499,29 @@ def test_gpu_wide_split_s_matches_oracle(d, causal, pingpong, nq, nk):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d", [192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
+def test_gpu_wide_dq_tma_matches_oracle(d, causal, nq, nk):
+    """``dq_tma`` above 128 (dQ through 32-column staging tiles and bulk reduce-adds, Pᵀ a register operand):
+    GQA 4:2, ragged Nq / Nk, against the float64 oracle."""
+    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq + causal)
+    cfg = replace(gluon_bwd_config(d, causal), dq_tma=True, pt_separate=False)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("split_s", [False, True])
-def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, split_s):
-    """fp16, ping-pong and split_s on and off, 2000 x 3000 (many q steps, several kv programs per head, unmasked
-    interior tiles), MQA."""
+@pytest.mark.parametrize("variant", ["default", "split_s", "dq_tma"])
+def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant):
+    """fp16, ping-pong on and off, each dQ / score variant, 2000 x 3000 (many q steps, several kv programs per
+    head, unmasked interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, 256, F16, "cuda", seed=5 + pingpong)
-    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, split_s=split_s)
+    flags = {"default": {}, "split_s": dict(split_s=True), "dq_tma": dict(dq_tma=True, pt_separate=False)}[variant]
+    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, **flags)
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
         assert_grads(got, ref)
