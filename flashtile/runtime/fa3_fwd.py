@@ -136,7 +136,8 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
 
     Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; ``flashtile bench dispatch``,
     bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192) against the FA2 kernel:
-    d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x);
+    d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x; causal
+    below 1k unmeasured: FA2);
     d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
     1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k (0.9-1.1x at 4k, 1.2x at 16k in the Hopper
     dispatch probe): from 8k keys.  d <= 32 was not measured: FA2."""
@@ -144,7 +145,7 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
         return False
     if d <= 64:
         return nk >= (8192 if causal else 2048)
-    return d != 128 or not causal or nk >= 2048
+    return d > 128 or not causal or nk >= (1024 if d < 128 else 2048)  # causal below 1k keys: unmeasured, FA2
 
 
 def prefer_hopper(
