@@ -29,6 +29,9 @@ through the TMA ring and are read from shared memory straight into the score col
 loads and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
 (conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
 ``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.
+``GROUP_LOOP`` (GQA, with ``STATS_SMEM``): one program per (batch, kv head, kv tile) runs the q loop for each of the
+kv head's q heads in turn (Q, dO and the dQ accumulator through rank-3 [group, rows, d] descriptors, the ring and
+ping-pong counters running on across heads), so dK / dV are summed in registers and stored once in q's dtype.
 docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
@@ -112,6 +115,17 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
 
 
 @gluon.jit
+def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col):
+    """:func:`_dq_tma_add` into head ``g`` of a rank-3 [group, rows, BLOCK_D] accumulator descriptor (``GROUP_LOOP``)."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    dq_tile.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [g, row, col], dq_tile.reshape([1, dq_tile.shape[0], dq_tile.shape[1]]))
+
+
+@gluon.jit
 def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
     """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
     reduce-add from the warpgroup's shared tile ``dq_tile``."""
@@ -145,22 +159,35 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
               qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
-              first_m, n_iters, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              STATS_SMEM: gl.constexpr):
+              first_m, n_iters, group, stride_qh, stride_doh, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+              NUM_STAGES: gl.constexpr, STATS_SMEM: gl.constexpr, GROUP_LOOP: gl.constexpr):
     """K, V halves once, then Q_i, dO_i for the ``n_iters`` q tiles from ``first_m`` into ring slot
     it % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do.
     ``STATS_SMEM``: the q tile's rows of ``Stats`` (2 x ``stats_rows``: log2-scaled LSE, D; padded, never
     clipped) into ``stats_smem``'s slot too, counted on ``q_ready``."""
     dtype: gl.constexpr = Q.dtype.element_ty
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
-    do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
+    if GROUP_LOOP:
+        # the group's q heads as one rank-3 tensor (coordinates [g, row, 0]): no descriptor rebuilt per head
+        # while copies of the previous one are in flight
+        box3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 64, BLOCK_D], dtype)
+        gl.static_assert(box3.swizzle_byte_width == box_layout.swizzle_byte_width)
+        q_desc = tma.make_tensor_descriptor(Q, [group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
+                                            [1, 64, BLOCK_D], box3)
+        do_desc = tma.make_tensor_descriptor(DO, [group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
+                                             [1, 64, BLOCK_D], box3)
+    else:
+        q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
+        do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
     k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
     v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
     # a box's transaction bytes count its zero-filled part too
     box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
     if STATS_SMEM:
-        stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+        if GROUP_LOOP:  # the group's heads' [2, stats_rows] blocks are adjacent (Stats is (B * Hq, 2, rows))
+            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows * group], [1], [64], stats_smem.layout)
+        else:
+            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
         q_bytes: gl.constexpr = box_bytes + 2 * 64 * 4
     else:
         q_bytes: gl.constexpr = box_bytes
@@ -173,28 +200,48 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
         k_row = gl.where(k_row < seqlen_k, k_row, start_n)
         tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem.index(w), pred=has_work)
         tma.async_copy_global_to_shared(v_desc, [k_row, 0], kv_bar, v_smem.index(w), pred=has_work)
-    for it in range(n_iters):
-        slot = it % NUM_STAGES
-        m0 = (first_m + it) * 64
-        # parity of the previous round of this slot; the first round passes on fresh barriers
-        mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(slot), q_bytes)
-        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
-        if STATS_SMEM:
-            tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
-            tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
-                                            stats_smem.index(2 * slot + 1))
-        mbarrier.expect(do_ready.index(slot), box_bytes)
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
+    if GROUP_LOOP:
+        gl.static_assert(STATS_SMEM)
+        for g in range(group):
+            for it in range(n_iters):
+                step = g * n_iters + it  # the ring runs on across the group's heads
+                slot = step % NUM_STAGES
+                m0 = (first_m + it) * 64
+                mbarrier.wait(qdo_empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [g, m0, 0], q_ready.index(slot),
+                                                q_smem.index(slot).reshape([1, 64, BLOCK_D]))
+                srow = g * (2 * stats_rows) + m0
+                tma.async_copy_global_to_shared(stats_desc, [srow], q_ready.index(slot), stats_smem.index(2 * slot))
+                tma.async_copy_global_to_shared(stats_desc, [srow + stats_rows], q_ready.index(slot),
+                                                stats_smem.index(2 * slot + 1))
+                mbarrier.expect(do_ready.index(slot), box_bytes)
+                tma.async_copy_global_to_shared(do_desc, [g, m0, 0], do_ready.index(slot),
+                                                do_smem.index(slot).reshape([1, 64, BLOCK_D]))
+    else:
+        for it in range(n_iters):
+            slot = it % NUM_STAGES
+            m0 = (first_m + it) * 64
+            # parity of the previous round of this slot; the first round passes on fresh barriers
+            mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
+            if STATS_SMEM:
+                tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
+                tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
+                                                stats_smem.index(2 * slot + 1))
+            mbarrier.expect(do_ready.index(slot), box_bytes)
+            tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
 
 
 @gluon.jit
 def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty,
             turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, step, g,
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
+            STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
+            GROUP_LOOP: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
     point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
@@ -206,11 +253,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = ds_smem.dtype
 
-    slot = it % NUM_STAGES
-    phase = (it // NUM_STAGES) & 1
+    slot = step % NUM_STAGES  # step: the ring's count (it, or with GROUP_LOOP counted across the group's heads)
+    phase = (step // NUM_STAGES) & 1
     # this warpgroup's K, V, dS, Pᵀ tiles indexed by WG + an opaque zero: with a constant index LLVM hoists their
     # 28 wgmma descriptors (64-bit each) out of the q loop and ptxas spills them at d = 128
-    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [step], dtype=gl.int32, is_pure=True, pack=1)
     k_wg = k_smem.index(WG + z)
     v_wg = v_smem.index(WG + z)
     m0 = (first_m + it) * 64
@@ -243,7 +290,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     if not STATS_SMEM:
         mbarrier.wait(q_ready.index(slot), phase)
     # PINGPONG: the tensor cores take one warpgroup's Sᵀ, dPᵀ before the other's, so its exp2 and dSᵀ run beside them
-    _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
+    _turn_wait(turn_bars, step, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
@@ -277,8 +324,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     if DQ_SPLIT:
         # both warpgroups read each other's dSᵀ: two buffers, a buffer rewritten once both dQ GEMMs of two
         # steps ago retired (the first round passes on fresh barriers)
-        buf = it % 2
-        mbarrier.wait(ds_empty.index(buf), ((it // 2) & 1) ^ 1)
+        buf = step % 2
+        mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)
         ds_wg = ds_smem.index(2 * buf + WG + z)
     else:
         # the previous step's dQ GEMMs reading this tile retired at its final wait
@@ -299,7 +346,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
         mbarrier.arrive(ds_full.index(buf))
-        mbarrier.wait(ds_full.index(buf), (it // 2) & 1)
+        mbarrier.wait(ds_full.index(buf), (step // 2) & 1)
         dq = warpgroup_mma(ds_smem.index(2 * buf + z).permute((1, 0)), k_smem.index(z).slice(WG * HALF, HALF, dim=1),
                            gl.zeros([64, HALF], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_smem.index(2 * buf + 1 + z).permute((1, 0)),
@@ -310,7 +357,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         mbarrier.arrive(ds_empty.index(buf))
         if DQ_TMA:
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
+            if GROUP_LOOP:
+                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, WG * HALF)
+            else:
+                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
         else:
             _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     else:
@@ -326,7 +376,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         if DQ_TMA:
             gl.static_assert(DQ_CHUNK == BLOCK_D)  # one 64 x BLOCK_D fp32 tile per warpgroup and step
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, 0)
+            if GROUP_LOOP:
+                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, 0)
+            else:
+                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, 0)
         else:
             _red_add(acc_tile, dq, N=DQ_CHUNK, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
             for c in gl.static_range(1, BLOCK_D // DQ_CHUNK):
@@ -338,12 +391,14 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
 @gluon.jit
 def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stats_smem, pt_smem, kv_bar,
               q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
-              stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+              stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, group, stride_acc_h,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
-              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr):
+              STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
+              GROUP_LOOP: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
-    step when the kv tile crosses Nk), then dK · scale and dV stored."""
+    step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's ``group`` q heads,
+    DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_D, 16])
@@ -354,27 +409,57 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     if DQ_TMA:
-        # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
-        dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1],
-                                             [64, dq_smem.shape[2]], dq_smem.layout)
+        if GROUP_LOOP:
+            # the group's accumulators as one rank-3 tensor (coordinates [g, row, col])
+            dq3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=dq_smem.layout.swizzle_byte_width,
+                                                     element_bitwidth=32, rank=3)
+            dq_desc = tma.make_tensor_descriptor(DQacc, [group, acc_rows, BLOCK_D], [stride_acc_h, BLOCK_D, 1],
+                                                 [1, 64, dq_smem.shape[2]], dq3)
+        else:
+            # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
+            dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1],
+                                                 [64, dq_smem.shape[2]], dq_smem.layout)
     else:
         dq_desc = None
-    if n_iters > 0:
+    if GROUP_LOOP:
+        if n_iters > 0:
+            mbarrier.wait(kv_bar, 0)
+            for g in range(group):
+                acc_g = DQacc + g.to(gl.int64) * stride_acc_h  # the reductions' base (without DQ_TMA)
+                for it in range(0, n_masked):
+                    dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
+                                     qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
+                                     stats_smem, pt_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+                                     g * n_iters + it, g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                     CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                                     PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True)
+                for it in range(n_masked, n_iters):
+                    dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
+                                     qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
+                                     stats_smem, pt_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
+                                     g * n_iters + it, g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                     CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
+                                     PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
+                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True)
+            if DQ_TMA:
+                tma.store_wait(0)
+    elif n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, 0, WG=WG, BLOCK_D=BLOCK_D,
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                             RELEASE_ONCE=RELEASE_ONCE)
+                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, 0, WG=WG, BLOCK_D=BLOCK_D,
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                             RELEASE_ONCE=RELEASE_ONCE)
+                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -405,9 +490,10 @@ def fa3_gluon_bwd_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
-    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
+    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr,
 ):
-    """1-D grid of B * Hq * cdiv(Nk, 128) programs, the kv tiles of one (batch, q head) adjacent.  LSE and
+    """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
+    head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
     Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
@@ -424,9 +510,19 @@ def fa3_gluon_bwd_kernel(
     pid = gl.program_id(0)
     bh = pid // num_n_tiles
     tile = pid % num_n_tiles
-    off_b = (bh // n_heads).to(gl.int64)
-    off_h = (bh % n_heads).to(gl.int64)
-    off_hk = off_h // kv_group
+    if GROUP_LOOP:
+        # one program per (batch, kv head, kv tile), looping over the kv head's kv_group q heads: dK, dV summed
+        # in registers (no fp32 partials per q head); bh is the group's first (batch, q head)
+        gl.static_assert(STATS_SMEM and not GQA_PARTIAL)
+        n_kv_heads = n_heads // kv_group
+        off_b = (bh // n_kv_heads).to(gl.int64)
+        off_hk = (bh % n_kv_heads).to(gl.int64)
+        off_h = off_hk * kv_group
+        bh = (off_b * n_heads + off_h).to(gl.int32)
+    else:
+        off_b = (bh // n_heads).to(gl.int64)
+        off_h = (bh % n_heads).to(gl.int64)
+        off_hk = off_h // kv_group
     start_n = tile * 128
 
     # q tiles: from the first whose last row sees key start_n (causal), the first
@@ -535,20 +631,22 @@ def fa3_gluon_bwd_kernel(
         slot_free = ds_empty
     else:
         slot_free = qdo_empty
-    # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them values)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
+         kv_group, stride_acc_h, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
-         1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM, PT_SEPARATE, RELEASE_ONCE)),
+         kv_group, stride_acc_h, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
          q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
-         start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM)),
+         start_n, first_m, n_iters, kv_group, stride_qh, stride_doh, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM,
+         GROUP_LOOP)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -75,6 +75,9 @@ class GluonBwdConfig:
     # the wide kernel (d > 128): each warpgroup computes Sᵀ / dPᵀ for 32 of the 64 q columns and the two exchange
     # Pᵀ and dSᵀ through shared tiles (FA3's split), instead of both computing all 64 (two score GEMMs done twice)
     split_s: bool = False
+    # GQA (narrow kernel, with stats_smem): one program per (batch, kv head, kv tile) looping over the kv head's q
+    # heads, dK / dV summed in registers and stored once, instead of fp32 partials per q head summed by torch
+    group_loop: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -148,7 +151,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
     for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once",
-                 "split_s"):
+                 "split_s", "group_loop"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
@@ -164,6 +167,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
             raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 128, got {cfg}")
     elif cfg.split_s:
         raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "
+                         f"head_dim {d}")
+    if cfg.group_loop and (d in WIDE_HEAD_DIMS or not cfg.stats_smem):
+        # the loop's q-head steps read each head's statistics through the ring (stats_smem); the wide kernel has none
+        raise ValueError(f"config: group_loop is True only up to head_dim 128 and with stats_smem, got {cfg} at "
                          f"head_dim {d}")
     if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
@@ -233,8 +240,9 @@ def fa3_gluon_backward(
         for ret in rets:
             ret.zero_()
         return rets
-    # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back
-    partials = hq > hk
+    # GQA: fp32 partials per q head (one program per q head and kv tile), summed per group by write_back, unless
+    # the kernel loops over the group's q heads itself (group_loop)
+    partials = hq > hk and not cfg.group_loop
     bufs = grad_buffers(rets, q, k, v, partials)
     with on_device(q):
         _launch_all(dout, q, k, v, out, lse, *bufs, softmax_scale, causal, cfg)
@@ -252,7 +260,7 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
             grad.zero_()
         return
     cfg = gluon_bwd_config(q.shape[3], causal)
-    if hq == hk:
+    if hq == hk or cfg.group_loop:
         _launch_all(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cfg)
         return
     from flashtile.runtime.fa3_bwd import grad_buffers, write_back
@@ -304,7 +312,8 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     else:
         block_n = BLOCK_N
     num_n_tiles = triton.cdiv(nk, block_n)
-    grid = (b * hq * num_n_tiles,)
+    group_loop = cfg.group_loop and not wide
+    grid = (b * (hk if group_loop else hq) * num_n_tiles,)
     if grid[0] >= 2**31:
         raise NotImplementedError(f"B * Hq * cdiv(Nk, {block_n}) = {grid[0]} programs exceed the grid's axis 0")
     partial = dk.shape[1] != hk
@@ -323,7 +332,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
         dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
         static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs,
                   cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate,
-                  cfg.release_once)
+                  cfg.release_once, group_loop)
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
 

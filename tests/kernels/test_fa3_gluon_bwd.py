@@ -173,6 +173,37 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
                                                                               split_s=True))
 
 
+def test_launcher_group_loop(monkeypatch):
+    """``group_loop`` (GQA): one program per (batch, kv head, kv tile), GROUP_LOOP set, dK / dV written straight
+    into the kv heads' gradients in q's dtype (no fp32 partials, no sum on the host); refused without stats_smem
+    and above head_dim 128."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    b, hq, hk, nq, nk, d = 2, 8, 2, 300, 500, 128
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
+    k = torch.zeros(b, hk, nk, d, dtype=BF16)
+    lse = torch.zeros(b, hq, nq)
+    cfg = replace(gluon_bwd_config(d, True), group_loop=True)
+    dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=cfg)
+    (kernel, grid, dynamic, static), _ = calls[1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert bound["GROUP_LOOP"] is True and bound["GQA_PARTIAL"] is False
+    assert grid == (b * hk * 4,) and bound["num_n_tiles"] == 4  # kv heads, not q heads
+    assert bound["DK"] is dk and bound["DV"] is dv and dk.dtype == BF16 and dk.shape == (b, hk, nk, d)
+    assert (bound["n_heads"], bound["kv_group"]) == (hq, hq // hk)
+    for bad in (dict(stats_smem=False), ):
+        with pytest.raises(ValueError, match="group_loop"):
+            fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, config=replace(cfg, **bad))
+    with pytest.raises(ValueError, match="group_loop"):
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125,
+                           config=replace(gluon_bwd_config(192, False), group_loop=True))
+
+
 def test_backward_into_paths(monkeypatch):
     """The ops' entry: no kernel and zero gradients without rows or keys; the kernels straight into the given
     gradients when Hq == Hk; under GQA into fp32 per-q-head partials, summed into dk / dv per kv head."""
@@ -526,6 +557,25 @@ def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
         assert_grads(got, ref)
         assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hk,nq,nk", [(4, 2, 333, 517), (8, 1, 517, 333), (4, 4, 200, 300), (6, 2, 1, 300)])
+@pytest.mark.parametrize("dq_tma", [True, False])
+def test_gpu_group_loop_matches_oracle(d, causal, hq, hk, nq, nk, dq_tma):
+    """``group_loop``: the kernel loops over each kv head's q heads (GQA 2:1, MQA 8:1, 1:1, one query row),
+    dK / dV summed in registers; against the float64 oracle, with the dQ reduce-adds through TMA or registers."""
+    q, k, v, do = inputs(2, hq, hk, nq, nk, d, BF16, "cuda", seed=d + hq + nq + causal)
+    cfg = replace(gluon_bwd_config(d, causal), group_loop=True)
+    if not dq_tma:
+        cfg = replace(cfg, dq_tma=False, dq_swizzle32=False)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert all(g.dtype == BF16 for g in got)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
 
 
 @pytest.mark.gpu
