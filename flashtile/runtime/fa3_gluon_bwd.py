@@ -3,7 +3,7 @@ fp32 reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
 Above d = 128 the wide kernel (:mod:`flashtile.kernels.fa3_gluon_bwd_wide`: the warpgroups split the head dim).
 Dispatched where :func:`gluon_bwd_wins` says (H100, bench/NOTES.md "Gluon backward", "Dispatch sweep, backward",
-"Gluon backward above 128"): every head dim from 72 to 128, 40-64 from 4k keys, 200-256; ``ENABLED`` (environment
+"Gluon backward above 128"): every head dim from 72 to 128, 40-64 from 4k keys, 256; ``ENABLED`` (environment
 ``FLASHTILE_GLUON_BWD=0`` when this module is first imported turns it off) gates the dispatch.
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
@@ -109,7 +109,7 @@ def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     (``pt_separate``): +10-16 % at 1k / 4k (d = 128: 292 / 453 vs 255 / 390 non-causal); 32-byte swizzled dQ
     tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones).  Above 128 the
     wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
-    other path) and Pᵀ in its own tiles; dispatched from d = 200 (``gluon_bwd_wins``)."""
+    other path) and Pᵀ in its own tiles; dispatched at d = 256 (``gluon_bwd_wins``)."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -131,11 +131,11 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
     64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
     against the Triton Hopper backward (``scratch/gwide_probe.py``, "Gluon backward above 128"): d = 256 backward
-    alone 1.00-1.24x at 1k-16k, fwd+bwd 0.99-1.18x; d = 192 (a 256-wide tile for 192 columns) 0.92-1.11x: from
-    d = 200 (the Triton kernel pads those to 256 columns too)."""
+    alone 1.00-1.24x at 1k-16k, fwd+bwd 0.99-1.18x; d = 192 (a 256-wide tile for 192 columns) 0.92-1.11x: d = 256
+    (d = 200-248, where the Triton kernel pads to 256 columns too, once their GPU tests have run)."""
     del causal
     width = block_d(d)
-    return width == 128 or (width == 64 and nk >= 4096) or (width == 256 and d > 192)
+    return width == 128 or (width == 64 and nk >= 4096) or d == 256
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
