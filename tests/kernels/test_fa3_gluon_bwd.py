@@ -580,6 +580,22 @@ def test_gpu_group_loop_matches_oracle(d, causal, hq, hk, nq, nk, dq_tma):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("flags", [dict(pingpong=False), dict(release_once=True)])
+def test_gpu_group_loop_seq_major_views_and_schedules(flags):
+    """``group_loop`` on (B, N, H, d) storage (head stride below the row stride in the rank-3 descriptors), with
+    ping-pong off, and with ``release_once`` (the producer then waits on the dSᵀ buffers across head boundaries);
+    GQA 4:1, causal, ragged."""
+    q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2)
+                   for x in inputs(2, 4, 1, 333, 517, 128, BF16, "cuda", seed=41))
+    assert q.stride(1) < q.stride(2)  # (B, N, H, d) storage
+    cfg = replace(gluon_bwd_config(128, True), group_loop=True, **flags)
+    got, ref, visible = run(q, k, v, do, causal=True, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("d", [8, 40, 72, 96, 120])
 def test_gpu_head_dims_not_a_power_of_two(d):
     """Columns past d: zero-filled loads, masked dK / dV stores, the accumulator's padding never copied."""
