@@ -157,6 +157,28 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first_m, n_iters, n_masked) of the kv tile of ``BLOCK_N`` keys from ``start_n``: its q tiles of 64 rows run
+    from the first whose last row sees key start_n (causal), the first n_masked crossing the diagonal or, when
+    the kv tile crosses Nk, all of them (shared by the narrow and the wide kernel)."""
+    num_m_tiles = gl.cdiv(seqlen_q, 64)
+    shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
+    if CAUSAL:
+        first_m = gl.maximum(start_n - shift, 0) // 64
+        # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + BLOCK_N - 1 - shift
+        full_m = gl.cdiv(gl.maximum(start_n + (BLOCK_N - 1) - shift, 0), 64)
+    else:
+        first_m = 0
+        full_m = 0
+    first_m = gl.minimum(first_m, num_m_tiles)
+    n_iters = num_m_tiles - first_m
+    n_masked = gl.minimum(gl.maximum(full_m - first_m, 0), n_iters)
+    if start_n + BLOCK_N > seqlen_k:
+        n_masked = n_iters
+    return first_m, n_iters, n_masked
+
+
+@gluon.jit
 def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
               qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
               first_m, n_iters, group, stride_qh, stride_doh, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -525,22 +547,7 @@ def fa3_gluon_bwd_kernel(
         off_hk = off_h // kv_group
     start_n = tile * 128
 
-    # q tiles: from the first whose last row sees key start_n (causal), the first
-    # n_masked crossing the diagonal or, when the kv tile crosses Nk, all of them
-    num_m_tiles = gl.cdiv(seqlen_q, 64)
-    shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
-    if CAUSAL:
-        first_m = gl.maximum(start_n - shift, 0) // 64
-        # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + 127 - shift
-        full_m = gl.cdiv(gl.maximum(start_n + 127 - shift, 0), 64)
-    else:
-        first_m = 0
-        full_m = 0
-    first_m = gl.minimum(first_m, num_m_tiles)
-    n_iters = num_m_tiles - first_m
-    n_masked = gl.minimum(gl.maximum(full_m - first_m, 0), n_iters)
-    if start_n + 128 > seqlen_k:
-        n_masked = n_iters
+    first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)

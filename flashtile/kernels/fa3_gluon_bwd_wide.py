@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _red_add, _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _q_tiles, _red_add, _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -244,6 +244,27 @@ def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_
 
 
 @gluon.jit
+def _wide_steps(lo, hi, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready, do_ready,
+                qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k,
+                first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
+                DQ_TMA: gl.constexpr):
+    """Steps [lo, hi) of the q loop through :func:`_wide_q_step_split` (``SPLIT_S``) or :func:`_wide_q_step`."""
+    for it in range(lo, hi):
+        if SPLIT_S:
+            dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                                        q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale,
+                                        seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                        NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG)
+        else:
+            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready,
+                                  do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
+                                  seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                  CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA)
+    return dk, dv
+
+
+@gluon.jit
 def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, dq_smem, kv_bar,
                    q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
                    stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG: gl.constexpr,
@@ -268,30 +289,17 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
         dq_desc = None
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
-        for it in range(0, n_masked):
-            if SPLIT_S:
-                dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                            q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
-                                            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                            NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG)
-            else:
-                dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale,
-                                      seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                      NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG,
-                                      DQ_TMA=DQ_TMA)
-        for it in range(n_masked, n_iters):
-            if SPLIT_S:
-                dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                            q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
-                                            qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                            NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG)
-            else:
-                dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                      q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale,
-                                      seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                      NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG,
-                                      DQ_TMA=DQ_TMA)
+        # masked steps first (the causal diagonal, or all when the kv tile crosses Nk), then unmasked ones
+        dk, dv = _wide_steps(0, n_masked, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                             q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG, SPLIT_S=SPLIT_S,
+                             DQ_TMA=DQ_TMA)
+        dk, dv = _wide_steps(n_masked, n_iters, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
+                             q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG, SPLIT_S=SPLIT_S,
+                             DQ_TMA=DQ_TMA)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -339,22 +347,7 @@ def fa3_gluon_bwd_wide_kernel(
     off_hk = off_h // kv_group
     start_n = tile * 64
 
-    # q tiles: from the first whose last row sees key start_n (causal), the first n_masked crossing the
-    # diagonal or, when the kv tile crosses Nk, all of them
-    num_m_tiles = gl.cdiv(seqlen_q, 64)
-    shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
-    if CAUSAL:
-        first_m = gl.maximum(start_n - shift, 0) // 64
-        # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + 63 - shift
-        full_m = gl.cdiv(gl.maximum(start_n + 63 - shift, 0), 64)
-    else:
-        first_m = 0
-        full_m = 0
-    first_m = gl.minimum(first_m, num_m_tiles)
-    n_iters = num_m_tiles - first_m
-    n_masked = gl.minimum(gl.maximum(full_m - first_m, 0), n_iters)
-    if start_n + 64 > seqlen_k:
-        n_masked = n_iters
+    first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=64, CAUSAL=CAUSAL)
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
