@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from flashtile.bench.common import environment, median_ms, rel_err
+from flashtile.bench.common import attention_flops, environment, median_ms, rel_err
 
 PROVIDERS = ("flashtile", "flashtile-fa2", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa3",
              "flashtile-fp8", "fa3-fp8")
@@ -48,9 +48,8 @@ class Point:
 
     @property
     def flops(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim
-        f = f / 2 if self.causal else f
-        return f * (3.5 if self.mode == "fwd_bwd" else 1.0)
+        return attention_flops(self.batch, self.heads, self.seqlen, self.head_dim, self.causal,
+                               self.mode == "fwd_bwd")
 
 
 def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384)):

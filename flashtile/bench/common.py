@@ -52,6 +52,13 @@ def median_ms_clean_l2(fn: Callable[[], Any], *, reps: int = 100, warmup: int = 
     return float(times[len(times) // 2])
 
 
+def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, with_bwd: bool = False) -> float:
+    """Matmul FLOPs of attention over ``seqlen`` tokens (FlashAttention's convention): forward 4 B H N^2 d, halved
+    causal; forward + backward 3.5x that (the backward's five matmuls against the forward's two)."""
+    fwd = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    return fwd * (3.5 if with_bwd else 1.0)
+
+
 def environment() -> dict:
     """Device and software facts recorded next to every result."""
     import triton

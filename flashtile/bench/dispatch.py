@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from flashtile.bench.attention import reference_rows, sdpa_fn
-from flashtile.bench.common import environment, median_ms, rel_err, write_json
+from flashtile.bench.common import attention_flops, environment, median_ms, rel_err, write_json
 
 __all__ = [
     "DEFAULT_HEAD_DIMS", "DTYPES", "MODES", "PATHS", "TOLERANCE", "DispatchPoint", "dispatch_sweep", "forced_path",
@@ -80,9 +80,7 @@ class DispatchPoint:
 
     @property
     def flops(self) -> float:
-        """FlashAttention convention: 4·B·H·N²·d forward, halved when causal, ×3.5 forward + backward."""
-        f = 4.0 * self.batch * self.heads * self.seqlen**2 * self.head_dim / (2 if self.causal else 1)
-        return f * (3.5 if self.mode == "bwd" else 1.0)
+        return attention_flops(self.batch, self.heads, self.seqlen, self.head_dim, self.causal, self.mode == "bwd")
 
     @property
     def key(self) -> tuple:

@@ -30,14 +30,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from flashtile.bench.common import attention_flops as _attention_flops
+
 __all__ = ["main", "attention_flops"]
 
 
 def attention_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, with_bwd: bool = True) -> float:
-    """Matmul FLOPs of attention over ``seqlen`` tokens: forward 4 B H N^2 d (halved causal); the
-    backward 2.5x the forward (five matmuls against two)."""
-    fwd = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-    return fwd * (3.5 if with_bwd else 1.0)
+    """:func:`flashtile.bench.common.attention_flops`, forward + backward by default (ring attention trains)."""
+    return _attention_flops(batch, heads, seqlen, head_dim, causal, with_bwd)
 
 
 def _time_ms(step: Callable[[], None], reps: int, warmup: int, group=None) -> float:
