@@ -512,32 +512,23 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     assert_exact_zeros(got, visible)
 
 
+# the wide kernel's variants, as config flags over the table's (dq_tma makes Pᵀ a register operand)
+WIDE_VARIANTS = {"default": {}, "split_s": dict(split_s=True), "dq_tma": dict(dq_tma=True, pt_separate=False)}
+
+
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("variant", ["split_s", "dq_tma"])
 @pytest.mark.parametrize("d", [192, 200, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
-def test_gpu_wide_split_s_matches_oracle(d, causal, pingpong, nq, nk):
-    """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles):
-    GQA 4:2, ragged Nq / Nk, ping-pong on and off, against the float64 oracle."""
+def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
+    """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles)
+    and ``dq_tma`` (dQ through 32-column staging tiles and bulk reduce-adds): GQA 4:2, ragged Nq / Nk, ping-pong
+    on and off, against the float64 oracle."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nk + causal)
-    cfg = replace(gluon_bwd_config(d, causal), split_s=True, pingpong=pingpong)
-    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
-    assert_grads(got, ref)
-    assert_exact_zeros(got, visible)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("d", [192, 200, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
-def test_gpu_wide_dq_tma_matches_oracle(d, causal, nq, nk):
-    """``dq_tma`` above 128 (dQ through 32-column staging tiles and bulk reduce-adds, Pᵀ a register operand):
-    GQA 4:2, ragged Nq / Nk, against the float64 oracle."""
-    q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq + causal)
-    cfg = replace(gluon_bwd_config(d, causal), dq_tma=True, pt_separate=False)
+    cfg = replace(gluon_bwd_config(d, causal), pingpong=pingpong, **WIDE_VARIANTS[variant])
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
@@ -551,8 +542,7 @@ def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant):
     """fp16, ping-pong on and off, each dQ / score variant, 2000 x 3000 (many q steps, several kv programs per
     head, unmasked interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, 256, F16, "cuda", seed=5 + pingpong)
-    flags = {"default": {}, "split_s": dict(split_s=True), "dq_tma": dict(dq_tma=True, pt_separate=False)}[variant]
-    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, **flags)
+    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, **WIDE_VARIANTS[variant])
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
         assert_grads(got, ref)
