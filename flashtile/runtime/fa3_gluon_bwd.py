@@ -99,7 +99,7 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # per backward call: a table lookup, memoised (16 us of host time unmemoised)
-def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
+def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwdConfig:
     """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
     fill the register file), so the ring is as deep as shared memory allows: 4 stages at d <= 64, 2 at d <= 128
     (what fits beside the fp32 dQ tiles).  dQ split between the consumers (half the reductions each), staged in
@@ -109,19 +109,32 @@ def gluon_bwd_config(d: int, causal: bool) -> GluonBwdConfig:
     (``pt_separate``): +10-16 % at 1k / 4k (d = 128: 292 / 453 vs 255 / 390 non-causal); 32-byte swizzled dQ
     tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones).  Above 128 the
     wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
-    other path) and Pᵀ in its own tiles; dispatched at d = 256 (``gluon_bwd_wins``)."""
+    other path) and dQ through 32-column staging tiles and TMA reduce-adds (``dq_tma``, Pᵀ then a register operand):
+    1.06-1.41x the Triton Hopper backward and 1.13-1.30x the wide kernel's register reductions at d = 136-256,
+    1k / 4k (``scratch/gwide2_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
+    :func:`group_loop_wins`."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
     if d in WIDE_HEAD_DIMS:
-        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, pt_separate=True)
+        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
     if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
         return GluonBwdConfig(num_stages=4)
     cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True,
-                         dq_swizzle32=block_d(d) == 64)
+                         dq_swizzle32=block_d(d) == 64, group_loop=group_loop)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+def group_loop_wins(causal: bool, b: int, hk: int, nk: int, device_index: int) -> bool:
+    """GQA (Hq > Hk) up to d = 128: one program per kv head looping over its q heads (``group_loop``) against fp32
+    partials per q head summed on the host (H100, bf16, B*N = 16k, ``scratch/ggqa_probe.py``, bench/NOTES.md):
+    fwd+bwd 1.0-1.45x with groups of 4 / 8 non-causal and causal at 512 or more programs; causal with 256
+    programs (group 8, B*Hk = 4-16) 0.78-0.95x, the diagonal's uneven programs then filling the SMs one wave."""
+    from flashtile.runtime.fa3_gluon import sm_count
+
+    return not causal or b * hk * triton.cdiv(nk, BLOCK_N) >= 3 * sm_count(device_index)
 
 
 def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
@@ -130,12 +143,12 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
     64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
-    against the Triton Hopper backward (``scratch/gwide_probe.py``, "Gluon backward above 128"): d = 256 backward
-    alone 1.00-1.24x at 1k-16k, fwd+bwd 0.99-1.18x; d = 192 (a 256-wide tile for 192 columns) 0.92-1.11x: d = 256
-    (d = 200-248, where the Triton kernel pads to 256 columns too, once their GPU tests have run)."""
+    against the Triton Hopper backward ("Gluon backward above 128"), backward alone with dQ through TMA (the
+    table's): 1.06-1.41x at d = 136-256, 1k-16k (``scratch/gwide_probe.py``, ``scratch/gwide2_probe.py``): every
+    d > 128."""
     del causal
     width = block_d(d)
-    return width == 128 or (width == 64 and nk >= 4096) or d == 256
+    return width == 128 or (width == 64 and nk >= 4096) or d in WIDE_HEAD_DIMS
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
@@ -165,9 +178,14 @@ def _check_config(cfg, d: int, esize: int) -> None:
                              f"at head_dim {d}")
         if cfg.dq_tma and cfg.split_s:  # split_s's two Pᵀ buffers leave no room for the dQ staging tiles
             raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 128, got {cfg}")
-    elif cfg.split_s:
-        raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "
-                         f"head_dim {d}")
+    else:
+        if cfg.split_s:
+            raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "
+                             f"head_dim {d}")
+        if cfg.dq_tma and not cfg.dq_split and block_d(d) > 64:
+            # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
+            raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at "
+                             f"head_dim {d}")
     if cfg.group_loop and (d in WIDE_HEAD_DIMS or not cfg.stats_smem):
         # the loop's q-head steps read each head's statistics through the ring (stats_smem); the wide kernel has none
         raise ValueError(f"config: group_loop is True only up to head_dim 128 and with stats_smem, got {cfg} at "
@@ -175,9 +193,6 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if cfg.dq_split and block_d(d) not in (64, 128):
         # each warpgroup reads half of K's columns: K is swizzled in half-rows (64 or 128 bytes), whole atoms
         raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
-    if cfg.dq_tma and not cfg.dq_split and block_d(d) > 64:
-        # unsplit at d > 64 each warpgroup's dQ part is 64 x 128 fp32: two 32 KB tiles do not fit beside the ring
-        raise ValueError(f"config: dq_tma is True only with dq_split or head_dim <= 64, got {cfg} at head_dim {d}")
     if cfg.dq_swizzle32 and not cfg.dq_tma:
         raise ValueError(f"config: dq_swizzle32 is True only with dq_tma (it lays out the shared dQ tiles), got {cfg}")
     if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
@@ -232,7 +247,10 @@ def fa3_gluon_backward(
     hk, nk = k.shape[1], k.shape[2]
     if config is not None:
         _check_config(config, d, q.element_size())
-    cfg = config if config is not None else gluon_bwd_config(d, causal)
+        cfg = config
+    else:
+        cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
+                               group_loop_wins(causal, b, hk, nk, q.device.index))
     from flashtile.runtime.fa3_bwd import grad_buffers, grad_outputs, write_back
 
     rets = grad_outputs(dq, dk, dv, q, k, v)
@@ -253,13 +271,14 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
     """:func:`fa3_gluon_backward` for ``ops.autograd._bwd_impl`` after :func:`prefer_gluon_bwd`, without its
     checks: q, k, v, out, lse as the forward checked and produced them, dout with q's shape, dtype and device,
     dq, dk, dv fresh tensors with unit stride on d; q's device current."""
-    b, hq, nq, _ = q.shape
-    hk = k.shape[1]
-    if b * hq * nq == 0 or k.shape[2] == 0:
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if b * hq * nq == 0 or nk == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
         return
-    cfg = gluon_bwd_config(q.shape[3], causal)
+    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
+                           group_loop_wins(causal, b, hk, nk, q.device.index))
     if hq == hk or cfg.group_loop:
         _launch_all(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cfg)
         return

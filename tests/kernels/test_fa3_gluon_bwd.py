@@ -46,9 +46,13 @@ def test_config_table_fits():
     assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, dq_swizzle32=True,
                                                                                     **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
-    # above 128 the wide kernel's one shape
-    wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, pt_separate=True)
+    # above 128 the wide kernel's one shape: dQ through TMA
+    wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
     assert gluon_bwd_config(136, False) == gluon_bwd_config(256, True) == gluon_bwd_config(192, False) == wide
+    # group_loop (the caller's group_loop_wins) up to 128 where the statistics go through shared memory
+    assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
+    assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
+    assert gluon_bwd_config(256, False, True) == wide and gluon_bwd_config(32, True, True) == GluonBwdConfig(4)
     for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError, match="head_dim"):
             gluon_bwd_config(d, False)
@@ -61,9 +65,12 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
     for stages, reported in [(2, 180960), (3, 213776)]:
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
-    # the wide kernel (scratch/cc_gluon_bwd_wide.py): 230816 B at every head dim above 128, with or without ping-pong
+    # the wide kernel (scratch/cc_gluon_bwd_wide.py): 230816 B at every head dim above 128, with or without ping-pong,
+    # 230864 B with dq_tma (the table's)
     for d in (136, 192, 256):
-        assert 0 <= smem_bytes(gluon_bwd_config(d, False), d) - 230816 <= 1024 and 230816 <= SMEM_LIMIT
+        for dq_tma, reported in ((True, 230864), (False, 230816)):
+            cfg = replace(gluon_bwd_config(d, False), dq_tma=dq_tma, pt_separate=not dq_tma)
+            assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT
     # dq_split at d = 64 (K swizzled in 64-byte half-rows), dq_tma's fp32 dQ tiles (one per warpgroup)
     for stages, d, split, tma, reported in [(4, 64, True, False, 148240), (4, 64, False, True, 164592),
                                             (4, 64, True, True, 164624), (2, 64, True, True, 131808),
@@ -158,14 +165,17 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     """Above d = 128 a config must describe the wide kernel (no dQ split / TMA / swizzle / release-once, statistics
     and Pᵀ through shared memory): anything else is a ValueError naming config, before any launch."""
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    base = gluon_bwd_config(192, False)
-    for bad in (dict(stats_smem=False), dict(pt_separate=False), dict(release_once=True, dq_split=True),
-                dict(dq_tma=True, dq_split=True), dict(dq_tma=True)):  # dq_tma: Pᵀ leaves shared memory
+    base = gluon_bwd_config(192, False)  # dq_tma: Pᵀ a register operand, no tile of its own
+    registers = replace(base, dq_tma=False, pt_separate=True)  # dQ reduced from registers, Pᵀ in its own tiles
+    for cfg in (base, registers, replace(registers, split_s=True), replace(base, pingpong=False)):
+        for d in (136, 192, 256):
+            fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
+    for bad in (dict(stats_smem=False), dict(pt_separate=True), dict(dq_tma=False),
+                dict(release_once=True, dq_split=True), dict(dq_split=True), dict(dq_swizzle32=True)):
         with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
     with pytest.raises(ValueError, match="exclude each other"):
-        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125,
-                           config=replace(base, dq_tma=True, pt_separate=False, split_s=True))
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, split_s=True))
     with pytest.raises(ValueError, match="shared memory"):  # a third ring stage does not fit
         fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=3))
     with pytest.raises(ValueError, match="split_s is True only above head_dim 128"):  # a wide-kernel flag
@@ -188,7 +198,7 @@ def test_launcher_group_loop(monkeypatch):
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
     lse = torch.zeros(b, hq, nq)
-    cfg = replace(gluon_bwd_config(d, True), group_loop=True)
+    cfg = gluon_bwd_config(d, True, True)
     dq, dk, dv = fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=cfg)
     (kernel, grid, dynamic, static), _ = calls[1]
     bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
@@ -223,10 +233,28 @@ def test_backward_into_paths(monkeypatch):
     assert launched[-1][0] is grads[0] and launched[-1][1] is grads[1] and launched[-1][3] == gluon_bwd_config(64, True)
     k = torch.zeros(1, 1, 8, 64, dtype=BF16)
     dk, dv = torch.empty_like(k), torch.empty_like(k)
+    rule = []
+    monkeypatch.setattr(fa3_gluon_bwd, "group_loop_wins", lambda *a: rule.append(a) or False)
     fa3_gluon_bwd.backward_into(q, q, k, k, q, torch.zeros(1, 2, 8), grads[0], dk, dv, 0.1, False)
+    assert rule[-1] == (False, 1, 1, 8, None)  # causal, B, Hk, Nk, q's device index
     partial_dk = launched[-1][1]
     assert partial_dk.dtype == F32 and partial_dk.shape == (1, 2, 8, 64)  # per q head
+    assert not launched[-1][3].group_loop
     assert (dk == 4.0).all() and (dv == 6.0).all()  # two q heads' partials summed into the kv head
+    monkeypatch.setattr(fa3_gluon_bwd, "group_loop_wins", lambda *a: True)
+    fa3_gluon_bwd.backward_into(q, q, k, k, q, torch.zeros(1, 2, 8), grads[0], dk, dv, 0.1, True)
+    assert launched[-1][1] is dk and launched[-1][2] is dv and launched[-1][3] == gluon_bwd_config(64, True, True)
+
+
+def test_group_loop_rule(monkeypatch):
+    """``group_loop_wins``: non-causal always; causal from 3 programs (B * Hk * kv tiles of 128) per SM."""
+    import flashtile.runtime.fa3_gluon as fa3_gluon
+
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 132)
+    wins = fa3_gluon_bwd.group_loop_wins
+    assert wins(False, 1, 1, 1, 0) and wins(False, 1, 2, 16384, 0)
+    assert wins(True, 1, 4, 16384, 0) and wins(True, 4, 4, 4096, 0) and wins(True, 1, 1, 396 * 128, 0)
+    assert not wins(True, 1, 2, 16384, 0) and not wins(True, 4, 2, 4096, 0) and not wins(True, 1, 1, 395 * 128, 0)
 
 
 @pytest.mark.parametrize("d,hq,hk,causal,split,tma", [(40, 4, 2, True, False, False), (128, 2, 2, False, True, False),
@@ -355,7 +383,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
     assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"],
-            bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 2, True, True, False, False)
+            bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 2, True, True, False, True)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -424,8 +452,8 @@ def test_dispatch_rule():
     wins = fa3_gluon_bwd.gluon_bwd_wins
     assert all(wins(d, c, 1) for d in (72, 96, 128) for c in (False, True))
     assert wins(64, False, 4096) and wins(40, True, 16384) and not wins(64, False, 4095) and not wins(48, True, 1024)
-    assert not wins(32, False, 1 << 20) and not wins(136, False, 1 << 20) and not wins(192, True, 1 << 20)
-    assert wins(256, False, 1) and not wins(200, True, 1 << 20)  # the wide kernel: measured and tested at 256
+    assert not wins(32, False, 1 << 20)
+    assert all(wins(d, c, 1) for d in (136, 160, 192, 200, 248, 256) for c in (False, True))  # the wide kernel
     assert fa3_gluon_bwd.ENABLED is True
 
     q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
@@ -504,7 +532,7 @@ def test_gpu_matches_oracle(d, causal, nq, nk, hq, hk):
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (64, 64), (100, 40)])
 def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     """The wide kernel (d > 128, the warpgroups splitting the head dim), GQA 4:2, ragged Nq / Nk, the table's
-    config; gradients against the float64 oracle, exact zeros where no row sees a key."""
+    config (dQ through TMA); gradients against the float64 oracle, exact zeros where no row sees a key."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nq + causal)
     got, ref, visible = run(q, k, v, do, causal=causal)
     assert all(g.dtype == BF16 for g in got)
@@ -512,21 +540,23 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     assert_exact_zeros(got, visible)
 
 
-# the wide kernel's variants, as config flags over the table's (dq_tma makes Pᵀ a register operand)
-WIDE_VARIANTS = {"default": {}, "split_s": dict(split_s=True), "dq_tma": dict(dq_tma=True, pt_separate=False)}
+# the wide kernel's variants as config flags: the table's (dq_tma, Pᵀ a register operand) and the two it replaced: dQ reduced from registers, that with the split score GEMMs
+WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True),
+                 "split_s": dict(split_s=True, dq_tma=False, pt_separate=True)}
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["split_s", "dq_tma"])
-@pytest.mark.parametrize("d", [192, 200, 256])
+@pytest.mark.parametrize("variant", ["split_s", "registers"])
+@pytest.mark.parametrize("d", [136, 192, 200, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
 def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
     """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles)
-    and ``dq_tma`` (dQ through 32-column staging tiles and bulk reduce-adds): GQA 4:2, ragged Nq / Nk, ping-pong
-    on and off, against the float64 oracle."""
+    and ``registers`` (dQ reduced from registers, Pᵀ in its own tiles; the table's dq_tma is
+    ``test_gpu_wide_kernel_matches_oracle``): GQA 4:2, ragged Nq / Nk, ping-pong on and off, against the float64
+    oracle."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nk + causal)
     cfg = replace(gluon_bwd_config(d, causal), pingpong=pingpong, **WIDE_VARIANTS[variant])
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
@@ -537,7 +567,7 @@ def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("variant", ["default", "split_s", "dq_tma"])
+@pytest.mark.parametrize("variant", ["default", "split_s", "registers"])
 def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant):
     """fp16, ping-pong on and off, each dQ / score variant, 2000 x 3000 (many q steps, several kv programs per
     head, unmasked interior tiles), MQA."""
@@ -780,7 +810,8 @@ def test_gpu_dispatch_rule():
         return fa3_gluon_bwd.prefer_gluon_bwd(q, q, q, q, **{**args, **kw})
 
     assert prefer() and prefer(d=96, causal=True, window=(-1, 0)) and prefer(d=64, n=8192) and prefer(dtype=torch.float16)
-    assert not prefer(d=64) and not prefer(d=32, n=8192) and not prefer(d=136) and not prefer(dtype=torch.float32)
+    assert not prefer(d=64) and not prefer(d=32, n=8192) and not prefer(dtype=torch.float32)
+    assert prefer(d=136) and prefer(d=256, causal=True, window=(-1, 0))  # the wide kernel
     assert not prefer(window=(8, -1)) and not prefer(plain=False) and not prefer(deterministic=True)
     assert not prefer(capability=(10, 0)) and not prefer(causal=True)  # causal needs window (-1, 0)
 
