@@ -1,28 +1,30 @@
-"""Hopper (sm_90a) attention backward in Gluon for head dims above 128 (tiles 256 wide): the schedule of
-:mod:`flashtile.kernels.fa3_gluon_bwd` (FA3's Algorithm 3, kv tiles outer, q tiles inner, dQ by fp32 reductions;
-the math is FA2's Algorithm 2, float64 twin :func:`flashtile.reference.backward.flash_attn_backward`) with the
-two consumer warpgroups splitting the head dim instead of the keys.
+"""Hopper (sm_90a) attention backward in Gluon for head dims above 128 (tiles 192 or 256 wide): the schedule of
+:mod:`flashtile.kernels.fa3_gluon_bwd` (FA3's Algorithm 3, kv tiles outer, q tiles inner, dQ by fp32 reductions; the
+math is FA2's Algorithm 2, float64 twin :func:`flashtile.reference.backward.flash_attn_backward`) with the two
+consumer warpgroups splitting the head dim instead of the keys.
 
-At d = 256 a warpgroup's dK and dV for 64 keys are 2 x 64 x 256 fp32, twice the registers it has, so one
-program owns a kv tile of ``BLOCK_N = 64`` keys and warpgroup w owns columns [w, w + 1) * BLOCK_D / 2 of that
-tile's dK and dV (64 + 64 registers per thread, the narrow kernel's count at d = 128).  Each step (a q tile of
-64 rows), both warpgroups compute the whole Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (64 x 64, reduced over all of d) and so
-hold identical Pᵀ and dSᵀ: no exchange between them, at the price of the two score GEMMs done twice (7 GEMM
-passes over the tile instead of 5).  Then, in its columns: dV += Pᵀ dO, dK += dSᵀ Q, and dQ_i's part = dS K added
-into the fp32 accumulator 64 columns at a time (``red.global.add.v2.f32``, as the narrow kernel without
-``DQ_TMA``).  Partitions (``gl.warp_specialize``): a producer warp (TMA: K, V once, then Q_i, dO_i and the
-q tile's log2-scaled LSE and D rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring)
-and the two consumer warpgroups; ``PINGPONG`` as in the narrow kernel.  Pᵀ and dSᵀ reach the GEMMs that read
-them from shared memory through one tile each per warpgroup.  ``SPLIT_S`` (FA3's split): warpgroup w computes
-Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two
-buffers, ``ds_full`` / ``ds_empty`` between the warpgroups) that both then read whole: 5 GEMM passes, one
-exchange per step.  ``DQ_TMA`` (not with ``SPLIT_S``): dQ's parts go through a [64, 32] fp32 shared tile per
-warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from registers; Pᵀ is then the dV
-GEMM's register operand, its shared tiles' 16 KB holding the staging tiles.
+At d = 256 a warpgroup's dK and dV for 64 keys are 2 x 64 x 256 fp32, twice the registers it has, so one program
+owns a kv tile of ``BLOCK_N = 64`` keys; warpgroup 0 owns columns [0, 128) of that tile's dK and dV (64 + 64
+registers per thread, the narrow kernel's count at d = 128), warpgroup 1 columns [128, TILE_D), TILE_D = 192 up to d
+= 192 and 256 above. Shared tiles have power-of-two shapes, so every operand tile is two column parts, a [64, 128]
+``*_lo`` and a [64, TILE_D - 128] ``*_hi`` one. Each step (a q tile of 64 rows), both warpgroups compute the whole
+Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (64 x 64, reduced over all of d) and so hold identical Pᵀ and dSᵀ: no exchange between
+them, at the price of the two score GEMMs done twice (7 GEMM passes over the tile instead of 5). Then, in its
+columns: dV += Pᵀ dO, dK += dSᵀ Q, and dQ_i's part = dS K added into the fp32 accumulator 64 columns at a time
+(``red.global.add.v2.f32``, as the narrow kernel without ``DQ_TMA``). Partitions (``gl.warp_specialize``): a
+producer warp (TMA: K, V once, then Q_i, dO_i and the q tile's log2-scaled LSE and D rows from
+``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring) and the two consumer warpgroups; ``PINGPONG``
+as in the narrow kernel. Pᵀ and dSᵀ reach the GEMMs that read them from shared memory through one tile each per
+warpgroup. ``SPLIT_S`` (FA3's split): warpgroup w computes Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and writes
+its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two buffers, ``ds_full`` / ``ds_empty`` between the warpgroups) that
+both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (not with ``SPLIT_S``): dQ's parts go through
+a [64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from
+registers; Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the staging tiles.
 
-Shared memory at BLOCK_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics
-1 KB: 225 KB of the 227.  d = 136-248 take the same 256-wide tiles (TMA zero-fills columns past d; stores are
-masked).  The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
+Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
+KB of the 227 (177 KB at TILE_D = 192). TMA zero-fills columns past d; stores are masked. The dQ accumulator's rows
+are ``BLOCK_D`` = 256 wide either way. The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need
+``triton.set_allocator``.
 """
 
 from __future__ import annotations
@@ -40,49 +42,69 @@ WIDE_BLOCK_N = 64  # keys per program (both consumer warpgroups' wgmma M)
 
 
 @gluon.jit
-def _wide_producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
-                   qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
-                   first_m, n_iters, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _desc_pair(T, rows, stride, lo_smem, hi_smem, HEAD_DIM: gl.constexpr, TILE_D: gl.constexpr):
+    """Descriptors of a (rows, HEAD_DIM) operand for its [64, 128] low and [64, TILE_D - 128] high column parts
+    (the layouts of ``lo_smem`` / ``hi_smem``; one descriptor when both boxes are 128 wide)."""
+    lo = tma.make_tensor_descriptor(T, [rows, HEAD_DIM], [stride, 1], [64, 128], lo_smem.layout)
+    if TILE_D == 256:
+        hi = lo
+    else:
+        hi = tma.make_tensor_descriptor(T, [rows, HEAD_DIM], [stride, 1], [64, TILE_D - 128], hi_smem.layout)
+    return lo, hi
+
+
+@gluon.jit
+def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, stats_smem, kv_bar,
+                   q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
+                   stats_rows, start_n, first_m, n_iters, HEAD_DIM: gl.constexpr, TILE_D: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
     """K_j, V_j once, then Q_i, dO_i and the q tile's [LSE · log2 e, D] rows for the ``n_iters`` q tiles from
-    ``first_m`` into ring slot it % NUM_STAGES (boxes BLOCK_D wide: columns past HEAD_DIM and rows past N read 0)."""
+    ``first_m`` into ring slot it % NUM_STAGES; each operand in two column parts, [0, 128) into ``*_lo`` and
+    [128, TILE_D) into ``*_hi`` (columns past HEAD_DIM and rows past N read 0)."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], q_smem.layout)
-    do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], do_smem.layout)
-    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
-    v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], v_smem.layout)
+    q_desc, q_desc_hi = _desc_pair(Q, seqlen_q, stride_qm, q_lo, q_hi, HEAD_DIM, TILE_D)
+    do_desc, do_desc_hi = _desc_pair(DO, seqlen_q, stride_dom, do_lo, do_hi, HEAD_DIM, TILE_D)
+    k_desc, k_desc_hi = _desc_pair(K, seqlen_k, stride_kn, k_lo, k_hi, HEAD_DIM, TILE_D)
+    v_desc, v_desc_hi = _desc_pair(V, seqlen_k, stride_vn, v_lo, v_hi, HEAD_DIM, TILE_D)
     stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
-    box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8  # zero-filled parts count too
+    box_bytes: gl.constexpr = 64 * TILE_D * dtype.primitive_bitwidth // 8  # both parts; zero-filled ones count too
     has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
     mbarrier.expect(kv_bar, 2 * box_bytes, pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_lo.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(k_desc_hi, [start_n, 128], kv_bar, k_hi.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_lo.index(0), pred=has_work)
+    tma.async_copy_global_to_shared(v_desc_hi, [start_n, 128], kv_bar, v_hi.index(0), pred=has_work)
     for it in range(n_iters):
         slot = it % NUM_STAGES
         m0 = (first_m + it) * 64
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), box_bytes + 2 * 64 * 4)
-        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_lo.index(slot))
+        tma.async_copy_global_to_shared(q_desc_hi, [m0, 128], q_ready.index(slot), q_hi.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
         tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
                                         stats_smem.index(2 * slot + 1))
         mbarrier.expect(do_ready.index(slot), box_bytes)
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_lo.index(slot))
+        tma.async_copy_global_to_shared(do_desc_hi, [m0, 128], do_ready.index(slot), do_hi.index(slot))
 
 
 @gluon.jit
-def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready, do_ready,
-                 qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
-                 WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASKED: gl.constexpr, PINGPONG: gl.constexpr, DQ_TMA: gl.constexpr):
+def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
+                 q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k,
+                 first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
+                 gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, DQ_TMA:
+                 gl.constexpr):
     """q tile ``first_m + it`` against the program's 64 keys ``kv_rows``: this warpgroup's columns of dV, dK
     updated in registers, of dQ_i added into ``DQacc`` (this (batch, q head)'s (rows, BLOCK_D) accumulator;
     ``DQ_TMA``: 32-column parts through ``dq_smem`` and bulk reduce-adds on ``dq_desc``, Pᵀ a register operand)."""
-    HALF: gl.constexpr = BLOCK_D // 2
+    COL0: gl.constexpr = WG * 128  # this warpgroup's columns [COL0, COL0 + WIDTH) of the TILE_D-wide tiles
+    WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HALF, 16])
+                                                         instr_shape=[16, WIDTH, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = ds_smem.dtype
 
@@ -91,25 +113,32 @@ def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, 
     # K, V and this warpgroup's Pᵀ / dSᵀ tiles indexed by an opaque zero: constant indices let LLVM hoist the
     # wgmma descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_t = k_smem.index(z)
-    v_t = v_smem.index(z)
+    k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
+    v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
     pt_wg = pt_smem.index(WG + z)
     ds_wg = ds_smem.index(WG + z)
     m0 = (first_m + it) * 64
     zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
-    q_s = q_smem.index(slot)
-    do_s = do_smem.index(slot)
+    q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
+    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
+    if WG == 0:  # this warpgroup's column part of Q, dO, K
+        q_w, do_w, k_w = q_s, do_s, k_t
+    else:
+        q_w, do_w, k_w = q_s_hi, do_s_hi, k_t_hi
     mbarrier.wait(q_ready.index(slot), phase)
     # dPᵀ - D accumulated onto -D (the rows of D, broadcast from the slot's statistics, made distinct registers)
     d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_s), 0) + zero_s
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
                                         pack=1)
     _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
+    # the score GEMMs reduce over both column parts
     st = warpgroup_mma(k_t, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    st = warpgroup_mma(k_t_hi, q_s_hi.permute((1, 0)), st, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_t, do_s.permute((1, 0)), minus_d, is_async=True)
+    dpt = warpgroup_mma(v_t_hi, do_s_hi.permute((1, 0)), dpt, is_async=True)
     _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
-    st = warpgroup_mma_wait(1, deps=(st,))  # Sᵀ done, dPᵀ may still run
+    st = warpgroup_mma_wait(2, deps=(st,))  # Sᵀ done, dPᵀ's two GEMMs may still run
     lse_cols = stats_smem.index(2 * slot).load(col_s)  # +inf past Nq and on rows that see no key: P = 0 there
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
@@ -123,18 +152,18 @@ def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, 
     if DQ_TMA:
         # Pᵀ as the dV GEMM's register operand: its shared tile's 16 KB hold the fp32 dQ staging tiles instead
         pt_a = gl.convert_layout(pt.to(dtype), a_layout)
-        dv = warpgroup_mma(pt_a, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+        dv = warpgroup_mma(pt_a, do_w, dv, is_async=True)
     else:
         # the previous step's GEMMs reading Pᵀ and dSᵀ retired at its final wait
         pt_wg.store(pt.to(dtype))
         fence_async_shared()
-        dv = warpgroup_mma(pt_wg, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
+        dv = warpgroup_mma(pt_wg, do_w, dv, is_async=True)
     dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
     dst16 = (pt * dpt).to(dtype)
     ds_wg.store(dst16)
     fence_async_shared()
     ds_a = gl.convert_layout(dst16, a_layout)
-    dk = warpgroup_mma(ds_a, q_s.slice(WG * HALF, HALF, dim=1), dk, is_async=True)
+    dk = warpgroup_mma(ds_a, q_w, dk, is_async=True)
     # dQ_i[:, this warpgroup's columns] += dS K in 64-column parts (32 registers each beside dK, dV); the
     # accumulator has BLOCK_D columns and rows padded to 64: no mask; int64 offsets
     ds_t = ds_wg.permute((1, 0))
@@ -143,44 +172,46 @@ def _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, 
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, PART, 16])
         dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, PART, dim=1), dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_t, k_w.slice(0, PART, dim=1), dq_zero, use_acc=False, is_async=True)
         # pt_a and ds_a are read by the in-flight dV / dK GEMMs from registers: kept alive until this wait
         dv, dk, dq, pt_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_a, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
-        for c in gl.static_range(1, HALF // PART):
-            dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * PART, PART, dim=1), dq_zero, use_acc=False)
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF + c * PART)
+        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
+        for c in gl.static_range(1, WIDTH // PART):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
     else:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, 64, 16])
         dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
-        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
-        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
+        dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
         _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-        for c in gl.static_range(1, HALF // 64):
-            dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
+        for c in gl.static_range(1, WIDTH // 64):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
             _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     return dk, dv
 
 
 @gluon.jit
-def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready,
-                       do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale, seqlen_q, seqlen_k,
-                       first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr):
+def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
+                       stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale,
+                       seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
+                       gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG:
+                       gl.constexpr):
     """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
     [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
     tiles of buffer it % 2, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
     both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``)."""
-    HALF: gl.constexpr = BLOCK_D // 2
+    COL0: gl.constexpr = WG * 128
+    WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HALF, 16])
+                                                         instr_shape=[16, WIDTH, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = ds_smem.dtype
 
@@ -190,24 +221,30 @@ def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_
     # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
     # descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_t = k_smem.index(z)
-    v_t = v_smem.index(z)
+    k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
+    v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
     pt_b = pt_smem.index(buf + z)
     ds_b = ds_smem.index(buf + z)
     m0 = (first_m + it) * 64
     zero_s = gl.zeros([64, 32], gl.float32, layout=s_layout)
-    q_s = q_smem.index(slot)
-    do_s = do_smem.index(slot)
+    q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
+    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
+    if WG == 0:  # this warpgroup's column part of Q, dO, K
+        q_w, do_w, k_w = q_s, do_s, k_t
+    else:
+        q_w, do_w, k_w = q_s_hi, do_s_hi, k_t_hi
     mbarrier.wait(q_ready.index(slot), phase)
     d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).slice(WG * 32, 32).load(col_s), 0) + zero_s
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
                                         pack=1)
     _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_t, q_s.slice(WG * 32, 32, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    st = warpgroup_mma(k_t_hi, q_s_hi.slice(WG * 32, 32, dim=0).permute((1, 0)), st, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_t, do_s.slice(WG * 32, 32, dim=0).permute((1, 0)), minus_d, is_async=True)
+    dpt = warpgroup_mma(v_t_hi, do_s_hi.slice(WG * 32, 32, dim=0).permute((1, 0)), dpt, is_async=True)
     _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
-    st = warpgroup_mma_wait(1, deps=(st,))
+    st = warpgroup_mma_wait(2, deps=(st,))
     lse_cols = stats_smem.index(2 * slot).slice(WG * 32, 32).load(col_s)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
@@ -225,62 +262,66 @@ def _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_
     fence_async_shared()
     mbarrier.arrive(ds_full.index(buf))
     mbarrier.wait(ds_full.index(buf), (it // 2) & 1)  # both warpgroups' columns written
-    dv = warpgroup_mma(pt_b, do_s.slice(WG * HALF, HALF, dim=1), dv, is_async=True)
-    dk = warpgroup_mma(ds_b, q_s.slice(WG * HALF, HALF, dim=1), dk, is_async=True)
+    dv = warpgroup_mma(pt_b, do_w, dv, is_async=True)
+    dk = warpgroup_mma(ds_b, q_w, dk, is_async=True)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 64, 16])
     dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
     ds_t = ds_b.permute((1, 0))
-    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * HALF
-    dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
+    dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
     _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-    for c in gl.static_range(1, HALF // 64):
-        dq = warpgroup_mma(ds_t, k_t.slice(WG * HALF + c * 64, 64, dim=1), dq_zero, use_acc=False)
+    for c in gl.static_range(1, WIDTH // 64):
+        dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
         _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     mbarrier.arrive(ds_empty.index(buf))  # this warpgroup's last read of the buffer retired
     return dk, dv
 
 
 @gluon.jit
-def _wide_steps(lo, hi, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready, do_ready,
-                qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k,
-                first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
+def _wide_steps(lo, hi, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
+                q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
+                seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
+                gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
                 DQ_TMA: gl.constexpr):
     """Steps [lo, hi) of the q loop through :func:`_wide_q_step_split` (``SPLIT_S``) or :func:`_wide_q_step`."""
     for it in range(lo, hi):
         if SPLIT_S:
-            dk, dv = _wide_q_step_split(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                                        q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale,
-                                        seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                        NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG)
+            dk, dv = _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
+                                        ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars,
+                                        DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                                        TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=MASKED,
+                                        PINGPONG=PINGPONG)
         else:
-            dk, dv = _wide_q_step(it, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, q_ready,
-                                  do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
-                                  seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
-                                  CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA)
+            dk, dv = _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
+                                  stats_smem, q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem,
+                                  qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D, TILE_D=TILE_D,
+                                  NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA)
     return dk, dv
 
 
 @gluon.jit
-def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem, dq_smem, kv_bar,
-                   q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale, stride_dkn,
-                   stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr):
-    """Columns [WG, WG + 1) * BLOCK_D / 2 of dK, dV for keys [start_n, start_n + 64): the q loop (masked steps
-    first: the causal diagonal, or every step when the kv tile crosses Nk), then dK · scale and dV stored."""
+def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
+                   dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
+                   stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG:
+                   gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
+                   gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA:
+                   gl.constexpr):
+    """Columns [COL0, COL0 + WIDTH) of dK, dV (warpgroup 0 [0, 128), warpgroup 1 [128, TILE_D)) for keys
+    [start_n, start_n + 64): the q loop (masked steps first: the causal diagonal, or every step when the kv tile
+    crosses Nk), then dK · scale and dV stored."""
     gl.static_assert(gl.num_warps() == 4)
-    HALF: gl.constexpr = BLOCK_D // 2
+    COL0: gl.constexpr = WG * 128
+    WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HALF, 16])
+                                                         instr_shape=[16, WIDTH, 16])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     kv_rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    dk = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
-    dv = gl.zeros([64, HALF], gl.float32, layout=acc_layout)
+    dk = gl.zeros([64, WIDTH], gl.float32, layout=acc_layout)
+    dv = gl.zeros([64, WIDTH], gl.float32, layout=acc_layout)
     if DQ_TMA:
         # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
         dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1], [64, dq_smem.shape[2]],
@@ -290,22 +331,22 @@ def _wide_consumer(DK, DV, DQacc, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_s
     if n_iters > 0:
         mbarrier.wait(kv_bar, 0)
         # masked steps first (the causal diagonal, or all when the kv tile crosses Nk), then unmasked ones
-        dk, dv = _wide_steps(0, n_masked, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                             q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG, SPLIT_S=SPLIT_S,
-                             DQ_TMA=DQ_TMA)
-        dk, dv = _wide_steps(n_masked, n_iters, dk, dv, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-                             q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG, SPLIT_S=SPLIT_S,
-                             DQ_TMA=DQ_TMA)
+        dk, dv = _wide_steps(0, n_masked, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
+                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
+                             dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG,
+                             SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA)
+        dk, dv = _wide_steps(n_masked, n_iters, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
+                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
+                             dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
+                             TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG,
+                             SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
     out_dtype: gl.constexpr = DK.dtype.element_ty
     rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-    cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+    cols = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, acc_layout))
     mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
     rows64 = rows.to(gl.int64)
     gl.store(DK + gl.expand_dims(rows64 * stride_dkn, 1) + gl.expand_dims(cols, 0), dk.to(out_dtype), mask=mask)
@@ -324,10 +365,9 @@ def fa3_gluon_bwd_wide_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
-    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
-    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr,
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
+    gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS:
+    gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
@@ -335,8 +375,9 @@ def fa3_gluon_bwd_wide_kernel(
     by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two), ``HEAD_DIM`` > 128.  Launch with
     ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides
-    gl.static_assert(BLOCK_D >= HEAD_DIM)
-    gl.static_assert(BLOCK_D == 256)  # each warpgroup's half is a whole number of 64-column dQ parts
+    gl.static_assert(TILE_D >= HEAD_DIM)
+    gl.static_assert(BLOCK_D == 256)  # the accumulator's row; each warpgroup's columns whole 64-column dQ parts
+    gl.static_assert(TILE_D == 256 or TILE_D == 192)  # warpgroup 0 columns [0, 128), warpgroup 1 [128, TILE_D)
     gl.static_assert(NUM_STAGES >= 2)  # a slot is refilled once both consumers release it
     dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
@@ -349,12 +390,19 @@ def fa3_gluon_bwd_wide_kernel(
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=64, CAUSAL=CAUSAL)
 
-    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
+    # each operand in two column parts (shared tiles have power-of-two shapes): [0, 128) and [128, TILE_D)
+    HI: gl.constexpr = TILE_D - 128
+    lo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dtype)
+    hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HI], dtype)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [1, 64, BLOCK_D], box_layout)  # one tile, indexed (_wide_q_step)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 64, BLOCK_D], box_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    k_lo = gl.allocate_shared_memory(dtype, [1, 64, 128], lo_layout)  # one tile, indexed (_wide_q_step)
+    k_hi = gl.allocate_shared_memory(dtype, [1, 64, HI], hi_layout)
+    v_lo = gl.allocate_shared_memory(dtype, [1, 64, 128], lo_layout)
+    v_hi = gl.allocate_shared_memory(dtype, [1, 64, HI], hi_layout)
+    q_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, 128], lo_layout)
+    q_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, HI], hi_layout)
+    do_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, 128], lo_layout)
+    do_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, HI], hi_layout)
     if SPLIT_S:
         # two buffers of the shared Pᵀ / dSᵀ tiles, each warpgroup writing 32 of their 64 columns: 64-byte swizzle
         # atoms, so each warpgroup's column slice is whole atoms
@@ -417,15 +465,15 @@ def fa3_gluon_bwd_wide_kernel(
     stats_base = Stats + bh64 * (2 * acc_rows)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
-        (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0, HEAD_DIM,
-         BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
-        (_wide_consumer, (dk_base, dv_base, acc_base, k_smem, v_smem, q_smem, do_smem, pt_smem, ds_smem, stats_smem,
-         dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-         stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1, HEAD_DIM,
-         BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
-        (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem,
-         kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
-         acc_rows, start_n, first_m, n_iters, HEAD_DIM, BLOCK_D, NUM_STAGES)),
+        (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
+         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0,
+         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
+        (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
+         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1,
+         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
+        (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo,
+         do_hi, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q,
+         seqlen_k, acc_rows, start_n, first_m, n_iters, HEAD_DIM, TILE_D, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

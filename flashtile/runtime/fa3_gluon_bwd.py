@@ -29,11 +29,11 @@ from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
-           "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "GLUON_BWD_HEAD_DIMS", "WIDE_HEAD_DIMS", "ENABLED",
-           "BLOCK_N", "BLOCK_M"]
+           "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "wide_tile_d", "GLUON_BWD_HEAD_DIMS",
+           "WIDE_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
 GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: 16-byte rows
-# 256-wide tiles: the wide kernel (kernels.fa3_gluon_bwd_wide), its warpgroups splitting the head dim
+# the wide kernel (kernels.fa3_gluon_bwd_wide), its warpgroups splitting the head dim: tiles 192 or 256 wide
 WIDE_HEAD_DIMS = tuple(range(136, 257, 8))
 BLOCK_N = 128  # kv rows per program of the narrow kernel (two consumer warpgroups of 64; the wide one: 64)
 BLOCK_M = 64  # q rows per inner step
@@ -87,15 +87,22 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     ``num_stages`` pairs of 64 fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
     with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
-    ring, two Pᵀ and two dSᵀ tiles, the statistics (230816 B compiled at 2 stages)."""
+    ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles), the
+    statistics (230864 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
-        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * bd * esize + 4 * 64 * 64 * esize + stats + 1024
+        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + stats + 1024
     tiles = 6 if cfg.dq_split else 4
     dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
     stats = cfg.num_stages * 2 * BLOCK_M * 4 if cfg.stats_smem else 0
     return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + stats + 1024
+
+
+def wide_tile_d(d: int) -> int:
+    """Columns of the wide kernel's tiles at head dim ``d`` (> 128): warpgroup 0 takes [0, 128), warpgroup 1
+    [128, wide_tile_d(d)), 64 or 128 columns (shared tiles have power-of-two shapes: two column parts)."""
+    return 192 if d <= 192 else 256
 
 
 @functools.lru_cache(maxsize=None)  # per backward call: a table lookup, memoised (16 us of host time unmemoised)
@@ -343,7 +350,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
 
         dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
-        static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
+        static = (*strides, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
                   cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel

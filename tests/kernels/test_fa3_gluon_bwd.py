@@ -65,12 +65,18 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages), d) - reported <= 1024, (stages, d)
     for stages, reported in [(2, 180960), (3, 213776)]:
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
-    # the wide kernel (scratch/cc_gluon_bwd_wide.py): 230816 B at every head dim above 128, with or without ping-pong,
-    # 230864 B with dq_tma (the table's)
-    for d in (136, 192, 256):
-        for dq_tma, reported in ((True, 230864), (False, 230816)):
-            cfg = replace(gluon_bwd_config(d, False), dq_tma=dq_tma, pt_separate=not dq_tma)
-            assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT
+    # the wide kernel (scratch/cc_gluon_bwd_wide.py): 192-wide tiles up to d = 192, 256-wide above; dQ through TMA
+    # (the table's) or from registers, split_s
+    for d, stages, flags, reported in [(256, 2, {}, 230896), (256, 2, dict(split_s=True), 230960),
+                                       (200, 2, dict(dq_tma=False, pt_separate=True), 230960),
+                                       (192, 2, {}, 181744), (136, 3, {}, 231456),
+                                       (160, 2, dict(dq_tma=False, pt_separate=True), 181744)]:
+        cfg = replace(gluon_bwd_config(d, False), num_stages=stages, **flags)
+        if cfg.split_s:
+            cfg = replace(cfg, dq_tma=False, pt_separate=True)
+        assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT, (d, stages, flags)
+    assert fa3_gluon_bwd.wide_tile_d(136) == fa3_gluon_bwd.wide_tile_d(192) == 192
+    assert fa3_gluon_bwd.wide_tile_d(200) == fa3_gluon_bwd.wide_tile_d(256) == 256
     # dq_split at d = 64 (K swizzled in 64-byte half-rows), dq_tma's fp32 dQ tiles (one per warpgroup)
     for stages, d, split, tma, reported in [(4, 64, True, False, 148240), (4, 64, False, True, 164592),
                                             (4, 64, True, True, 164624), (2, 64, True, True, 131808),
@@ -176,8 +182,11 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
     with pytest.raises(ValueError, match="exclude each other"):
         fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, split_s=True))
-    with pytest.raises(ValueError, match="shared memory"):  # a third ring stage does not fit
-        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=3))
+    fa3_gluon_bwd._check_config(replace(base, num_stages=3), 192, 2)  # 192-wide tiles: a third ring stage fits
+    with pytest.raises(ValueError, match="shared memory"):  # 256-wide ones: not
+        fa3_gluon_backward(*_args(d=200), softmax_scale=0.125, config=replace(base, num_stages=3))
+    with pytest.raises(ValueError, match="shared memory"):
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, num_stages=4))
     with pytest.raises(ValueError, match="split_s is True only above head_dim 128"):  # a wide-kernel flag
         fa3_gluon_backward(*_args(d=128), softmax_scale=0.125, config=replace(gluon_bwd_config(128, False),
                                                                               split_s=True))
@@ -358,8 +367,9 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
 
 
 def test_launcher_wide_kernel_arguments(monkeypatch):
-    """d > 128: the statistics kernel (zeroing the accumulator), the wide kernel over 64-key tiles with 256-wide
-    tiles, then the dQ postprocess; arguments bound to the wide kernel's signature by position, GQA partials."""
+    """d > 128: the statistics kernel (zeroing the accumulator), the wide kernel over 64-key tiles (192-wide at
+    d = 192, the accumulator's rows 256 wide), then the dQ postprocess; arguments bound to the wide kernel's
+    signature by position, GQA partials."""
     import flashtile.runtime.fa3_fwd as fa3_fwd
     import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, stats_preprocess_kernel
@@ -382,8 +392,8 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert kernel.is_gluon() and kw["num_warps"] == 4 and len(params) == len(dynamic) + len(static)
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
     assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
-    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["NUM_STAGES"], bound["CAUSAL"], bound["PINGPONG"],
-            bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 2, True, True, False, True)
+    assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["TILE_D"], bound["NUM_STAGES"], bound["CAUSAL"],
+            bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, False, True)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -567,12 +577,14 @@ def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("variant", ["default", "split_s", "registers"])
-def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant):
-    """fp16, ping-pong on and off, each dQ / score variant, 2000 x 3000 (many q steps, several kv programs per
-    head, unmasked interior tiles), MQA."""
-    q, k, v, do = inputs(1, 3, 1, 2000, 3000, 256, F16, "cuda", seed=5 + pingpong)
-    cfg = replace(gluon_bwd_config(256, True), pingpong=pingpong, **WIDE_VARIANTS[variant])
+@pytest.mark.parametrize("d,variant", [(d, v) for d in (192, 256) for v in ("default", "split_s", "registers")]
+                         + [(192, "3 stages")])  # 3 ring stages fit beside 192-wide tiles only
+def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
+    """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
+    (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
+    q, k, v, do = inputs(1, 3, 1, 2000, 3000, d, F16, "cuda", seed=5 + pingpong)
+    flags = dict(num_stages=3) if variant == "3 stages" else WIDE_VARIANTS[variant]
+    cfg = replace(gluon_bwd_config(d, True), pingpong=pingpong, **flags)
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
         assert_grads(got, ref)
