@@ -61,11 +61,40 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 
 from flashtile.kernels._common import LOG2E, unfold_pid
 
-__all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_kernel", "WG_N", "BLOCK_M"]
+__all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_kernel", "varlen_rows", "WG_N",
+           "BLOCK_M", "VARLEN_PAD"]
 
 WG_N = 64  # kv rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 BLOCK_M = 64  # q rows per inner step (the N of the Sᵀ / dPᵀ wgmmas)
 _LOG2E = gl.constexpr(LOG2E)
+# packed batches: sequence b's rows of the statistics and the dQ accumulator start at row
+# 4 * ceil(start / 4) + VARLEN_PAD * b of its head's block (a 16-byte aligned start; at most 3 + 63 rows of padding
+# before the next sequence's), so each head holds total_q + VARLEN_PAD * B rows (``varlen_rows``)
+VARLEN_PAD = 68
+_VARLEN_PAD = gl.constexpr(VARLEN_PAD)
+
+
+def varlen_rows(total_q: int, n_seqs: int) -> int:
+    """Rows per head of the statistics and dQ accumulator of a packed batch (a multiple of 4)."""
+    return (total_q + VARLEN_PAD * n_seqs + 3) // 4 * 4
+
+
+@gluon.jit
+def _seq_range(Cu, b, total, max_len):
+    """Sequence ``b`` (int64) of a packed batch: (start, length, row0) from ``cu_seqlens``, start and end clamped
+    to [0, total], the length to ``max_len`` (values that break the contract give wrong rows, never rows outside
+    the tensors); row0 (int64) its first row of the padded statistics / accumulator blocks."""
+    start = gl.minimum(gl.maximum(gl.load(Cu + b), 0), total)
+    end = gl.minimum(gl.maximum(gl.load(Cu + b + 1), start), total)
+    return start, gl.minimum(end - start, max_len), (start.to(gl.int64) + 3) // 4 * 4 + _VARLEN_PAD * b
+
+
+@triton.jit
+def _seq_range_tl(Cu, b, total, max_len):
+    """:func:`_seq_range` for the Triton kernels (the same clamps and rows)."""
+    start = tl.minimum(tl.maximum(tl.load(Cu + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(Cu + b + 1), start), total)
+    return start, tl.minimum(end - start, max_len), (start.to(tl.int64) + 3) // 4 * 4 + _VARLEN_PAD * b
 
 
 @gluon.constexpr_function
@@ -496,9 +525,10 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h", "total_q",
+                              "total_k"])
 def fa3_gluon_bwd_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQacc,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQacc, CuQ, CuK,
     qk_scale,  # softmax_scale * log2(e), any sign
     softmax_scale,
     stride_qb, stride_qh, stride_qm,
@@ -508,11 +538,11 @@ def fa3_gluon_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
-    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles,
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
-    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr,
+    PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
     head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
@@ -520,8 +550,12 @@ def fa3_gluon_bwd_kernel(
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
     ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
-    (B * Hq, 2, Nq rounded up to 64) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  Launch with
-    ``num_warps=4``."""
+    (B * Hq, 2, Nq rounded up to 64) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN``
+    (a packed batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are
+    (1, H, total, d) views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows
+    [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows
+    at ``VARLEN_PAD``-padded offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k``
+    are read only then.  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
@@ -546,8 +580,16 @@ def fa3_gluon_bwd_kernel(
         off_h = (bh % n_heads).to(gl.int64)
         off_hk = off_h // kv_group
     start_n = tile * 128
+    if IS_VARLEN:
+        # sequence off_b's rows; the grid spans the longest sequence's kv tiles, so past this one's keys: no work
+        gl.static_assert(STATS_SMEM and not GROUP_LOOP)
+        q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
+        k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
+    if IS_VARLEN:
+        if start_n >= seqlen_k:
+            n_iters = 0
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
@@ -610,27 +652,44 @@ def fa3_gluon_bwd_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
     if GQA_PARTIAL:
-        dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
-        dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
+        dk_head = off_h
     else:
-        dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
-        dv_base = DV + off_b * stride_dvb + off_hk * stride_dvh
+        dk_head = off_hk
     bh64 = bh.to(gl.int64)
-    lse_base = LSE + bh64 * seqlen_q
-    delta_base = Delta + bh64 * seqlen_q
-    acc_base = DQacc + bh64 * stride_acc_h
-    # rows of one head's accumulator (< 2^31; stride_acc_h itself passes 2^31 from Nq = 2^24): TMA offsets are i32
-    acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
-    if STATS_SMEM:
-        # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
-        stats_base = LSE + bh64 * (2 * acc_rows)
+    if IS_VARLEN:
+        q_row = q_start.to(gl.int64)
+        k_row = k_start.to(gl.int64)
+        q_base = Q + q_row * stride_qm + off_h * stride_qh
+        do_base = DO + q_row * stride_dom + off_h * stride_doh
+        k_base = K + k_row * stride_kn + off_hk * stride_kh
+        v_base = V + k_row * stride_vn + off_hk * stride_vh
+        dk_base = DK + k_row * stride_dkn + dk_head * stride_dkh
+        dv_base = DV + k_row * stride_dvn + dk_head * stride_dvh
+        # this sequence's rows of its head's statistics and accumulator blocks (both VARLEN_PAD-padded)
+        head_rows = stride_acc_h // BLOCK_D
+        acc_rows = (seqlen_q + 63) // 64 * 64
+        acc_base = DQacc + (off_h * head_rows + row0) * BLOCK_D
+        stats_base = LSE + off_h * (2 * head_rows) + 2 * row0  # [2, acc_rows]: LSE rows, then D rows
+        lse_base = LSE  # unread (STATS_SMEM)
+        delta_base = Delta
     else:
-        stats_base = lse_base  # unread
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
+        dk_base = DK + off_b * stride_dkb + dk_head * stride_dkh
+        dv_base = DV + off_b * stride_dvb + dk_head * stride_dvh
+        lse_base = LSE + bh64 * seqlen_q
+        delta_base = Delta + bh64 * seqlen_q
+        acc_base = DQacc + bh64 * stride_acc_h
+        # rows of one head's accumulator (< 2^31; stride_acc_h passes 2^31 from Nq = 2^24): TMA offsets are i32
+        acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
+        if STATS_SMEM:
+            # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
+            stats_base = LSE + bh64 * (2 * acc_rows)
+        else:
+            stats_base = lse_base  # unread
     if RELEASE_ONCE:
         # with dQ split and 2 stages, step it's ring slot and dSᵀ buffer are both it % 2, released by both consumers
         # after the same wait with the same phase: the producer waits on ds_empty, one arrive (2 bar.sync) fewer
@@ -657,42 +716,54 @@ def fa3_gluon_bwd_kernel(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-@triton.jit(do_not_specialize=["stride_acc_h", "seqlen_q", "num_tiles"])
+@triton.jit(do_not_specialize=["stride_acc_h", "seqlen_q", "num_tiles", "total_q"])
 def dq_postprocess_kernel(
-    DQacc, DQ, scale,
+    DQacc, DQ, CuQ, scale,
     stride_acc_h, stride_acc_m, stride_dqb, stride_dqh, stride_dqm,
-    n_heads, seqlen_q, num_tiles,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+    n_heads, seqlen_q, num_tiles, total_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """dQ = scale * accumulator, cast to dQ's dtype.  1-D grid of B * Hq * ``num_tiles`` programs of ``BLOCK``
-    rows; the accumulator is (B * Hq, rows >= Nq, BLOCK_D) fp32, dQ (B, Hq, Nq, HEAD_DIM), unit stride on d."""
+    rows; the accumulator is (B * Hq, rows >= Nq, BLOCK_D) fp32, dQ (B, Hq, Nq, HEAD_DIM), unit stride on d.
+    ``IS_VARLEN``: B sequences of a packed batch (``seqlen_q`` the longest), dQ a (1, Hq, total_q, d) view, the
+    accumulator (Hq, ``varlen_rows``, BLOCK_D) with sequence b's rows at its padded offset (the Gluon kernel's)."""
     pid = tl.program_id(0)
     bh = pid // num_tiles
     rows = (pid % num_tiles) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < seqlen_q
-    rows64 = rows.to(tl.int64)  # Nq * BLOCK_D passes 2^31 from Nq = 2^24 at BLOCK_D = 128
-    acc = tl.load(DQacc + bh.to(tl.int64) * stride_acc_h + rows64[:, None] * stride_acc_m + cols[None, :],
-                  mask=row_ok[:, None], other=0.0)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
-    ptrs = DQ + b * stride_dqb + h * stride_dqh + rows64[:, None] * stride_dqm + cols[None, :]
+    if IS_VARLEN:
+        start, seqlen_q, row0 = _seq_range_tl(CuQ, b, total_q, seqlen_q)
+        acc_tile = DQacc + h * stride_acc_h + row0 * stride_acc_m
+        dq_tile = DQ + h * stride_dqh + start.to(tl.int64) * stride_dqm
+    else:
+        acc_tile = DQacc + bh.to(tl.int64) * stride_acc_h
+        dq_tile = DQ + b * stride_dqb + h * stride_dqh
+    row_ok = rows < seqlen_q
+    rows64 = rows.to(tl.int64)  # Nq * BLOCK_D passes 2^31 from Nq = 2^24 at BLOCK_D = 128
+    acc = tl.load(acc_tile + rows64[:, None] * stride_acc_m + cols[None, :], mask=row_ok[:, None], other=0.0)
+    ptrs = dq_tile + rows64[:, None] * stride_dqm + cols[None, :]
     tl.store(ptrs, (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & (cols < HEAD_DIM)[None, :])
 
 
-@triton.jit(do_not_specialize=["n_bh", "seqlen_q", "stats_rows"])
+@triton.jit(do_not_specialize=["n_bh", "seqlen_q", "stats_rows", "total_q"])
 def stats_preprocess_kernel(
-    Out, DOut, LSE, Stats, DQacc,
+    Out, DOut, LSE, Stats, DQacc, CuQ,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh, stride_lm,
-    n_heads, n_bh, seqlen_q, stats_rows,
+    n_heads, n_bh, seqlen_q, stats_rows, total_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_ACC: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """The Gluon backward's row statistics for ``STATS_SMEM``: Stats (B * Hq, 2, ``stats_rows``) fp32, row 0 the
     LSE times log2(e) (+inf past Nq and where LSE is -inf, so P = exp2(S log2e - it) is 0 there unmasked), row 1
     D = rowsum(dO o O) (0 past Nq).  ``stats_rows`` is Nq rounded up to 64 (whole TMA boxes), a multiple of
     ``BLOCK``; grid ``fold_grid(stats_rows // BLOCK, n_bh)``.  O, dO (B, Hq, Nq, HEAD_DIM) with unit stride on d; LSE
     (B, Hq, Nq) fp32, any strides.  ``ZERO_ACC``: also zero this block of rows of DQacc, the backward's
-    (B * Hq, ``stats_rows``, BLOCK_D) fp32 accumulator (one launch fewer than a separate memset)."""
+    (B * Hq, ``stats_rows``, BLOCK_D) fp32 accumulator (one launch fewer than a separate memset).
+    ``IS_VARLEN``: B sequences of a packed batch (``seqlen_q`` the longest), O, dO (1, Hq, total_q, d) views, LSE
+    (Hq, total_q) as (1, Hq, total_q); Stats (Hq, 2 * ``stats_rows``) and DQacc (Hq, ``stats_rows``, BLOCK_D) with
+    ``stats_rows`` = ``varlen_rows``: sequence b's [2, its rows rounded up to 64] block at its padded offset."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tile, bh = unfold_pid()
     if bh >= n_bh:
@@ -701,19 +772,33 @@ def stats_preprocess_kernel(
     h = (bh % n_heads).to(tl.int64)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, BLOCK_D)
+    rows64 = rows.to(tl.int64)
+    if IS_VARLEN:
+        start, seqlen_q, row0 = _seq_range_tl(CuQ, b, total_q, seqlen_q)
+        padded = (seqlen_q + 63) // 64 * 64  # this sequence's rows of the kernel's boxes
+        if tile * BLOCK >= padded:
+            return
+        o_tile = Out + h * stride_oh + start.to(tl.int64) * stride_om
+        do_tile = DOut + h * stride_doh + start.to(tl.int64) * stride_dom
+        lse_tile = LSE + h * stride_lh + start.to(tl.int64) * stride_lm
+        base = Stats + h * (2 * stats_rows) + 2 * row0
+        d_rows = padded
+        acc_tile = DQacc + (h * stats_rows + row0) * BLOCK_D
+    else:
+        o_tile = Out + b * stride_ob + h * stride_oh
+        do_tile = DOut + b * stride_dob + h * stride_doh
+        lse_tile = LSE + b * stride_lb + h * stride_lh
+        base = Stats + bh.to(tl.int64) * (2 * stats_rows)
+        d_rows = stats_rows
+        acc_tile = DQacc + bh.to(tl.int64) * stats_rows * BLOCK_D
     in_q = rows < seqlen_q
     mask = in_q[:, None] & (cols < HEAD_DIM)[None, :]
-    rows64 = rows.to(tl.int64)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + rows64[:, None] * stride_om + cols[None, :], mask=mask,
-                other=0.0)
-    do = tl.load(DOut + b * stride_dob + h * stride_doh + rows64[:, None] * stride_dom + cols[None, :], mask=mask,
-                 other=0.0)
+    o = tl.load(o_tile + rows64[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)
+    do = tl.load(do_tile + rows64[:, None] * stride_dom + cols[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows64 * stride_lm, mask=in_q, other=float("-inf"))
+    lse = tl.load(lse_tile + rows64 * stride_lm, mask=in_q, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse.to(tl.float32) * _LOG2E)
-    base = Stats + bh.to(tl.int64) * (2 * stats_rows)
     tl.store(base + rows, lse2)
-    tl.store(base + stats_rows + rows, delta)
+    tl.store(base + d_rows + rows, delta)
     if ZERO_ACC:
-        acc = DQacc + bh.to(tl.int64) * stats_rows * BLOCK_D + rows64[:, None] * BLOCK_D + cols[None, :]
-        tl.store(acc, tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32))
+        tl.store(acc_tile + rows64[:, None] * BLOCK_D + cols[None, :], tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32))

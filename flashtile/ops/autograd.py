@@ -461,12 +461,19 @@ def flash_attn_varlen_bwd(
 def _varlen_bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
                      deterministic):
+    from flashtile.runtime import fa3_gluon_bwd
     from flashtile.runtime.fa2_bwd import fa2_backward
 
     if block_table is not None:  # the public functions refuse this before the forward; a direct op call lands here
         raise ValueError("block_table: the paged forward has no backward (call it under torch.no_grad())")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    plain = alibi_slopes is None and dropout_p == 0 and softcap == 0
+    if fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, v, dout, causal=causal, window=(window_left, window_right),
+                                             plain=plain, deterministic=deterministic, max_seqlen_k=max_seqlen_k):
+        return fa3_gluon_bwd.fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                                                       causal=causal)
     return fa2_backward(
         dout, q, k, v, out, lse,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,

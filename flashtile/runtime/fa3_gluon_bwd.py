@@ -29,6 +29,7 @@ from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
+           "fa3_gluon_varlen_backward", "prefer_gluon_bwd_varlen", "VARLEN", "VARLEN_HEAD_DIMS",
            "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "wide_tile_d", "GLUON_BWD_HEAD_DIMS",
            "WIDE_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
@@ -42,6 +43,10 @@ BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's
 POST_BLOCK = 64  # rows per program of the dQ postprocess
 # the dispatch switch (prefer_gluon_bwd)
 ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
+# False keeps packed (varlen) backwards on FA2's kernel (:func:`fa3_gluon_varlen_backward` otherwise)
+VARLEN = True
+# the packed backward's head dims: the narrow kernel with the statistics through shared memory (64- / 128-wide tiles)
+VARLEN_HEAD_DIMS = tuple(range(40, 129, 8))
 
 
 @dataclass(frozen=True)
@@ -321,17 +326,100 @@ def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: 
     dq_postprocess(dq_acc, dq_buf, softmax_scale)
 
 
+def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                              max_seqlen_k: int, *, softmax_scale: float, causal: bool = False):
+    """Gradients ``(dq, dk, dv)`` of a packed batch: q, dout, out (total_q, Hq, d), k, v (total_k, Hk, d), lse
+    (Hq, total_q) natural log, int32 (B + 1,) ``cu_seqlens_*`` on q's device (causal bottom-right per sequence).
+    The narrow kernel over B * Hq * cdiv(max_seqlen_k, 128) programs, each sequence's rows from the cu_seqlens
+    (read on the device, clamped to the tensors: a bad value gives wrong rows, never an access outside them);
+    head dims 40-128 (``VARLEN_HEAD_DIMS``).  GQA through fp32 dK / dV partials per q head."""
+    from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+    from flashtile.ops.validate import check_cu_seqlens, check_max_seqlen
+    from flashtile.runtime.fa3_bwd import grad_buffers, write_back
+    from flashtile.runtime.fa3_fwd import ensure_allocator, packed_view
+
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) \
+            or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a (total, heads, head_dim) tensor, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(lse, torch.Tensor) or lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be a (Hq, total_q) = {(q.shape[1], q.shape[0])} tensor, got "
+                         f"{getattr(lse, 'shape', type(lse).__name__)}")
+    qv, kv, vv, dov, ov = (packed_view(x) for x in (q, k, v, dout, out))
+    _check(qv, kv, vv, dov, ov, lse.unsqueeze(0))
+    d = q.shape[2]
+    if d not in VARLEN_HEAD_DIMS:
+        raise NotImplementedError(f"the packed Gluon backward covers head dims 40-128 (multiples of 8), got "
+                                  f"head_dim {d}")
+    n_seqs = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+    max_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    rets = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    if n_seqs == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        for ret in rets:
+            ret.zero_()
+        return rets
+    cfg = gluon_bwd_config(d, causal)  # no group_loop: fp32 partials under GQA
+    hq, hk = q.shape[1], k.shape[1]
+    partials = hq > hk
+    views = tuple(packed_view(r) for r in rets)
+    bufs = grad_buffers(views, qv, kv, vv, partials)
+    rows = varlen_rows(q.shape[0], n_seqs)
+    ensure_allocator()
+    with on_device(q):
+        dq_acc = torch.empty((hq, rows, block_d(d)), dtype=torch.float32, device=q.device)
+        stats = stats_preprocess(ov, dov, lse.unsqueeze(0), dq_acc, varlen=(cu_q, max_q))
+        gluon_bwd_launch(qv, kv, vv, dov, stats, stats, bufs[1], bufs[2], dq_acc, float(softmax_scale), causal, cfg,
+                         varlen=(cu_q, cu_k, max_q, max_k))
+        dq_postprocess(dq_acc, bufs[0], float(softmax_scale), varlen=(cu_q, max_q))
+        write_back(views, bufs, partials)
+    return rets
+
+
+def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                            causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,
+                            max_seqlen_k: int, capability: tuple[int, int] | None = None) -> bool:
+    """Whether a packed backward (q (total_q, Hq, d), ...) runs :func:`fa3_gluon_varlen_backward`: ``VARLEN``
+    and ``ENABLED``, head dims 40-128 where :func:`gluon_bwd_wins` says so for the longest sequence's keys, then
+    what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not deterministic,
+    bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
+    (``flashtile bench attention --varlen``, bench/NOTES.md "Packed Gluon backward"): fwd+bwd 477 / 392 TFLOP/s
+    non-causal / causal against 373 / 305 with FA2's packed backward."""
+    if not (VARLEN and ENABLED) or q.shape[-1] not in VARLEN_HEAD_DIMS:
+        return False
+    if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k):
+        return False
+    from flashtile.runtime.fa3_fwd import packed_view
+
+    return _prefer_views(packed_view(q), packed_view(k), packed_view(v), packed_view(dout), causal, window, plain,
+                         deterministic, capability)
+
+
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
-                     cfg: GluonBwdConfig) -> None:
+                     cfg: GluonBwdConfig, varlen=None) -> None:
     """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv``
     (B, Hk, Nk, d) in q's dtype, or (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed
     (B * Hq, Nq rounded up to 64, block_d(d)) fp32 accumulator; the descriptor allocator installed
     (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem`` ``lse`` is :func:`stats_preprocess`'s buffer (its rows
-    padded as ``dq_acc``'s) and ``delta`` unread."""
+    padded as ``dq_acc``'s) and ``delta`` unread.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k): a packed batch on (1, H, total, d) views, ``lse`` / ``dq_acc`` in the padded per-head layout
+    of :func:`stats_preprocess` (the narrow kernel only)."""
     from flashtile.runtime.launch import launch as run_kernel
 
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    total_q, total_k = nq, nk
+    if varlen is not None:
+        cu_q, cu_k, nq, nk = varlen
+        b = cu_q.shape[0] - 1
+    else:
+        cu_q = cu_k = dq_acc  # unread placeholders
     wide = d in WIDE_HEAD_DIMS
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N as block_n
@@ -355,50 +443,70 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 
-        dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
-        static = (*strides, d, block_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs, cfg.producer_regs,
-                  cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem, cfg.dq_swizzle32, cfg.pt_separate,
-                  cfg.release_once, group_loop)
+        dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
+        static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
+                  cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
+                  cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None)
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
 
 
 def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                     dq_acc: torch.Tensor | None = None) -> torch.Tensor:
+                     dq_acc: torch.Tensor | None = None, varlen=None) -> torch.Tensor:
     """The (B * Hq, 2, Nq rounded up to 64) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past Nq
     and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
     lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too).  ``dq_acc``: the backward's contiguous
-    (B * Hq, rows, block_d(d)) fp32 accumulator, zeroed by the same kernel."""
-    from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel
+    (B * Hq, rows, block_d(d)) fp32 accumulator, zeroed by the same kernel.  ``varlen`` = (cu_seqlens_q,
+    max_seqlen_q): a packed batch, out / dout (1, Hq, total_q, d) views, lse (1, Hq, total_q); the statistics
+    (Hq, 2 * R) and ``dq_acc`` (Hq, R, block_d(d)), R = ``varlen_rows(total_q, B)``, each sequence's
+    [2, rows rounded up to 64] block at its padded offset (``kernels.fa3_gluon_bwd.VARLEN_PAD``)."""
+    from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel, varlen_rows
     from flashtile.runtime.common import fold_grid
     from flashtile.runtime.launch import launch as run_kernel
 
-    b, hq, nq, d = out.shape
-    rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
-    stats = torch.empty((b * hq, 2, rows), dtype=torch.float32, device=out.device)
+    _, hq, nq, d = out.shape
+    if varlen is None:
+        b, total_q, cu_q = out.shape[0], 0, lse  # cu_q unread
+        rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
+        stats = torch.empty((b * hq, 2, rows), dtype=torch.float32, device=out.device)
+        acc_shape = (b * hq, rows, block_d(d))
+        tiles = rows // BLOCK_M
+    else:
+        cu_q, max_q = varlen
+        b, total_q = cu_q.shape[0] - 1, nq
+        rows = varlen_rows(total_q, b)
+        stats = torch.empty((hq, 2 * rows), dtype=torch.float32, device=out.device)
+        acc_shape = (hq, rows, block_d(d))
+        tiles, nq = triton.cdiv(max_q, BLOCK_M), max_q
     zero_acc = dq_acc is not None
-    if zero_acc and (dq_acc.shape != (b * hq, rows, block_d(d)) or not dq_acc.is_contiguous()
-                     or dq_acc.dtype != torch.float32):
-        raise ValueError(f"dq_acc must be a contiguous fp32 {(b * hq, rows, block_d(d))} tensor, got "
-                         f"{tuple(dq_acc.shape)} {dq_acc.dtype}")
-    static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, d, block_d(d), BLOCK_M,
-              zero_acc)
-    run_kernel(stats_preprocess_kernel, fold_grid(rows // BLOCK_M, b * hq),
-               (out, dout, lse, stats, dq_acc if zero_acc else stats), static, num_warps=4, num_stages=1)
+    if zero_acc and (dq_acc.shape != acc_shape or not dq_acc.is_contiguous() or dq_acc.dtype != torch.float32):
+        raise ValueError(f"dq_acc must be a contiguous fp32 {acc_shape} tensor, got {tuple(dq_acc.shape)} "
+                         f"{dq_acc.dtype}")
+    static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, total_q, d, block_d(d),
+              BLOCK_M, zero_acc, varlen is not None)
+    run_kernel(stats_preprocess_kernel, fold_grid(tiles, b * hq),
+               (out, dout, lse, stats, dq_acc if zero_acc else stats, cu_q), static, num_warps=4, num_stages=1)
     return stats
 
 
-def dq_postprocess(dq_acc: torch.Tensor, dq: torch.Tensor, softmax_scale: float) -> None:
+def dq_postprocess(dq_acc: torch.Tensor, dq: torch.Tensor, softmax_scale: float, varlen=None) -> None:
     """dq = softmax_scale * dq_acc[:, :Nq, :d] in dq's dtype; dq (B, Hq, Nq, d) with unit stride on d (runs in
-    Triton's interpreter too)."""
+    Triton's interpreter too).  ``varlen`` = (cu_seqlens_q, max_seqlen_q): dq a (1, Hq, total_q, d) view, dq_acc
+    in :func:`stats_preprocess`'s padded per-head layout."""
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
     b, hq, nq, d = dq.shape
+    total_q, cu_q = 0, dq_acc  # cu_q unread
+    if varlen is not None:
+        cu_q, max_q = varlen
+        b, total_q, nq = cu_q.shape[0] - 1, nq, max_q
     tiles = triton.cdiv(nq, POST_BLOCK)
     grid = (b * hq * tiles,)
-    static = (dq_acc.stride(0), dq_acc.stride(1), *dq.stride()[:3], hq, nq, tiles, d, dq_acc.shape[2], POST_BLOCK)
-    run_kernel(dq_postprocess_kernel, grid, (dq_acc, dq, float(softmax_scale)), static, num_warps=4, num_stages=1)
+    static = (dq_acc.stride(0), dq_acc.stride(1), *dq.stride()[:3], hq, nq, tiles, total_q, d, dq_acc.shape[2],
+              POST_BLOCK, varlen is not None)
+    run_kernel(dq_postprocess_kernel, grid, (dq_acc, dq, cu_q, float(softmax_scale)), static, num_warps=4,
+               num_stages=1)
 
 
 def prefer_gluon_bwd(
@@ -409,17 +517,22 @@ def prefer_gluon_bwd(
     views: only with ``ENABLED``, then what the kernels cover: ``plain`` (no softcap, ALiBi, bias, dropout,
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
     to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
-    if not ENABLED:
+    if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
+    return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
+
+
+def _prefer_views(q, k, v, dout, causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,
+                  capability) -> bool:
+    """What the Gluon kernels ask of (B, H, N, d) views and options, the head dim aside (see
+    :func:`prefer_gluon_bwd`)."""
     from flashtile.runtime.common import capability as device_capability
     from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, _tma_ready
 
     if not plain or deterministic or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window
-    if left != -1 or right != (0 if causal else -1) or q.shape[3] not in GLUON_BWD_HEAD_DIMS:
-        return False
-    if not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
+    if left != -1 or right != (0 if causal else -1):
         return False
     if capability is None:
         capability = device_capability(q.get_device())

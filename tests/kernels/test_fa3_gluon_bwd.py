@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -441,6 +442,139 @@ def test_dq_postprocess_scales_and_casts(dtype, d):
     assert_close(dq, ref, dtype, "cpu", "dq", tol=torch.finfo(dtype).eps)  # one rounding to dtype
 
 
+def _varlen_row0(starts):
+    from flashtile.kernels.fa3_gluon_bwd import VARLEN_PAD
+
+    return [(s + 3) // 4 * 4 + VARLEN_PAD * i for i, s in enumerate(starts)]
+
+
+# packed batches: an empty sequence, lengths under, at and over 64, one row
+VARLEN_LENS = [70, 0, 64, 1, 130]
+
+
+def test_varlen_stats_preprocess_layout():
+    """Interpreted, packed batch: each sequence's [2, rows rounded up to 64] block at its padded offset of the head's
+    (Hq, 2 * varlen_rows) statistics (LSE · log2 e then D, +inf / 0 on its padding rows), its accumulator rows
+    zeroed, no other row written; the rows come from the device cu_seqlens, clamped (a bad entry stays inside)."""
+    import math
+
+    from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+
+    h, d = 3, 40
+    total = sum(VARLEN_LENS)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(total, h, d, generator=g).to(BF16)
+    dout = torch.randn(total, h, d, generator=g).to(BF16)
+    lse = torch.randn(h, total, generator=g)
+    lse[1, 3] = float("-inf")
+    rows = varlen_rows(total, len(VARLEN_LENS))
+    acc = torch.full((h, rows, block_d(d)), float("nan"))
+    pv = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 (the kernels' packed view)
+    stats = stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), acc, varlen=(cu, max(VARLEN_LENS)))
+    assert stats.shape == (h, 2 * rows)
+    written = torch.zeros(h, 2 * rows, dtype=torch.bool)
+    for (start, n), row0 in zip(zip(cu[:-1].tolist(), VARLEN_LENS), _varlen_row0(cu[:-1].tolist())):
+        padded = -(-n // 64) * 64
+        blk = stats[:, 2 * row0: 2 * row0 + 2 * padded].view(h, 2, padded)
+        written[:, 2 * row0: 2 * row0 + 2 * padded] = True
+        ref_d = (out[start:start + n].double() * dout[start:start + n].double()).sum(-1).T
+        ref_l = lse[:, start:start + n].double() / math.log(2)
+        assert_close(blk[:, 1, :n], ref_d, F32, "cpu", "D", magnitude=1.0)
+        fin = ref_l.isfinite()
+        assert_close(blk[:, 0, :n][fin], ref_l[fin], F32, "cpu", "LSE log2e", magnitude=1.0)
+        assert (blk[:, 0, :n][~fin] == float("inf")).all()
+        assert (blk[:, 0, n:] == float("inf")).all() and (blk[:, 1, n:] == 0).all()
+        assert (acc[:, row0:row0 + padded] == 0).all()
+        acc[:, row0:row0 + padded] = float("nan")
+    assert acc.isnan().all()  # no other accumulator row written
+    with pytest.raises(ValueError, match="dq_acc"):
+        stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), acc[:, :64], varlen=(cu, max(VARLEN_LENS)))
+    # cu_seqlens past the tensors and decreasing: clamped, every write inside the buffers (no error, wrong rows)
+    bad = torch.tensor([-5, 10**6, 3, 2, 9, total + 7], dtype=torch.int32)
+    stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), torch.zeros_like(acc), varlen=(bad, max(VARLEN_LENS)))
+
+
+@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
+def test_varlen_dq_postprocess(dtype, d):
+    """Interpreted, packed batch: dq's rows of sequence b = scale * its accumulator rows at the padded offset."""
+    from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+
+    h, bd = 2, block_d(d)
+    total = sum(VARLEN_LENS)
+    cu = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    acc = torch.randn(h, varlen_rows(total, len(VARLEN_LENS)), bd, generator=torch.Generator().manual_seed(d))
+    dq = torch.full((total, h, d), float("nan"), dtype=dtype)
+    dq_postprocess(acc, dq.transpose(0, 1).unsqueeze(0), 0.7, varlen=(cu, max(VARLEN_LENS)))
+    for start, n, row0 in zip(cu[:-1].tolist(), VARLEN_LENS, _varlen_row0(cu[:-1].tolist())):
+        ref = acc[:, row0:row0 + n, :d].double().transpose(0, 1) * 0.7
+        assert_close(dq[start:start + n], ref, dtype, "cpu", "dq", tol=torch.finfo(dtype).eps)
+
+
+def test_varlen_launcher_and_refusals(monkeypatch):
+    """The packed backward: statistics, the narrow kernel with IS_VARLEN over B * Hq * cdiv(max_seqlen_k, 128)
+    programs on (1, H, total, d) views, then the postprocess; GQA partials summed per kv head; the dispatch
+    rule (``prefer_gluon_bwd_varlen``); head dims outside 40-128, a bad lse or cu_seqlens refused naming the
+    argument."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel, varlen_rows
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    hq, hk, d = 4, 2, 128
+    total_q, total_k = sum(VARLEN_LENS), 300
+    cu_q = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, 60, 60, 200, 201, 300], dtype=torch.int32)
+    q = torch.zeros(total_q, hq, d, dtype=BF16)
+    k = torch.zeros(total_k, hk, d, dtype=BF16)
+    lse = torch.zeros(hq, total_q)
+    dq, dk, dv = fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 140,
+                                                         softmax_scale=0.5, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dk.dtype == BF16
+    (kernel, grid, dynamic, static), kw = calls[1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert kernel is fa3_gluon_bwd_kernel and bound["IS_VARLEN"] is True and bound["GROUP_LOOP"] is False
+    assert bound["CuQ"] is not None and torch.equal(bound["CuQ"], cu_q) and torch.equal(bound["CuK"], cu_k)
+    assert (bound["seqlen_q"], bound["seqlen_k"], bound["total_q"], bound["total_k"]) == (130, 140, total_q, total_k)
+    assert grid == (5 * hq * 2,) and bound["num_n_tiles"] == 2  # sequences x q heads x cdiv(140, 128)
+    assert bound["Q"].shape == (1, hq, total_q, d) and bound["stride_qm"] == hq * d
+    rows = varlen_rows(total_q, 5)
+    assert bound["DQacc"].shape == (hq, rows, 128) and bound["stride_acc_h"] == rows * 128
+    assert bound["LSE"].shape == (hq, 2 * rows) and bound["STATS_SMEM"]
+    assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (1, hq, total_k, d)
+    pre = dict(zip(inspect.signature(calls[0][0][0].fn).parameters, (*calls[0][0][2], *calls[0][0][3])))
+    post = dict(zip(inspect.signature(calls[2][0][0].fn).parameters, (*calls[2][0][2], *calls[2][0][3])))
+    assert pre["IS_VARLEN"] and post["IS_VARLEN"] and pre["Stats"] is bound["LSE"] and post["DQacc"] is bound["DQacc"]
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        fa3_gluon_bwd.fa3_gluon_varlen_backward(q[..., :32], q[..., :32], k[..., :32], k[..., :32], q[..., :32], lse,
+                                                cu_q, cu_k, 130, 140, softmax_scale=0.5)
+    with pytest.raises(ValueError, match="lse"):
+        fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse.T, cu_q, cu_k, 130, 140, softmax_scale=0.5)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse, cu_q.long(), cu_k, 130, 140, softmax_scale=0.5)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 140, softmax_scale=math.nan)
+    calls.clear()  # no keys anywhere: zero gradients, no launch
+    got = fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 0, softmax_scale=0.5)
+    assert not calls and all((g == 0).all() for g in got)
+    # dispatch: on by default, refused on CPU tensors (the sm_90 part: test_gpu_varlen_*), and where the
+    # fixed-length rule would keep FA2 (64-wide tiles under 4k keys), and with VARLEN off
+    assert fa3_gluon_bwd.VARLEN is True
+    args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)  # a CPU tensor
+    monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # as on an sm_90 device
+    assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+    q64, k64 = q[..., :64], k[..., :64]
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **args)
+    assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **{**args, "max_seqlen_k": 4096})
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q[..., :32], k[..., :32], k[..., :32], q[..., :32], **args)
+    monkeypatch.setattr(fa3_gluon_bwd, "VARLEN", False)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_float64_twin_at_the_kernels_tiling(causal):
     """The kernel's algorithm (kv tiles of 128 outer, q tiles of 64 inner, dQ summed over kv tiles) is
@@ -848,3 +982,70 @@ def test_gpu_autograd_hook(monkeypatch):
     size = max(float(g.abs().max()) for g in base)
     for name, a, b in zip(("dq", "dk", "dv"), mine, base):
         assert_close(a, b.double(), what=name, magnitude=size)
+
+
+def _varlen_case(lens_q, lens_k, hq, hk, d, seed):
+    """Packed bf16 q, k, v, dout on the GPU built from per-sequence (1, H, N, d) inputs, with the oracle's out / lse
+    packed and its per-sequence gradients."""
+    seqs = [inputs(1, hq, hk, nq, nk, d, BF16, "cuda", seed=seed + i) for i, (nq, nk) in enumerate(zip(lens_q, lens_k))]
+    pack = lambda xs: torch.cat([x[0].transpose(0, 1) for x in xs]).contiguous()  # noqa: E731
+    q, k, v, do = (pack([s[j] for s in seqs]) for j in range(4))
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    return seqs, (q, k, v, do), cu(lens_q), cu(lens_k)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hk", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("lens", ["mixed", "one", "tiny"])
+def test_gpu_varlen_matches_oracle(d, causal, hq, hk, lens):
+    """The packed Gluon backward against the float64 oracle per sequence: lengths under / at / over the tiles, an
+    empty q sequence, an empty kv sequence, Nq != Nk (bottom-right causal); one long sequence; 300 tiny ones;
+    max_seqlen above the real maxima.  Structural zeros exact."""
+    lens_q, lens_k = {"mixed": ([70, 0, 64, 1, 333, 200], [90, 40, 64, 0, 517, 128]), "one": ([1000], [1000]),
+                      "tiny": ([1 + i % 5 for i in range(300)], [1 + (i * 7) % 9 for i in range(300)])}[lens]
+    seqs, (q, k, v, do), cu_q, cu_k = _varlen_case(lens_q, lens_k, hq, hk, d, seed=d + hq + len(lens_q))
+    scale = d ** -0.5
+    refs = [attention_ref_grads(*s, scale=scale, causal=causal) for s in seqs]
+    out = torch.cat([r[0][0].transpose(0, 1) for r in refs]).to(device="cuda", dtype=BF16)
+    lse = torch.cat([r[1][0] for r in refs], dim=1).to(device="cuda", dtype=F32)
+    got = fa3_gluon_bwd.fa3_gluon_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q) + 5,
+                                                  max(lens_k) + 3, softmax_scale=scale, causal=causal)
+    torch.cuda.synchronize()
+    offs_q, offs_k = cu_q.tolist(), cu_k.tolist()
+    for i, (s, r) in enumerate(zip(seqs, refs)):
+        part = (got[0][offs_q[i]:offs_q[i + 1]], got[1][offs_k[i]:offs_k[i + 1]], got[2][offs_k[i]:offs_k[i + 1]])
+        part = tuple(x.transpose(0, 1).unsqueeze(0) for x in part)
+        f64 = [x.double() for x in s]
+        ref = Ref(*r[2:], rounding_slack(*f64, BF16, scale=scale, causal=causal))
+        assert_grads(part, ref)
+        visible = torch.isfinite(scores_ref(*f64[:2], scale=scale, causal=causal)).cpu()
+        assert_exact_zeros(part, visible)
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_varlen_dispatch_through_flash_attn_varlen_func(monkeypatch):
+    """With ``VARLEN`` on (the default), flash_attn_varlen_func's backward runs the packed Gluon backward (GQA 4:1,
+    causal, d = 128) and its gradients match FA2's packed backward (``VARLEN`` off) on the same forward."""
+    import flashtile
+
+    lens = [300, 5, 1024, 77]
+    _, (q, k, v, do), cu_q, cu_k = _varlen_case(lens, lens, 8, 2, 128, seed=3)
+    grads = {}
+    real = fa3_gluon_bwd.fa3_gluon_varlen_backward
+    for on in (False, True):
+        monkeypatch.setattr(fa3_gluon_bwd, "VARLEN", on)
+        called = []
+        monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_varlen_backward",
+                            lambda *a, **kw: called.append(1) or real(*a, **kw))
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flashtile.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens), max(lens), causal=True)
+        grads[on] = torch.autograd.grad(out, leaves, do)
+        assert bool(called) == on
+    for name, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        assert_close(a, b.double(), BF16, "cuda", name, magnitude=max(float(g.abs().max()) for g in grads[False]))
