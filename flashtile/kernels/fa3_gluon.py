@@ -58,10 +58,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.kernels._common import LN2
 
-__all__ = ["fa3_gluon_kernel", "WG_M"]
+__all__ = ["fa3_gluon_kernel", "packed_range", "WG_M"]
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 _LN2 = gl.constexpr(LN2)
+
+
+@gluon.jit
+def packed_range(Cu, b, total, max_len):
+    """(start, length) of sequence ``b`` of a packed batch, as :func:`flashtile.kernels.block_info._packed_range`
+    gives it: rows [Cu[b], Cu[b + 1]) clamped in int64 to [0, total], the length (int32) capped at ``max_len``,
+    so no value of the cu_seqlens reaches outside the packed tensors (values that break the contract give wrong
+    rows)."""
+    start = gl.minimum(gl.maximum(gl.load(Cu + b).to(gl.int64), 0), total)
+    end = gl.minimum(gl.maximum(gl.load(Cu + b + 1).to(gl.int64), start), total)
+    return start, gl.minimum(end - start, max_len).to(gl.int32)
 
 
 @gluon.jit

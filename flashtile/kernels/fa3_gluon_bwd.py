@@ -60,6 +60,8 @@ from triton._C.libtriton import ir as _ir
 from triton.experimental.gluon.language._core import builtin as _builtin
 
 from flashtile.kernels._common import LOG2E, unfold_pid
+from flashtile.kernels.block_info import _packed_range
+from flashtile.kernels.fa3_gluon import packed_range
 
 __all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_kernel", "varlen_rows", "WG_N",
            "BLOCK_M", "VARLEN_PAD"]
@@ -81,20 +83,18 @@ def varlen_rows(total_q: int, n_seqs: int) -> int:
 
 @gluon.jit
 def _seq_range(Cu, b, total, max_len):
-    """Sequence ``b`` (int64) of a packed batch: (start, length, row0) from ``cu_seqlens``, start and end clamped
-    to [0, total], the length to ``max_len`` (values that break the contract give wrong rows, never rows outside
-    the tensors); row0 (int64) its first row of the padded statistics / accumulator blocks."""
-    start = gl.minimum(gl.maximum(gl.load(Cu + b), 0), total)
-    end = gl.minimum(gl.maximum(gl.load(Cu + b + 1), start), total)
-    return start, gl.minimum(end - start, max_len), (start.to(gl.int64) + 3) // 4 * 4 + _VARLEN_PAD * b
+    """Sequence ``b`` (int64) of a packed batch: (start, length, row0), start and length as
+    :func:`flashtile.kernels.fa3_gluon.packed_range` clamps them, row0 (int64) its first row of the padded
+    statistics / accumulator blocks."""
+    start, length = packed_range(Cu, b, total, max_len)
+    return start, length, (start + 3) // 4 * 4 + _VARLEN_PAD * b
 
 
 @triton.jit
 def _seq_range_tl(Cu, b, total, max_len):
-    """:func:`_seq_range` for the Triton kernels (the same clamps and rows)."""
-    start = tl.minimum(tl.maximum(tl.load(Cu + b), 0), total)
-    end = tl.minimum(tl.maximum(tl.load(Cu + b + 1), start), total)
-    return start, tl.minimum(end - start, max_len), (start.to(tl.int64) + 3) // 4 * 4 + _VARLEN_PAD * b
+    """:func:`_seq_range` for the Triton kernels (``block_info._packed_range``'s clamps, the same rows)."""
+    start, length = _packed_range(Cu, b, total, max_len)
+    return start, length, (start + 3) // 4 * 4 + _VARLEN_PAD * b
 
 
 @gluon.constexpr_function
