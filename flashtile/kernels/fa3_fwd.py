@@ -47,7 +47,7 @@ from flashtile.kernels._common import LN2, e4m3_exact, head_desc, query_tile
 from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_errors, seqlen_info
 from flashtile.kernels.fa2_fwd import ERR_CU_SEQLENS
 
-__all__ = ["fa3_fwd_kernel", "ERR_DESCALE"]
+__all__ = ["fa3_fwd_kernel", "cu_seqlens_report_kernel", "ERR_DESCALE"]
 
 _LN2 = tl.constexpr(LN2)
 _P_OCTAVES = tl.constexpr(8.0)  # FP8: P~ = 2^8 exp(S - m), see reference/fp8.py's P_SCALE
@@ -145,6 +145,14 @@ def _varlen_report(CuSeqQ, CuSeqK, Err, off_b, n_batch, seqlen_q, seqlen_k, tota
                                  K_ENDS_AT_TOTAL=True)
     bad = reporter & (q_bad | k_bad)
     tl.store(Err, tl.load(Err, mask=bad, other=0) | _ERR_CU_SEQLENS, mask=bad)
+
+
+@triton.jit
+def cu_seqlens_report_kernel(CuSeqQ, CuSeqK, Err, n_batch, seqlen_q, seqlen_k, total_q, total_k):
+    """:func:`_varlen_report` as a kernel of its own, one program per sequence, for packed forwards whose kernel
+    does not report (the Gluon one): ``seqlen_*`` the max_seqlen arguments."""
+    off_b = tl.program_id(0)
+    _varlen_report(CuSeqQ, CuSeqK, Err, off_b, n_batch, seqlen_q, seqlen_k, total_q, total_k, True)
 
 
 @triton.jit

@@ -146,6 +146,14 @@ def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q,
     off_h = (bh % n_heads).to(gl.int64)
     off_hk = off_h // kv_group
     start_m = tile * BLOCK_M
+    full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL)
+    return bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles
+
+
+@gluon.jit
+def _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(full_tiles, n_tiles) of the query tile at ``start_m``: kv tiles [0, full_tiles) seen in full by every
+    row, [full_tiles, n_tiles) masked; n_tiles = 0 when no row sees a key."""
     if CAUSAL:
         key_end = gl.minimum(seqlen_k, start_m + BLOCK_M + seqlen_k - seqlen_q)  # last row's key bound
         full_end = gl.minimum(seqlen_k, start_m + 1 + seqlen_k - seqlen_q)  # first row's key bound
@@ -154,7 +162,7 @@ def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q,
         full_end = seqlen_k
     n_tiles = gl.cdiv(gl.maximum(key_end, 0), BLOCK_N)
     full_tiles = gl.maximum(full_end, 0) // BLOCK_N
-    return bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles
+    return full_tiles, n_tiles
 
 
 @gluon.jit
@@ -752,10 +760,12 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 HOST_DESC=HOST_DESC)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles"])
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
+                              "total_k"])
 def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
     tile_counter,  # DYNAMIC: one int32 the caller zeroes per launch (claims past the first P tiles); else None
+    CuQ, CuK,  # IS_VARLEN: the int32 (B + 1,) cu_seqlens; otherwise None
     qk_scale,  # softmax_scale * log2(e), > 0
     # HOST_DESC: host TMA descriptors over the (B, H, N, d) views, boxes [1, 1, rows, BLOCK_D0 | BLOCK_D1]
     # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0; otherwise None
@@ -766,11 +776,12 @@ def fa3_gluon_kernel(
     stride_ob, stride_oh, stride_om,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     total_tiles,  # PERSISTENT: B * Hq * num_m_tiles; otherwise None (a constexpr: no parameter)
+    total_q, total_k,  # IS_VARLEN: the packed row counts; otherwise None
     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -781,7 +792,11 @@ def fa3_gluon_kernel(
     [0, BLOCK_D0) and, when ``BLOCK_D1 > 0``, [BLOCK_D0, BLOCK_D0 + BLOCK_D1) (powers of two >= 16; the
     columns past d are zero in Q, K, V and never stored).  ``HOST_DESC``: the loads (and the O_STORE 2
     stores) go through the host-built descriptors at coordinates (b, h, row, column), nothing is built on the
-    device (no global scratch); otherwise per-head descriptors are built in the kernel from the pointers."""
+    device (no global scratch); otherwise per-head descriptors are built in the kernel from the pointers.
+    ``IS_VARLEN`` (one program per tile, descriptors built here): a packed batch, B its number of sequences,
+    Q, K, V, Out (1, H, total, d) views, LSE (Hq, total_q), ``seqlen_q`` / ``seqlen_k`` the longest sequence's
+    lengths; each program reads its sequence's rows from CuQ / CuK (``packed_range``: clamped to the tensors)
+    and its descriptors and stores stop at the sequence's end."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
@@ -795,11 +810,20 @@ def fa3_gluon_kernel(
     # a consumer frees slot j - 1 only after waiting for K_j: one slot would deadlock
     gl.static_assert(NUM_STAGES >= 2)
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
+    gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
     dtype: gl.constexpr = Q.dtype.element_ty
     if not PERSISTENT:
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
             gl.program_id(0), gl.num_programs(0), n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+        if IS_VARLEN:
+            # sequence off_b's rows; the grid spans the longest sequence's query tiles: past this one's, no work
+            q_start, seqlen_q = packed_range(CuQ, off_b, total_q, seqlen_q)
+            k_start, seqlen_k = packed_range(CuK, off_b, total_k, seqlen_k)
+            full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                            CAUSAL=CAUSAL)
+            if start_m >= seqlen_q:
+                n_tiles = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
@@ -923,12 +947,20 @@ def fa3_gluon_kernel(
                                     HOST_DESC=HOST_DESC, O_STORE=O_STORE)
             else:
                 o_dst = Out + off_b * stride_ob + off_h * stride_oh
+        elif IS_VARLEN:
+            q_src = Q + q_start * stride_qm + off_h * stride_qh
+            k_src = K + k_start * stride_kn + off_hk * stride_kh
+            v_src = V + k_start * stride_vn + off_hk * stride_vh
+            o_dst = Out + q_start * stride_om + off_h * stride_oh
         else:
             q_src = Q + off_b * stride_qb + off_h * stride_qh
             k_src = K + off_b * stride_kb + off_hk * stride_kh
             v_src = V + off_b * stride_vb + off_hk * stride_vh
             o_dst = Out + off_b * stride_ob + off_h * stride_oh
-        lse_row0 = bh.to(gl.int64) * seqlen_q
+        if IS_VARLEN:
+            lse_row0 = off_h * total_q + q_start  # LSE (Hq, total_q)
+        else:
+            lse_row0 = bh.to(gl.int64) * seqlen_q
         # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
         # values): the consumers' argument tuples are spelled out, each with its WG
         if NUM_WG == 2:

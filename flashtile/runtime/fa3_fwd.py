@@ -13,7 +13,7 @@ where :func:`prefer_hopper_varlen` says).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -24,7 +24,7 @@ from flashtile.runtime.common import capability as device_capability, on_device
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
            "fa3_varlen_forward", "launch", "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
-           "GLUON", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+           "GLUON", "GLUON_VARLEN", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -105,6 +105,9 @@ GLUON = True
 # "packed" total_q // BLOCK_M + B slots per head (a binary search over cu_seqlens_q per program), "auto" packed
 # where the max grid has over twice the slots (an idle program costs a launch and the cu_seqlens loads)
 VARLEN_GRID = "auto"
+# True: packed forwards that take the Hopper path and whose head dim runs the Gluon kernel (``use_gluon``) run it
+# (one program per tile; the cu_seqlens reported by a kernel of their own); off until its GPU tests have run
+GLUON_VARLEN = False
 
 
 def use_gluon(d: int, causal: bool) -> bool:
@@ -385,6 +388,20 @@ def fa3_varlen_forward(
         max_k = 0
     err = error_flags(q.device, caller="flash_attn_varlen_func")[1:]  # exists already under capture, or raises
     ensure_allocator()
+    if GLUON_VARLEN and use_gluon(d, causal):
+        from flashtile.kernels.fa3_fwd import cu_seqlens_report_kernel
+        from flashtile.runtime.fa3_gluon import gluon_config, gluon_launch
+
+        cfg = replace(gluon_config(d, causal), persistent=False, dynamic=False, host_desc=False)
+        with on_device(q):
+            cu_seqlens_report_kernel[(b,)](cu_seqlens_q, cu_seqlens_k, err, b, max_q, max_k, total_q, kv.shape[2])
+            if max_k == 0:  # no key anywhere: no descriptor over an empty K
+                out.zero_()
+                lse.fill_(float("-inf"))
+                return out, lse
+            gluon_launch(qv, kv, vv, packed_view(out), lse, softmax_scale, causal, cfg,
+                         varlen=(cu_seqlens_q, cu_seqlens_k, max_q, max_k))
+        return out, lse
     with on_device(q):
         launch(qv, kv, vv, packed_view(out), lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, max_q, max_k),
                err=err, varlen=(cu_seqlens_q, cu_seqlens_k, max_q, max_k))

@@ -320,7 +320,7 @@ def host_descriptors(q, k, v, out, cfg: GluonConfig):
     return descs
 
 
-def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig) -> None:
+def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig, varlen=None) -> None:
     """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
     unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
     ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
@@ -329,9 +329,17 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     the launch's stream (a memset kernel ordered before it: no host sync; each launch, each stream and
     each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
     until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
-    stride rules them out, in the kernel as without it."""
+    stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per tile
+    with device descriptors."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    cu_q = cu_k = total_q = total_k = None  # constexprs: no parameters without a packed batch
+    if varlen is not None:
+        if cfg.persistent or cfg.host_desc:
+            raise ValueError(f"a packed batch runs one program per tile with device descriptors, got {cfg}")
+        cu_q, cu_k, max_q, max_k = varlen
+        b, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
     bm = cfg.block_m
     num_m_tiles = triton.cdiv(nq, bm)
     total_tiles = b * hq * num_m_tiles
@@ -352,17 +360,17 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
             ensure_allocator()
         descs = _NO_DESCS
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.dynamic else None
-    dynamic = (q, k, v, out, lse, counter, softmax_scale * LOG2E, *descs)
+    dynamic = (q, k, v, out, lse, counter, cu_q, cu_k, softmax_scale * LOG2E, *descs)
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles,
+        hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k,
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not _NO_DESCS, cfg.dynamic,
+        descs is not _NO_DESCS, cfg.dynamic, varlen is not None,
     )
     with on_device(q):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)

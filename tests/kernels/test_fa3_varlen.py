@@ -11,6 +11,7 @@ fp16, head dims 64..256, against the float64 oracle.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -258,6 +259,45 @@ def test_varlen_forward_checks_its_cu_seqlens(monkeypatch):
         fa3_fwd.fa3_varlen_forward(q, q, q, cu, cu, -1, 4, softmax_scale=0.1)
 
 
+def test_gluon_varlen_launch_and_report(monkeypatch):
+    """``GLUON_VARLEN``: a packed forward on the Gluon path runs the cu_seqlens report kernel (interpreted here:
+    a decreasing cu_seqlens_q sets ERR_CU_SEQLENS in the store-only error word), then the Gluon kernel with
+    IS_VARLEN over B * Hq * cdiv(max_seqlen_q, 128) programs, one per tile, device descriptors; no launch but the
+    report without keys; off by default."""
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+
+    assert fa3_fwd.GLUON_VARLEN is False
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    calls = []
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    q, k, v = _packed(LENS_Q, LENS_K, 4, 2, 128, "cpu", torch.bfloat16)
+    cu_q, cu_k = _cu(LENS_Q, "cpu"), _cu(LENS_K, "cpu")
+    err = error_flags(q.device, caller="test")
+    err.zero_()
+    fa3_varlen_forward(q, k, v, cu_q, cu_k, 300, 50, softmax_scale=0.1, causal=True)
+    assert int(err[1]) == 0  # a valid batch reports nothing
+    (kernel, grid, dynamic, static), kw = calls[-1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert kernel is fa3_gluon_kernel and bound["IS_VARLEN"] is True
+    assert not bound["PERSISTENT"] and not bound["HOST_DESC"] and not bound["DYNAMIC"]
+    assert bound["CuQ"] is cu_q and bound["CuK"] is cu_k
+    assert (bound["seqlen_q"], bound["seqlen_k"], bound["total_q"], bound["total_k"]) == (300, 50, q.shape[0],
+                                                                                          k.shape[0])
+    assert grid == (len(LENS_Q) * 4 * 3,) and bound["num_m_tiles"] == 3  # sequences x heads x cdiv(300, 128)
+    assert bound["Q"].shape == (1, 4, q.shape[0], 128) and bound["LSE"].shape == (4, q.shape[0])
+    bad = cu_q.clone()
+    bad[2] = 1  # a decrease
+    fa3_varlen_forward(q, k, v, bad, cu_k, 300, 50, softmax_scale=0.1)
+    assert int(err[1]) & ERR_CU_SEQLENS
+    err.zero_()
+    calls.clear()
+    out, lse = fa3_varlen_forward(q, k[:0], v[:0], cu_q, _cu([0] * len(LENS_K), "cpu"), 300, 0, softmax_scale=0.1)
+    assert not calls and (out == 0).all() and torch.isneginf(lse).all()
+
+
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
@@ -302,9 +342,9 @@ def test_gpu_varlen_one_sequence_and_many_tiny_ones(causal):
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_public_op_runs_hopper_varlen_then_fa2_backward(monkeypatch):
+def test_gpu_public_op_runs_hopper_varlen_then_backward(monkeypatch):
     """flash_attn_varlen_func, bf16, d 128, sequences up to 4k: the forward takes the Hopper kernel without a
-    mask (FA2 causal), the FA2 backward its out and LSE; out, LSE and gradients match the oracle."""
+    mask (FA2 causal), the packed backward its out and LSE; out, LSE and gradients match the oracle."""
     from flashtile import flash_attn_varlen_func
     from tests._oracle import rounding_slack
 
@@ -433,3 +473,33 @@ def test_gpu_varlen_cuda_graph_replay_records_bad_values():
     cu_k.copy_(_cu([1500, 2500], "cuda"))
     graph.replay()
     check_errors()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_varlen_matches_float64(monkeypatch, d, causal, dtype):
+    """``GLUON_VARLEN`` (the Gluon kernel, one program per tile): empty q / k sequences, L_q != L_k, GQA 4 / 2,
+    max_seqlen above the real maximum, every row written; then one 3000-key sequence and 1000 tiny ones; a
+    decreasing cu_seqlens_q reported by check_errors."""
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
+    q, k, v = _packed(GPU_LENS_Q, GPU_LENS_K, 4, 2, d, "cuda", dtype, seed=d + 1)
+    out, lse = fa3_varlen_forward(q, k, v, _cu(GPU_LENS_Q, "cuda"), _cu(GPU_LENS_K, "cuda"), 1200, 1100,
+                                  softmax_scale=d ** -0.5, causal=causal)
+    _assert_matches(out, lse, GPU_LENS_Q, GPU_LENS_K, q, k, v, d ** -0.5, causal)
+    check_errors()
+    gen = torch.Generator().manual_seed(d)
+    lq = [2000] + torch.randint(0, 21, (1000,), generator=gen).tolist()
+    lk = [3000] + torch.randint(0, 21, (1000,), generator=gen).tolist()
+    q, k, v = _packed(lq, lk, 4, 1, d, "cuda", dtype, seed=3)
+    out, lse = fa3_varlen_forward(q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda"), 2000, 3000, softmax_scale=0.1,
+                                  causal=causal)
+    _assert_matches(out, lse, lq, lk, q, k, v, 0.1, causal)
+    check_errors()
+    bad = _cu(lq, "cuda")
+    bad[2] = 0
+    fa3_varlen_forward(q, k, v, bad, _cu(lk, "cuda"), 2000, 3000, softmax_scale=0.1, causal=causal)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        check_errors()
