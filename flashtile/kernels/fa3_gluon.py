@@ -820,10 +820,10 @@ def fa3_gluon_kernel(
             # sequence off_b's rows; the grid spans the longest sequence's query tiles: past this one's, no work
             q_start, seqlen_q = packed_range(CuQ, off_b, total_q, seqlen_q)
             k_start, seqlen_k = packed_range(CuK, off_b, total_k, seqlen_k)
+            if start_m >= seqlen_q:  # no row of this sequence in the tile: nothing to load, compute or store
+                return
             full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                             CAUSAL=CAUSAL)
-            if start_m >= seqlen_q:
-                n_tiles = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))

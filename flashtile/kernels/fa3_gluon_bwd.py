@@ -585,11 +585,10 @@ def fa3_gluon_bwd_kernel(
         gl.static_assert(STATS_SMEM and not GROUP_LOOP)
         q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
         k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
+        if start_n >= seqlen_k:  # no key of this sequence in the tile: nothing to load, compute or store
+            return
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
-    if IS_VARLEN:
-        if start_n >= seqlen_k:
-            n_iters = 0
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)

@@ -10,16 +10,17 @@ registers per thread, the narrow kernel's count at d = 128), warpgroup 1 columns
 ``*_lo`` and a [64, TILE_D - 128] ``*_hi`` one. Each step (a q tile of 64 rows), both warpgroups compute the whole
 Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (64 x 64, reduced over all of d) and so hold identical Pᵀ and dSᵀ: no exchange between
 them, at the price of the two score GEMMs done twice (7 GEMM passes over the tile instead of 5). Then, in its
-columns: dV += Pᵀ dO, dK += dSᵀ Q, and dQ_i's part = dS K added into the fp32 accumulator 64 columns at a time
-(``red.global.add.v2.f32``, as the narrow kernel without ``DQ_TMA``). Partitions (``gl.warp_specialize``): a
-producer warp (TMA: K, V once, then Q_i, dO_i and the q tile's log2-scaled LSE and D rows from
-``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring) and the two consumer warpgroups; ``PINGPONG``
-as in the narrow kernel. Pᵀ and dSᵀ reach the GEMMs that read them from shared memory through one tile each per
-warpgroup. ``SPLIT_S`` (FA3's split): warpgroup w computes Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and writes
-its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two buffers, ``ds_full`` / ``ds_empty`` between the warpgroups) that
-both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (not with ``SPLIT_S``): dQ's parts go through
-a [64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from
-registers; Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the staging tiles.
+columns: dV += Pᵀ dO, dK += dSᵀ Q, and dQ_i's part = dS K added into the fp32 accumulator (``DQ_TMA``, the table's:
+32 columns at a time through TMA reduce-adds; without it 64 at a time by ``red.global.add.v2.f32``). Partitions
+(``gl.warp_specialize``): a producer warp (TMA: K, V once, then Q_i, dO_i and the q tile's log2-scaled LSE and D
+rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring) and the two consumer warpgroups;
+``PINGPONG`` as in the narrow kernel. Pᵀ and dSᵀ reach the GEMMs that read them from shared memory through one tile
+each per warpgroup. ``SPLIT_S`` (FA3's split): warpgroup w computes Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and
+writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two buffers, ``ds_full`` / ``ds_empty`` between the
+warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (not with ``SPLIT_S``): dQ's
+parts go through a [64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector
+reductions from registers; Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the staging
+tiles.
 
 Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
 KB of the 227 (177 KB at TILE_D = 192). TMA zero-fills columns past d; stores are masked. The dQ accumulator's rows

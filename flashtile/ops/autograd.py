@@ -470,7 +470,8 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlen
         dout = dout.contiguous()
     plain = alibi_slopes is None and dropout_p == 0 and softcap == 0
     if fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, v, dout, causal=causal, window=(window_left, window_right),
-                                             plain=plain, deterministic=deterministic, max_seqlen_k=max_seqlen_k):
+                                             plain=plain, deterministic=deterministic, max_seqlen_k=max_seqlen_k,
+                                             n_seqs=cu_seqlens_q.shape[0] - 1):
         return fa3_gluon_bwd.fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                        max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
                                                        causal=causal)

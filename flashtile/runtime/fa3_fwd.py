@@ -108,6 +108,9 @@ VARLEN_GRID = "auto"
 # True: packed forwards that take the Hopper path and whose head dim runs the Gluon kernel (``use_gluon``) run it
 # (one program per tile; the cu_seqlens reported by a kernel of their own); off until its GPU tests have run
 GLUON_VARLEN = False
+# ... unless its grid (every sequence spans the longest one's query tiles) holds over this many times the tiles
+# with rows: then the Triton kernel's packed grid
+GLUON_VARLEN_IDLE = 2
 
 
 def use_gluon(d: int, causal: bool) -> bool:
@@ -388,11 +391,18 @@ def fa3_varlen_forward(
         max_k = 0
     err = error_flags(q.device, caller="flash_attn_varlen_func")[1:]  # exists already under capture, or raises
     ensure_allocator()
+    gluon_cfg = None
     if GLUON_VARLEN and use_gluon(d, causal):
-        from flashtile.kernels.fa3_fwd import cu_seqlens_report_kernel
-        from flashtile.runtime.fa3_gluon import gluon_config, gluon_launch
+        from flashtile.runtime.fa3_gluon import gluon_config
 
-        cfg = replace(gluon_config(d, causal), persistent=False, dynamic=False, host_desc=False)
+        gluon_cfg = replace(gluon_config(d, causal), persistent=False, dynamic=False, host_desc=False)
+        if b * triton.cdiv(max_q, gluon_cfg.block_m) > GLUON_VARLEN_IDLE * (total_q // gluon_cfg.block_m + b):
+            gluon_cfg = None
+    if gluon_cfg is not None:
+        from flashtile.kernels.fa3_fwd import cu_seqlens_report_kernel
+        from flashtile.runtime.fa3_gluon import gluon_launch
+
+        cfg = gluon_cfg
         with on_device(q):
             cu_seqlens_report_kernel[(b,)](cu_seqlens_q, cu_seqlens_k, err, b, max_q, max_k, total_q, kv.shape[2])
             if max_k == 0:  # no key anywhere: no descriptor over an empty K

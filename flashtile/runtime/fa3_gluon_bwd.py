@@ -29,7 +29,7 @@ from flashtile.runtime.common import on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
-           "fa3_gluon_varlen_backward", "prefer_gluon_bwd_varlen", "VARLEN", "VARLEN_HEAD_DIMS",
+           "fa3_gluon_varlen_backward", "prefer_gluon_bwd_varlen", "varlen_fits", "VARLEN", "VARLEN_HEAD_DIMS",
            "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "wide_tile_d", "GLUON_BWD_HEAD_DIMS",
            "WIDE_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
@@ -93,7 +93,7 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
     with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
     ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles), the
-    statistics (230864 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
+    statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
@@ -338,9 +338,10 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     from flashtile.runtime.fa3_bwd import grad_buffers, write_back
     from flashtile.runtime.fa3_fwd import ensure_allocator, packed_view
 
-    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool) \
-            or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite float, got {softmax_scale!r}")
+    if not isinstance(softmax_scale, (int, float)) or isinstance(softmax_scale, bool):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
@@ -357,8 +358,9 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise NotImplementedError(f"the packed Gluon backward covers head dims 40-128 (multiples of 8), got "
                                   f"head_dim {d}")
     n_seqs = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
-    max_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    # no sequence is longer than its packed tensor (the grids are sized by these)
+    max_q = min(check_max_seqlen(max_seqlen_q, "max_seqlen_q"), q.shape[0])
+    max_k = min(check_max_seqlen(max_seqlen_k, "max_seqlen_k"), k.shape[0])
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     rets = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if n_seqs == 0 or max_q == 0 or max_k == 0 or q.shape[0] == 0 or k.shape[0] == 0:
@@ -384,21 +386,37 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
                             causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,
-                            max_seqlen_k: int, capability: tuple[int, int] | None = None) -> bool:
-    """Whether a packed backward (q (total_q, Hq, d), ...) runs :func:`fa3_gluon_varlen_backward`: ``VARLEN``
-    and ``ENABLED``, head dims 40-128 where :func:`gluon_bwd_wins` says so for the longest sequence's keys, then
-    what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not deterministic,
-    bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
+                            max_seqlen_k: int, n_seqs: int, capability: tuple[int, int] | None = None) -> bool:
+    """Whether a packed backward of ``n_seqs`` sequences (q (total_q, Hq, d), ...) runs
+    :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-128 where :func:`gluon_bwd_wins`
+    says so for the longest sequence's keys, a batch the padded layout and the grid suit (:func:`varlen_fits`),
+    then what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not
+    deterministic, bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
     (``flashtile bench attention --varlen``, bench/NOTES.md "Packed Gluon backward"): fwd+bwd 477 / 392 TFLOP/s
     non-causal / causal against 373 / 305 with FA2's packed backward."""
     if not (VARLEN and ENABLED) or q.shape[-1] not in VARLEN_HEAD_DIMS:
         return False
     if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k):
         return False
+    if not varlen_fits(n_seqs, q.shape[1], q.shape[0], k.shape[0], min(max_seqlen_k, k.shape[0])):
+        return False
     from flashtile.runtime.fa3_fwd import packed_view
 
     return _prefer_views(packed_view(q), packed_view(k), packed_view(v), packed_view(dout), causal, window, plain,
                          deterministic, capability)
+
+
+def varlen_fits(n_seqs: int, hq: int, total_q: int, total_k: int, max_seqlen_k: int) -> bool:
+    """Whether the packed backward's layout and grid suit a batch: the per-sequence padding of the statistics and
+    the dQ accumulator (``VARLEN_PAD`` rows each) at most doubles them, and the grid (every sequence spans the
+    longest one's kv tiles; an idle program returns at once, but each gets its descriptors' ~1 KB of global
+    scratch) holds at most 2^18 programs or 8x those with keys (the bench's 40 sequences of 128..8k at H 16:
+    41k programs, 4.6x), and fewer than 2^31.  Otherwise FA2's packed backward (no such overheads)."""
+    from flashtile.kernels.fa3_gluon_bwd import VARLEN_PAD
+
+    programs = n_seqs * hq * triton.cdiv(max_seqlen_k, BLOCK_N)
+    busy = hq * (triton.cdiv(total_k, BLOCK_N) + n_seqs)
+    return VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18) and programs < 2**31
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
@@ -416,6 +434,8 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
     if varlen is not None:
+        if d in WIDE_HEAD_DIMS:
+            raise NotImplementedError(f"the packed Gluon backward covers head dims up to 128, got {d}")
         cu_q, cu_k, nq, nk = varlen
         b = cu_q.shape[0] - 1
     else:

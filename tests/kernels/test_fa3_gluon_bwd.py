@@ -490,9 +490,21 @@ def test_varlen_stats_preprocess_layout():
     assert acc.isnan().all()  # no other accumulator row written
     with pytest.raises(ValueError, match="dq_acc"):
         stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), acc[:, :64], varlen=(cu, max(VARLEN_LENS)))
-    # cu_seqlens past the tensors and decreasing: clamped, every write inside the buffers (no error, wrong rows)
-    bad = torch.tensor([-5, 10**6, 3, 2, 9, total + 7], dtype=torch.int32)
-    stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), torch.zeros_like(acc), varlen=(bad, max(VARLEN_LENS)))
+    # cu_seqlens negative, past the tensors, decreasing, extreme; max_seqlen above and below the real lengths:
+    # clamped, every write inside the statistics and accumulator (their rows after a guard band stay untouched)
+    real_empty = torch.empty
+    n_stats, n_acc = h * 2 * rows, h * rows * block_d(d)
+    for bad, max_len in [([-5, 10**6, 3, 2, 9, total + 7], 130), ([0, 2**31 - 1, -2**31, 5, 5, 1], 400),
+                         ([0, 70, 70, 134, 135, 265], 3), ([200, 100, 0, 265, 265, 265], 500)]:
+        stats_flat = torch.full((n_stats + 4096,), 7.0)
+        acc_flat = torch.full((n_acc + 4096,), 7.0)
+        torch.empty = lambda *a, **kw: stats_flat[:n_stats].view(h, 2 * rows)  # the statistics buffer  # noqa: E731
+        try:
+            stats_preprocess(pv(out), pv(dout), lse.unsqueeze(0), acc_flat[:n_acc].view(h, rows, block_d(d)),
+                             varlen=(torch.tensor(bad, dtype=torch.int32), max_len))
+        finally:
+            torch.empty = real_empty
+        assert (stats_flat[n_stats:] == 7.0).all() and (acc_flat[n_acc:] == 7.0).all(), bad
 
 
 @pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
@@ -563,7 +575,8 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     # dispatch: on by default, refused on CPU tensors (the sm_90 part: test_gpu_varlen_*), and where the
     # fixed-length rule would keep FA2 (64-wide tiles under 4k keys), and with VARLEN off
     assert fa3_gluon_bwd.VARLEN is True
-    args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140)
+    args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140,
+                n_seqs=2)
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)  # a CPU tensor
     monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # as on an sm_90 device
     assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
@@ -571,8 +584,46 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **args)
     assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **{**args, "max_seqlen_k": 4096})
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q[..., :32], k[..., :32], k[..., :32], q[..., :32], **args)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **{**args, "n_seqs": 5})  # padding > total_q
     monkeypatch.setattr(fa3_gluon_bwd, "VARLEN", False)
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+
+
+def test_varlen_fits():
+    """The packed backward's batch rule: padding at most doubling the statistics / accumulator rows, at most 2^18
+    programs or 8x those with keys (one long sequence among many short ones: FA2), fewer than 2^31 programs."""
+    fits = fa3_gluon_bwd.varlen_fits
+    assert fits(40, 16, 65536, 65536, 8192)  # the bench's batch: 40 sequences of 128..8k
+    assert not fits(2000, 32, 2000 * 16, 2000 * 16, 16)  # 16-token sequences: 68 rows of padding each
+    assert not fits(500, 32, 8192 + 499 * 200, 8192 + 499 * 200, 8192)  # one 8k sequence, 499 of 200: idle grid
+    assert fits(500, 32, 500 * 300, 500 * 300, 300)
+    assert not fits(2**20, 2**12, 2**40, 2**40, 2**20)  # >= 2^31 programs
+
+
+def test_varlen_op_routes_to_the_gluon_backward(monkeypatch):
+    """``_varlen_bwd_impl``: with ``prefer_gluon_bwd_varlen`` true, the packed Gluon backward gets the op's
+    tensors, cu_seqlens, max_seqlen, scale and causal flag; softcap / ALiBi / dropout / windows reach the rule as
+    not plain or windowed, and FA2's backward runs instead."""
+    from flashtile.ops import autograd
+
+    seen, got = [], []
+    monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd_varlen", lambda *a, **kw: seen.append(kw) or kw["plain"])
+    monkeypatch.setattr(fa3_gluon_bwd, "fa3_gluon_varlen_backward",
+                        lambda *a, **kw: got.append((a, kw)) or tuple(torch.zeros_like(x) for x in a[1:4]))
+    q = torch.randn(10, 2, 16)
+    k = torch.randn(12, 1, 16)
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    lse = torch.zeros(2, 10)
+    rng = torch.zeros(2, dtype=torch.int64)
+    autograd._varlen_bwd_impl(q, q, k, k, q, lse, rng, cu_q, cu_k, None, None, 6, 7, 0.25, True, -1, 0, 0.0, 0.0,
+                              False)
+    (args, kw), = got
+    assert args[0] is q and args[2] is k and args[6] is cu_q and args[7] is cu_k and args[8:] == (6, 7)
+    assert kw == dict(softmax_scale=0.25, causal=True)
+    assert seen[-1]["max_seqlen_k"] == 7 and seen[-1]["n_seqs"] == 2 and seen[-1]["window"] == (-1, 0)
+    grads = autograd._varlen_bwd_impl(q, q, k, k, q, lse, rng, cu_q, cu_k, None, None, 6, 7, 0.25, True, -1, 0,
+                                      5.0, 0.0, False)  # softcap: not plain, FA2 (interpreted)
+    assert not seen[-1]["plain"] and len(got) == 1 and grads[0].shape == q.shape
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -278,23 +278,25 @@ def test_gluon_varlen_launch_and_report(monkeypatch):
     err = error_flags(q.device, caller="test")
     err.zero_()
     fa3_varlen_forward(q, k, v, cu_q, cu_k, 300, 50, softmax_scale=0.1, causal=True)
+    assert calls[-1][0][0] is not fa3_gluon_kernel  # 6 x 3 tiles of 128 rows, 7 with rows: the Triton kernel
+    fa3_varlen_forward(q, k, v, cu_q, cu_k, 70, 50, softmax_scale=0.1, causal=True)
     assert int(err[1]) == 0  # a valid batch reports nothing
     (kernel, grid, dynamic, static), kw = calls[-1]
     bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
     assert kernel is fa3_gluon_kernel and bound["IS_VARLEN"] is True
     assert not bound["PERSISTENT"] and not bound["HOST_DESC"] and not bound["DYNAMIC"]
     assert bound["CuQ"] is cu_q and bound["CuK"] is cu_k
-    assert (bound["seqlen_q"], bound["seqlen_k"], bound["total_q"], bound["total_k"]) == (300, 50, q.shape[0],
+    assert (bound["seqlen_q"], bound["seqlen_k"], bound["total_q"], bound["total_k"]) == (70, 50, q.shape[0],
                                                                                           k.shape[0])
-    assert grid == (len(LENS_Q) * 4 * 3,) and bound["num_m_tiles"] == 3  # sequences x heads x cdiv(300, 128)
+    assert grid == (len(LENS_Q) * 4,) and bound["num_m_tiles"] == 1  # sequences x heads x cdiv(70, 128)
     assert bound["Q"].shape == (1, 4, q.shape[0], 128) and bound["LSE"].shape == (4, q.shape[0])
     bad = cu_q.clone()
     bad[2] = 1  # a decrease
-    fa3_varlen_forward(q, k, v, bad, cu_k, 300, 50, softmax_scale=0.1)
+    fa3_varlen_forward(q, k, v, bad, cu_k, 70, 50, softmax_scale=0.1)
     assert int(err[1]) & ERR_CU_SEQLENS
     err.zero_()
     calls.clear()
-    out, lse = fa3_varlen_forward(q, k[:0], v[:0], cu_q, _cu([0] * len(LENS_K), "cpu"), 300, 0, softmax_scale=0.1)
+    out, lse = fa3_varlen_forward(q, k[:0], v[:0], cu_q, _cu([0] * len(LENS_K), "cpu"), 70, 0, softmax_scale=0.1)
     assert not calls and (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -481,15 +483,22 @@ def test_gpu_varlen_cuda_graph_replay_records_bad_values():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_varlen_matches_float64(monkeypatch, d, causal, dtype):
-    """``GLUON_VARLEN`` (the Gluon kernel, one program per tile): empty q / k sequences, L_q != L_k, GQA 4 / 2,
-    max_seqlen above the real maximum, every row written; then one 3000-key sequence and 1000 tiny ones; a
-    decreasing cu_seqlens_q reported by check_errors."""
+    """``GLUON_VARLEN`` (the Gluon kernel, one program per tile, its idle-grid limit lifted): empty q / k
+    sequences, L_q != L_k, GQA 4 / 2, max_seqlen above the real maximum, every row written; then one 3000-key
+    sequence and 1000 tiny ones; a decreasing cu_seqlens_q reported by check_errors."""
+    from flashtile.runtime import fa3_gluon
+
     monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN_IDLE", float("inf"))
+    ran = []
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a, **kw: ran.append(kw["varlen"]) or real(*a, **kw))
     q, k, v = _packed(GPU_LENS_Q, GPU_LENS_K, 4, 2, d, "cuda", dtype, seed=d + 1)
     out, lse = fa3_varlen_forward(q, k, v, _cu(GPU_LENS_Q, "cuda"), _cu(GPU_LENS_K, "cuda"), 1200, 1100,
                                   softmax_scale=d ** -0.5, causal=causal)
     _assert_matches(out, lse, GPU_LENS_Q, GPU_LENS_K, q, k, v, d ** -0.5, causal)
     check_errors()
+    assert ran, "the Gluon packed forward did not run"
     gen = torch.Generator().manual_seed(d)
     lq = [2000] + torch.randint(0, 21, (1000,), generator=gen).tolist()
     lk = [3000] + torch.randint(0, 21, (1000,), generator=gen).tolist()
