@@ -443,7 +443,9 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
                       fmt((r.get("tokens_per_s") or 0) / 1e3 or None, ".1f"), fmt(r.get("peak_gib"), ".1f"),
                       fmt(r.get("loss"), ".5f"), r.get("error") or "")
     console.print(table)
-    inf = Table(title=f"inference: prefill {sh['batch']}x{sh['prompt']}, greedy decoding of {sh['new_tokens']} tokens")
+    rounds = max((r.get("rounds", 1) for r in payload["inference"]), default=1)
+    inf = Table(title=f"inference: prefill {sh['batch']}x{sh['prompt']}, greedy decoding of {sh['new_tokens']} tokens "
+                      f"(medians of {rounds} interleaved rounds)")
     for c in ("provider", "prefill ms", "prefill k tokens/s", "decode ms/token", "peak GiB", "error"):
         inf.add_column(c, justify="right")
     for r in payload["inference"]:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from flashtile.bench.train import document_rows, run_train_bench  # noqa: E402
+from flashtile.bench.train import INFERENCE_ROUNDS, document_rows, run_train_bench  # noqa: E402
 
 
 def test_document_rows_fill_every_row():
@@ -23,10 +23,14 @@ def test_document_rows_fill_every_row():
 def test_quick_run(tmp_path):
     """Every measurement runs; packed flashtile (varlen) and padded SDPA compute the same first-step
     loss; unpadded steps agree too; greedy decoding gives the same tokens; the JSON is written."""
+    steps = []
     payload = run_train_bench(
         tmp_path, quick=True, providers=("flashtile", "sdpa"), batch=1, seqlen=32, unpadded_seqlens=(32,),
-        unpadded_tokens=32, prompt=12, new_tokens=2, warmup=0, reps=1,
+        unpadded_tokens=32, prompt=12, new_tokens=2, warmup=0, reps=1, progress=steps.append,
     )
+    # the inference rounds alternate which provider goes first
+    order = [s.split(": ")[1] for s in steps if s.startswith("inference round")]
+    assert order == ["flashtile", "sdpa", "sdpa", "flashtile", "flashtile", "sdpa"][:2 * INFERENCE_ROUNDS]
     packed = {r["provider"]: r for r in payload["train_packed"]}
     assert "error" not in packed["flashtile"] and "error" not in packed["sdpa"], packed
     assert packed["sdpa"]["microbatches"] >= 1 and payload["documents"]["count"] > 1
@@ -35,10 +39,26 @@ def test_quick_run(tmp_path):
     assert un["flashtile"]["loss"] == pytest.approx(un["sdpa"]["loss"], rel=1e-5)
     inf = {r["provider"]: r for r in payload["inference"]}
     assert inf["flashtile"]["tokens"] == inf["sdpa"]["tokens"]
+    assert inf["flashtile"]["rounds"] == inf["sdpa"]["rounds"] == INFERENCE_ROUNDS
     assert inf["flashtile"]["prefill_ms"] > 0
     assert set(payload["ratios"]) >= {"train_packed", "train_unpadded_32", "prefill", "decode"}
     saved = json.loads(open(payload["path"]).read())
     assert saved["train_packed"][0]["provider"] == "flashtile"
+
+
+def test_inference_rounds_merge_by_median():
+    """Each inference time is the median over the rounds, the peak the largest; an error in any round is the
+    provider's result."""
+    from flashtile.bench.train import _median_rounds
+
+    rows = [dict(provider="flashtile", prefill_ms=p, prefill_tokens_per_s=1e3 / p, generate_ms=g,
+                 decode_ms_per_token=g / 10, peak_gib=m, tokens=[[1, 2]]) for p, g, m in ((5, 50, 1.0), (9, 40, 2.0),
+                                                                                          (7, 90, 1.5))]
+    got = _median_rounds(rows)
+    assert (got["prefill_ms"], got["generate_ms"], got["decode_ms_per_token"], got["peak_gib"]) == (7, 50, 5.0, 2.0)
+    assert got["rounds"] == 3 and got["tokens"] == [[1, 2]]
+    assert _median_rounds([rows[0], dict(provider="flashtile", error="boom")]) == dict(provider="flashtile",
+                                                                                      error="boom")
 
 
 def test_bad_options_raise(tmp_path):
