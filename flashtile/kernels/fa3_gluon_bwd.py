@@ -97,6 +97,49 @@ def _seq_range_tl(Cu, b, total, max_len):
     return start, length, (start + 3) // 4 * 4 + _VARLEN_PAD * b
 
 
+@gluon.jit
+def _program_bases(Q, DO, K, V, DK, DV, DQacc, Stats, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                   stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
+                   stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_acc_h, off_b, off_h, off_hk, bh, q_start,
+                   k_start, row0, seqlen_q, BLOCK_D: gl.constexpr, GQA_PARTIAL: gl.constexpr,
+                   IS_VARLEN: gl.constexpr):
+    """A program's (q, dO, k, v, dK, dV, dQ accumulator) base pointers, its accumulator rows and its [2, rows]
+    statistics block (narrow and wide kernels): batch ``off_b``'s heads, or (``IS_VARLEN``) sequence ``off_b``'s
+    rows from ``q_start`` / ``k_start`` of the packed views and its statistics / accumulator rows from ``row0``
+    (``_seq_range``) of its head's padded blocks; dK / dV by the q head under ``GQA_PARTIAL``.  64-bit offsets."""
+    if GQA_PARTIAL:
+        dk_head = off_h
+    else:
+        dk_head = off_hk
+    if IS_VARLEN:
+        q_row = q_start.to(gl.int64)
+        k_row = k_start.to(gl.int64)
+        q_base = Q + q_row * stride_qm + off_h * stride_qh
+        do_base = DO + q_row * stride_dom + off_h * stride_doh
+        k_base = K + k_row * stride_kn + off_hk * stride_kh
+        v_base = V + k_row * stride_vn + off_hk * stride_vh
+        dk_base = DK + k_row * stride_dkn + dk_head * stride_dkh
+        dv_base = DV + k_row * stride_dvn + dk_head * stride_dvh
+        head_rows = stride_acc_h // BLOCK_D
+        acc_rows = (seqlen_q + 63) // 64 * 64
+        acc_base = DQacc + (off_h * head_rows + row0) * BLOCK_D
+        stats_base = Stats + off_h * (2 * head_rows) + 2 * row0  # [2, acc_rows]: LSE rows, then D rows
+    else:
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
+        dk_base = DK + off_b * stride_dkb + dk_head * stride_dkh
+        dv_base = DV + off_b * stride_dvb + dk_head * stride_dvh
+        bh64 = bh.to(gl.int64)
+        acc_base = DQacc + bh64 * stride_acc_h
+        # rows of one head's accumulator (< 2^31; stride_acc_h passes 2^31 from Nq = 2^24): TMA offsets are i32
+        acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
+        # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
+        stats_base = Stats + bh64 * (2 * acc_rows)
+    return q_base, do_base, k_base, v_base, dk_base, dv_base, acc_base, acc_rows, stats_base
+
+
 @gluon.constexpr_function
 def _red_asm(n, row_stride):
     """PTX adding a thread's n // 2 elements of a [64, n] fp32 tile in the wgmma accumulator layout to a
@@ -587,6 +630,10 @@ def fa3_gluon_bwd_kernel(
         k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
         if start_n >= seqlen_k:  # no key of this sequence in the tile: nothing to load, compute or store
             return
+    else:  # unread
+        q_start = 0
+        k_start = 0
+        row0 = 0
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
 
@@ -651,44 +698,17 @@ def fa3_gluon_bwd_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    if GQA_PARTIAL:
-        dk_head = off_h
-    else:
-        dk_head = off_hk
-    bh64 = bh.to(gl.int64)
+    q_base, do_base, k_base, v_base, dk_base, dv_base, acc_base, acc_rows, stats_base = _program_bases(
+        Q, DO, K, V, DK, DV, DQacc, LSE, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh, stride_dkn,
+        stride_dvb, stride_dvh, stride_dvn, stride_acc_h, off_b, off_h, off_hk, bh, q_start, k_start, row0, seqlen_q,
+        BLOCK_D=BLOCK_D, GQA_PARTIAL=GQA_PARTIAL, IS_VARLEN=IS_VARLEN)
     if IS_VARLEN:
-        q_row = q_start.to(gl.int64)
-        k_row = k_start.to(gl.int64)
-        q_base = Q + q_row * stride_qm + off_h * stride_qh
-        do_base = DO + q_row * stride_dom + off_h * stride_doh
-        k_base = K + k_row * stride_kn + off_hk * stride_kh
-        v_base = V + k_row * stride_vn + off_hk * stride_vh
-        dk_base = DK + k_row * stride_dkn + dk_head * stride_dkh
-        dv_base = DV + k_row * stride_dvn + dk_head * stride_dvh
-        # this sequence's rows of its head's statistics and accumulator blocks (both VARLEN_PAD-padded)
-        head_rows = stride_acc_h // BLOCK_D
-        acc_rows = (seqlen_q + 63) // 64 * 64
-        acc_base = DQacc + (off_h * head_rows + row0) * BLOCK_D
-        stats_base = LSE + off_h * (2 * head_rows) + 2 * row0  # [2, acc_rows]: LSE rows, then D rows
         lse_base = LSE  # unread (STATS_SMEM)
         delta_base = Delta
     else:
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        k_base = K + off_b * stride_kb + off_hk * stride_kh
-        v_base = V + off_b * stride_vb + off_hk * stride_vh
-        dk_base = DK + off_b * stride_dkb + dk_head * stride_dkh
-        dv_base = DV + off_b * stride_dvb + dk_head * stride_dvh
-        lse_base = LSE + bh64 * seqlen_q
-        delta_base = Delta + bh64 * seqlen_q
-        acc_base = DQacc + bh64 * stride_acc_h
-        # rows of one head's accumulator (< 2^31; stride_acc_h passes 2^31 from Nq = 2^24): TMA offsets are i32
-        acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
-        if STATS_SMEM:
-            # this (batch, q head)'s [2, acc_rows] block of the padded statistics (same row padding as DQacc)
-            stats_base = LSE + bh64 * (2 * acc_rows)
-        else:
-            stats_base = lse_base  # unread
+        lse_base = LSE + bh.to(gl.int64) * seqlen_q
+        delta_base = Delta + bh.to(gl.int64) * seqlen_q
     if RELEASE_ONCE:
         # with dQ split and 2 stages, step it's ring slot and dSᵀ buffer are both it % 2, released by both consumers
         # after the same wait with the same phase: the producer waits on ds_empty, one arrive (2 bar.sync) fewer

@@ -35,7 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _q_tiles, _red_add, _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _program_bases, _q_tiles, _red_add, _seq_range, _turn_pass
+from flashtile.kernels.fa3_gluon_bwd import _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -356,7 +357,7 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
 def fa3_gluon_bwd_wide_kernel(
-    Q, K, V, DO, Stats, DK, DV, DQacc,
+    Q, K, V, DO, Stats, DK, DV, DQacc, CuQ, CuK,
     qk_scale,  # softmax_scale * log2(e), any sign
     softmax_scale,
     stride_qb, stride_qh, stride_qm,
@@ -366,9 +367,10 @@ def fa3_gluon_bwd_wide_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
-    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
-    gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS:
-    gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr,
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
@@ -388,6 +390,15 @@ def fa3_gluon_bwd_wide_kernel(
     off_h = (bh % n_heads).to(gl.int64)
     off_hk = off_h // kv_group
     start_n = tile * 64
+    if IS_VARLEN:  # as in the narrow kernel: sequence off_b's rows, no work past its keys
+        q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
+        k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
+        if start_n >= seqlen_k:
+            return
+    else:  # unread
+        q_start = 0
+        k_start = 0
+        row0 = 0
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=64, CAUSAL=CAUSAL)
 
@@ -449,21 +460,11 @@ def fa3_gluon_bwd_wide_kernel(
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
 
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-    if GQA_PARTIAL:
-        dk_base = DK + off_b * stride_dkb + off_h * stride_dkh
-        dv_base = DV + off_b * stride_dvb + off_h * stride_dvh
-    else:
-        dk_base = DK + off_b * stride_dkb + off_hk * stride_dkh
-        dv_base = DV + off_b * stride_dvb + off_hk * stride_dvh
-    bh64 = bh.to(gl.int64)
-    acc_base = DQacc + bh64 * stride_acc_h
-    # rows of one head's accumulator and statistics (< 2^31, where stride_acc_h may not be): TMA offsets are i32
-    acc_rows = (stride_acc_h // BLOCK_D).to(gl.int32)
-    stats_base = Stats + bh64 * (2 * acc_rows)
+    q_base, do_base, k_base, v_base, dk_base, dv_base, acc_base, acc_rows, stats_base = _program_bases(
+        Q, DO, K, V, DK, DV, DQacc, Stats, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh, stride_dkn,
+        stride_dvb, stride_dvh, stride_dvn, stride_acc_h, off_b, off_h, off_hk, bh, q_start, k_start, row0, seqlen_q,
+        BLOCK_D=BLOCK_D, GQA_PARTIAL=GQA_PARTIAL, IS_VARLEN=IS_VARLEN)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,

@@ -30,6 +30,7 @@ from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the G
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
            "fa3_gluon_varlen_backward", "prefer_gluon_bwd_varlen", "varlen_fits", "VARLEN", "VARLEN_HEAD_DIMS",
+           "VARLEN_WIDE",
            "gluon_bwd_launch", "prefer_gluon_bwd", "gluon_bwd_wins", "wide_tile_d", "GLUON_BWD_HEAD_DIMS",
            "WIDE_HEAD_DIMS", "ENABLED", "BLOCK_N", "BLOCK_M"]
 
@@ -45,8 +46,10 @@ POST_BLOCK = 64  # rows per program of the dQ postprocess
 ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
 # False keeps packed (varlen) backwards on FA2's kernel (:func:`fa3_gluon_varlen_backward` otherwise)
 VARLEN = True
-# the packed backward's head dims: the narrow kernel with the statistics through shared memory (64- / 128-wide tiles)
-VARLEN_HEAD_DIMS = tuple(range(40, 129, 8))
+# the packed backward's head dims: the kernels with the statistics through shared memory (tiles 64 wide and more)
+VARLEN_HEAD_DIMS = tuple(range(40, 257, 8))
+# False keeps packed backwards above d = 128 (the wide kernel) on FA2's kernel: on once their GPU tests have run
+VARLEN_WIDE = False
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,8 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     (Hq, total_q) natural log, int32 (B + 1,) ``cu_seqlens_*`` on q's device (causal bottom-right per sequence).
     The narrow kernel over B * Hq * cdiv(max_seqlen_k, 128) programs, each sequence's rows from the cu_seqlens
     (read on the device, clamped to the tensors: a bad value gives wrong rows, never an access outside them);
-    head dims 40-128 (``VARLEN_HEAD_DIMS``).  GQA through fp32 dK / dV partials per q head."""
+    head dims 40-256 (``VARLEN_HEAD_DIMS``; above 128 the wide kernel).  GQA through fp32 dK / dV partials per q
+    head."""
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
     from flashtile.ops.validate import check_cu_seqlens, check_max_seqlen
     from flashtile.runtime.fa3_bwd import grad_buffers, write_back
@@ -355,7 +359,7 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _check(qv, kv, vv, dov, ov, lse.unsqueeze(0))
     d = q.shape[2]
     if d not in VARLEN_HEAD_DIMS:
-        raise NotImplementedError(f"the packed Gluon backward covers head dims 40-128 (multiples of 8), got "
+        raise NotImplementedError(f"the packed Gluon backward covers head dims 40-256 (multiples of 8), got "
                                   f"head_dim {d}")
     n_seqs = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     # no sequence is longer than its packed tensor (the grids are sized by these)
@@ -388,7 +392,8 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,
                             max_seqlen_k: int, n_seqs: int, capability: tuple[int, int] | None = None) -> bool:
     """Whether a packed backward of ``n_seqs`` sequences (q (total_q, Hq, d), ...) runs
-    :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-128 where :func:`gluon_bwd_wins`
+    :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-128 (to 256 with ``VARLEN_WIDE``)
+    where :func:`gluon_bwd_wins`
     says so for the longest sequence's keys, a batch the padded layout and the grid suit (:func:`varlen_fits`),
     then what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not
     deterministic, bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
@@ -396,9 +401,14 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     non-causal / causal against 373 / 305 with FA2's packed backward."""
     if not (VARLEN and ENABLED) or q.shape[-1] not in VARLEN_HEAD_DIMS:
         return False
+    if q.shape[-1] in WIDE_HEAD_DIMS and not VARLEN_WIDE:
+        return False
     if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k):
         return False
-    if not varlen_fits(n_seqs, q.shape[1], q.shape[0], k.shape[0], min(max_seqlen_k, k.shape[0])):
+    from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N
+
+    block_n = WIDE_BLOCK_N if q.shape[-1] in WIDE_HEAD_DIMS else BLOCK_N
+    if not varlen_fits(n_seqs, q.shape[1], q.shape[0], k.shape[0], min(max_seqlen_k, k.shape[0]), block_n):
         return False
     from flashtile.runtime.fa3_fwd import packed_view
 
@@ -406,16 +416,17 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                          deterministic, capability)
 
 
-def varlen_fits(n_seqs: int, hq: int, total_q: int, total_k: int, max_seqlen_k: int) -> bool:
+def varlen_fits(n_seqs: int, hq: int, total_q: int, total_k: int, max_seqlen_k: int, block_n: int = BLOCK_N) -> bool:
     """Whether the packed backward's layout and grid suit a batch: the per-sequence padding of the statistics and
     the dQ accumulator (``VARLEN_PAD`` rows each) at most doubles them, and the grid (every sequence spans the
     longest one's kv tiles; an idle program returns at once, but each gets its descriptors' ~1 KB of global
     scratch) holds at most 2^18 programs or 8x those with keys (the bench's 40 sequences of 128..8k at H 16:
-    41k programs, 4.6x), and fewer than 2^31.  Otherwise FA2's packed backward (no such overheads)."""
+    41k programs, 4.6x), and fewer than 2^31; ``block_n`` keys per program (the wide kernel's: 64).  Otherwise
+    FA2's packed backward (no such overheads)."""
     from flashtile.kernels.fa3_gluon_bwd import VARLEN_PAD
 
-    programs = n_seqs * hq * triton.cdiv(max_seqlen_k, BLOCK_N)
-    busy = hq * (triton.cdiv(total_k, BLOCK_N) + n_seqs)
+    programs = n_seqs * hq * triton.cdiv(max_seqlen_k, block_n)
+    busy = hq * (triton.cdiv(total_k, block_n) + n_seqs)
     return VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18) and programs < 2**31
 
 
@@ -434,8 +445,6 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
     if varlen is not None:
-        if d in WIDE_HEAD_DIMS:
-            raise NotImplementedError(f"the packed Gluon backward covers head dims up to 128, got {d}")
         cu_q, cu_k, nq, nk = varlen
         b = cu_q.shape[0] - 1
     else:
@@ -456,10 +465,10 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel as kernel
 
-        dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, softmax_scale * LOG2E, softmax_scale)
+        dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
-        static = (*strides, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial, cfg.consumer_regs,
-                  cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma)
+        static = (*strides, total_q, total_k, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial,
+                  cfg.consumer_regs, cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma, varlen is not None)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 

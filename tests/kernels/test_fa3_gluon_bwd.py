@@ -589,6 +589,35 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
 
 
+def test_varlen_wide_launcher(monkeypatch):
+    """Above d = 128 the packed backward launches the wide kernel with IS_VARLEN (192-wide tiles at d = 192, 64-key
+    tiles: B * Hq * cdiv(max_seqlen_k, 64) programs); dispatched only with ``VARLEN_WIDE``."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
+
+    calls = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    cu_q = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, 60, 60, 200, 201, 300], dtype=torch.int32)
+    q = torch.zeros(sum(VARLEN_LENS), 2, 192, dtype=BF16)
+    k = torch.zeros(300, 2, 192, dtype=BF16)
+    fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, torch.zeros(2, q.shape[0]), cu_q, cu_k, 130, 140,
+                                            softmax_scale=0.5)
+    (kernel, grid, dynamic, static), _ = calls[1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert kernel is fa3_gluon_bwd_wide_kernel and bound["IS_VARLEN"] is True and bound["TILE_D"] == 192
+    assert grid == (5 * 2 * 3,) and bound["CuQ"] is not None and bound["total_k"] == 300 and not bound["GQA_PARTIAL"]
+    args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140,
+                n_seqs=2)
+    monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # as on an sm_90 device
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+    monkeypatch.setattr(fa3_gluon_bwd, "VARLEN_WIDE", True)
+    assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+
+
 def test_varlen_fits():
     """The packed backward's batch rule: padding at most doubling the statistics / accumulator rows, at most 2^18
     programs or 8x those with keys (one long sequence among many short ones: FA2), fewer than 2^31 programs."""
@@ -1057,6 +1086,19 @@ def test_gpu_varlen_matches_oracle(d, causal, hq, hk, lens):
     """The packed Gluon backward against the float64 oracle per sequence: lengths under / at / over the tiles, an
     empty q sequence, an empty kv sequence, Nq != Nk (bottom-right causal); one long sequence; 300 tiny ones;
     max_seqlen above the real maxima.  Structural zeros exact."""
+    _check_varlen(d, causal, hq, hk, lens)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_varlen_wide_kernel_matches_oracle(d, causal):
+    """The packed backward above d = 128 (the wide kernel, 192- and 256-wide tiles): mixed lengths, GQA 4:2."""
+    _check_varlen(d, causal, 4, 2, "mixed")
+
+
+def _check_varlen(d, causal, hq, hk, lens):
     lens_q, lens_k = {"mixed": ([70, 0, 64, 1, 333, 200], [90, 40, 64, 0, 517, 128]), "one": ([1000], [1000]),
                       "tiny": ([1 + i % 5 for i in range(300)], [1 + (i * 7) % 9 for i in range(300)])}[lens]
     seqs, (q, k, v, do), cu_q, cu_k = _varlen_case(lens_q, lens_k, hq, hk, d, seed=d + hq + len(lens_q))
