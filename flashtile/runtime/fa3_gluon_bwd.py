@@ -333,10 +333,10 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k: int, *, softmax_scale: float, causal: bool = False):
     """Gradients ``(dq, dk, dv)`` of a packed batch: q, dout, out (total_q, Hq, d), k, v (total_k, Hk, d), lse
     (Hq, total_q) natural log, int32 (B + 1,) ``cu_seqlens_*`` on q's device (causal bottom-right per sequence).
-    The narrow kernel over B * Hq * cdiv(max_seqlen_k, 128) programs, each sequence's rows from the cu_seqlens
-    (read on the device, clamped to the tensors: a bad value gives wrong rows, never an access outside them);
-    head dims 40-256 (``VARLEN_HEAD_DIMS``; above 128 the wide kernel).  GQA through fp32 dK / dV partials per q
-    head."""
+    The narrow kernel over B * Hq * cdiv(max_seqlen_k, 128) programs (above d = 128 the wide one, 64-key tiles),
+    each sequence's rows from the cu_seqlens (read on the device, clamped to the tensors: a bad value gives wrong
+    rows, never an access outside them); head dims 40-256 (``VARLEN_HEAD_DIMS``).  GQA through fp32 dK / dV
+    partials per q head."""
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
     from flashtile.ops.validate import check_cu_seqlens, check_max_seqlen
     from flashtile.runtime.fa3_bwd import grad_buffers, write_back
