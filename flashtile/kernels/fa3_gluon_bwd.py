@@ -98,6 +98,21 @@ def _seq_range_tl(Cu, b, total, max_len):
 
 
 @gluon.jit
+def _program_rows(CuQ, CuK, off_b, total_q, total_k, seqlen_q, seqlen_k, IS_VARLEN: gl.constexpr):
+    """(q_start, k_start, row0, seqlen_q, seqlen_k) of a program of batch element ``off_b`` (narrow and wide
+    kernels): with ``IS_VARLEN`` sequence off_b's first rows and lengths (:func:`_seq_range`, the arguments being
+    the longest lengths), otherwise zeros and the arguments as they are."""
+    if IS_VARLEN:
+        q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
+        k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
+    else:  # unread
+        q_start = 0
+        k_start = 0
+        row0 = 0
+    return q_start, k_start, row0, seqlen_q, seqlen_k
+
+
+@gluon.jit
 def _program_bases(Q, DO, K, V, DK, DV, DQacc, Stats, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_acc_h, off_b, off_h, off_hk, bh, q_start,
@@ -623,17 +638,12 @@ def fa3_gluon_bwd_kernel(
         off_h = (bh % n_heads).to(gl.int64)
         off_hk = off_h // kv_group
     start_n = tile * 128
+    gl.static_assert(not IS_VARLEN or (STATS_SMEM and not GROUP_LOOP))
+    q_start, k_start, row0, seqlen_q, seqlen_k = _program_rows(CuQ, CuK, off_b, total_q, total_k, seqlen_q, seqlen_k,
+                                                               IS_VARLEN=IS_VARLEN)
     if IS_VARLEN:
-        # sequence off_b's rows; the grid spans the longest sequence's kv tiles, so past this one's keys: no work
-        gl.static_assert(STATS_SMEM and not GROUP_LOOP)
-        q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
-        k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
-        if start_n >= seqlen_k:  # no key of this sequence in the tile: nothing to load, compute or store
+        if start_n >= seqlen_k:  # the grid spans the longest sequence's kv tiles: past this one's keys, no work
             return
-    else:  # unread
-        q_start = 0
-        k_start = 0
-        row0 = 0
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
 

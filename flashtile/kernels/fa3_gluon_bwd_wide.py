@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _program_bases, _q_tiles, _red_add, _seq_range, _turn_pass
-from flashtile.kernels.fa3_gluon_bwd import _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _program_bases, _program_rows, _q_tiles, _red_add
+from flashtile.kernels.fa3_gluon_bwd import _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -93,6 +93,21 @@ def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo
 
 
 @gluon.jit
+def _step_tiles(z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG: gl.constexpr):
+    """A q step's tiles: K, V (index ``z``, the opaque zero) and ring slot ``slot``'s Q, dO as (low, high) column
+    parts, then this warpgroup's part of Q, dO and K (warpgroup 0 the low one)."""
+    k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
+    v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
+    q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
+    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
+    if WG == 0:
+        q_w, do_w, k_w = q_s, do_s, k_t
+    else:
+        q_w, do_w, k_w = q_s_hi, do_s_hi, k_t_hi
+    return k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w
+
+
+@gluon.jit
 def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k,
                  first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
@@ -115,18 +130,12 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
     # K, V and this warpgroup's Pᵀ / dSᵀ tiles indexed by an opaque zero: constant indices let LLVM hoist the
     # wgmma descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
-    v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
+    k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w = _step_tiles(
+        z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
     pt_wg = pt_smem.index(WG + z)
     ds_wg = ds_smem.index(WG + z)
     m0 = (first_m + it) * 64
     zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
-    q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
-    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
-    if WG == 0:  # this warpgroup's column part of Q, dO, K
-        q_w, do_w, k_w = q_s, do_s, k_t
-    else:
-        q_w, do_w, k_w = q_s_hi, do_s_hi, k_t_hi
     mbarrier.wait(q_ready.index(slot), phase)
     # dPᵀ - D accumulated onto -D (the rows of D, broadcast from the slot's statistics, made distinct registers)
     d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_s), 0) + zero_s
@@ -223,18 +232,12 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
     # descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
-    k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
-    v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
+    k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w = _step_tiles(
+        z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
     pt_b = pt_smem.index(buf + z)
     ds_b = ds_smem.index(buf + z)
     m0 = (first_m + it) * 64
     zero_s = gl.zeros([64, 32], gl.float32, layout=s_layout)
-    q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
-    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
-    if WG == 0:  # this warpgroup's column part of Q, dO, K
-        q_w, do_w, k_w = q_s, do_s, k_t
-    else:
-        q_w, do_w, k_w = q_s_hi, do_s_hi, k_t_hi
     mbarrier.wait(q_ready.index(slot), phase)
     d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).slice(WG * 32, 32).load(col_s), 0) + zero_s
     minus_d = gl.inline_asm_elementwise("neg.f32 $0, $1;", "=r,r", [d_cols], dtype=gl.float32, is_pure=False,
@@ -355,7 +358,8 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h"])
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h", "total_q",
+                              "total_k"])
 def fa3_gluon_bwd_wide_kernel(
     Q, K, V, DO, Stats, DK, DV, DQacc, CuQ, CuK,
     qk_scale,  # softmax_scale * log2(e), any sign
@@ -375,8 +379,9 @@ def fa3_gluon_bwd_wide_kernel(
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
     to 64, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
-    by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two), ``HEAD_DIM`` > 128.  Launch with
-    ``num_warps=4``."""
+    by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row), ``HEAD_DIM`` >
+    128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
+    :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides
     gl.static_assert(TILE_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D == 256)  # the accumulator's row; each warpgroup's columns whole 64-column dQ parts
@@ -390,15 +395,11 @@ def fa3_gluon_bwd_wide_kernel(
     off_h = (bh % n_heads).to(gl.int64)
     off_hk = off_h // kv_group
     start_n = tile * 64
-    if IS_VARLEN:  # as in the narrow kernel: sequence off_b's rows, no work past its keys
-        q_start, seqlen_q, row0 = _seq_range(CuQ, off_b, total_q, seqlen_q)
-        k_start, seqlen_k, _ = _seq_range(CuK, off_b, total_k, seqlen_k)
-        if start_n >= seqlen_k:
+    q_start, k_start, row0, seqlen_q, seqlen_k = _program_rows(CuQ, CuK, off_b, total_q, total_k, seqlen_q, seqlen_k,
+                                                               IS_VARLEN=IS_VARLEN)
+    if IS_VARLEN:
+        if start_n >= seqlen_k:  # the grid spans the longest sequence's kv tiles: past this one's keys, no work
             return
-    else:  # unread
-        q_start = 0
-        k_start = 0
-        row0 = 0
 
     first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=64, CAUSAL=CAUSAL)
 

@@ -193,17 +193,25 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
                                                                               split_s=True))
 
 
+def _record_launches(monkeypatch) -> list:
+    """The launchers' host steps on CPU tensors: no sm_90 check, allocator or device guard; every kernel launch
+    recorded as ``((kernel, grid, dynamic, static), kwargs)`` instead of run."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+
+    calls: list = []
+    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    return calls
+
+
 def test_launcher_group_loop(monkeypatch):
     """``group_loop`` (GQA): one program per (batch, kv head, kv tile), GROUP_LOOP set, dK / dV written straight
     into the kv heads' gradients in q's dtype (no fp32 partials, no sum on the host); refused without stats_smem
     and above head_dim 128."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
-
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     b, hq, hk, nq, nk, d = 2, 8, 2, 300, 500, 128
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
@@ -272,15 +280,9 @@ def test_group_loop_rule(monkeypatch):
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, split, tma):
     """The launchers' runtime arguments and constexprs, bound to the kernels' signatures by position (as
     runtime.launch passes them): a mismatch would only show on a GPU."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, fa3_gluon_bwd_kernel
 
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     b, nq, nk = 2, 300, 500
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
@@ -326,15 +328,9 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
 def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     """``stats_smem``: the statistics preprocess runs instead of FA2's, and its (B * Hq, 2, Nq rounded up to 64)
     buffer is the kernel's LSE (rows padded as the dQ accumulator's: the kernel derives one from the other)."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, fa3_gluon_bwd_kernel, stats_preprocess_kernel
 
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     b, hq, hk, nq, nk, d = 2, 4, 2, 300, 500, 128
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
@@ -371,15 +367,10 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     """d > 128: the statistics kernel (zeroing the accumulator), the wide kernel over 64-key tiles (192-wide at
     d = 192, the accumulator's rows 256 wide), then the dQ postprocess; arguments bound to the wide kernel's
     signature by position, GQA partials."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, stats_preprocess_kernel
     from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
 
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     b, hq, hk, nq, nk, d = 2, 4, 2, 300, 500, 192
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)
     k = torch.zeros(b, hk, nk, d, dtype=BF16)
@@ -528,14 +519,9 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     programs on (1, H, total, d) views, then the postprocess; GQA partials summed per kv head; the dispatch
     rule (``prefer_gluon_bwd_varlen``); head dims outside 40-128, a bad lse or cu_seqlens refused naming the
     argument."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel, varlen_rows
 
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     hq, hk, d = 4, 2, 128
     total_q, total_k = sum(VARLEN_LENS), 300
     cu_q = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
@@ -592,14 +578,9 @@ def test_varlen_launcher_and_refusals(monkeypatch):
 def test_varlen_wide_launcher(monkeypatch):
     """Above d = 128 the packed backward launches the wide kernel with IS_VARLEN (192-wide tiles at d = 192, 64-key
     tiles: B * Hq * cdiv(max_seqlen_k, 64) programs); dispatched only with ``VARLEN_WIDE``."""
-    import flashtile.runtime.fa3_fwd as fa3_fwd
-    import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
 
-    calls = []
-    monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
+    calls = _record_launches(monkeypatch)
     cu_q = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, 60, 60, 200, 201, 300], dtype=torch.int32)
     q = torch.zeros(sum(VARLEN_LENS), 2, 192, dtype=BF16)
