@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.kernels._common import LN2
 
-__all__ = ["fa3_gluon_kernel", "packed_range", "WG_M"]
+__all__ = ["fa3_gluon_kernel", "packed_range", "packed_slot", "WG_M"]
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 _LN2 = gl.constexpr(LN2)
@@ -73,6 +73,32 @@ def packed_range(Cu, b, total, max_len):
     start = gl.minimum(gl.maximum(gl.load(Cu + b).to(gl.int64), 0), total)
     end = gl.minimum(gl.maximum(gl.load(Cu + b + 1).to(gl.int64), start), total)
     return start, gl.minimum(end - start, max_len).to(gl.int32)
+
+
+@gluon.jit
+def _slot_start(Cu, b, total, BLOCK_M: gl.constexpr):
+    """First grid slot of sequence ``b``: its start row (clamped to [0, total]) // BLOCK_M + b."""
+    start = gl.minimum(gl.maximum(gl.load(Cu + b).to(gl.int64), 0), total)
+    return (start // BLOCK_M).to(gl.int32) + b
+
+
+@gluon.jit
+def packed_slot(Cu, slot, n_batch, total, n_steps, BLOCK_M: gl.constexpr):
+    """``(b, tile)`` of slot ``slot`` of a packed grid, as :func:`flashtile.kernels.fa3_fwd._packed_slot` finds
+    it: sequence b owns the slots [s(b), s(b + 1)) (``_slot_start``), at least cdiv(L_b, BLOCK_M) of them, so
+    total // BLOCK_M + B slots per head hold every tile with at most B idle; b is the last sequence with
+    s(b) <= slot (``n_steps`` = bit_length(B - 1) halvings of [0, B)); tile < 0 only for decreasing cu_seqlens."""
+    lo = slot * 0
+    hi = lo + n_batch
+    s_lo = _slot_start(Cu, 0, total, BLOCK_M=BLOCK_M)
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        s_mid = _slot_start(Cu, mid, total, BLOCK_M=BLOCK_M)
+        right = (s_mid <= slot).to(gl.int32)  # branch-free: the scalars stay uniform
+        lo = lo + (mid - lo) * right
+        s_lo = s_lo + (s_mid - s_lo) * right
+        hi = mid + (hi - mid) * right
+    return lo, slot - s_lo
 
 
 @gluon.jit
@@ -761,7 +787,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
-                              "total_k"])
+                              "total_k", "n_batch", "search_steps"])
 def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
     tile_counter,  # DYNAMIC: one int32 the caller zeroes per launch (claims past the first P tiles); else None
@@ -776,7 +802,8 @@ def fa3_gluon_kernel(
     stride_ob, stride_oh, stride_om,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     total_tiles,  # PERSISTENT: B * Hq * num_m_tiles; otherwise None (a constexpr: no parameter)
-    total_q, total_k,  # IS_VARLEN: the packed row counts; otherwise None
+    # IS_VARLEN: the packed row counts, B, and packed_slot's halvings bit_length(B - 1); otherwise None
+    total_q, total_k, n_batch, search_steps,
     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
@@ -793,10 +820,11 @@ def fa3_gluon_kernel(
     columns past d are zero in Q, K, V and never stored).  ``HOST_DESC``: the loads (and the O_STORE 2
     stores) go through the host-built descriptors at coordinates (b, h, row, column), nothing is built on the
     device (no global scratch); otherwise per-head descriptors are built in the kernel from the pointers.
-    ``IS_VARLEN`` (one program per tile, descriptors built here): a packed batch, B its number of sequences,
-    Q, K, V, Out (1, H, total, d) views, LSE (Hq, total_q), ``seqlen_q`` / ``seqlen_k`` the longest sequence's
-    lengths; each program reads its sequence's rows from CuQ / CuK (``packed_range``: clamped to the tensors)
-    and its descriptors and stores stop at the sequence's end."""
+    ``IS_VARLEN`` (one program per slot, descriptors built here): a packed batch of ``n_batch`` sequences, Q, K,
+    V, Out (1, H, total, d) views, LSE (Hq, total_q), ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths,
+    ``num_m_tiles`` = total_q // BLOCK_M + B slots per head (``packed_slot`` maps a slot to its sequence and
+    query tile; at most B idle); each program reads its sequence's rows from CuQ / CuK (``packed_range``:
+    clamped to the tensors) and its descriptors and stores stop at the sequence's end."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D0 + BLOCK_D1 >= HEAD_DIM)
@@ -817,10 +845,12 @@ def fa3_gluon_kernel(
             gl.program_id(0), gl.num_programs(0), n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
         if IS_VARLEN:
-            # sequence off_b's rows; the grid spans the longest sequence's query tiles: past this one's, no work
-            q_start, seqlen_q = packed_range(CuQ, off_b, total_q, seqlen_q)
-            k_start, seqlen_k = packed_range(CuK, off_b, total_k, seqlen_k)
-            if start_m >= seqlen_q:  # no row of this sequence in the tile: nothing to load, compute or store
+            # one "batch" of slots per head: the slot's sequence and query tile, then that sequence's rows
+            seq, tile = packed_slot(CuQ, start_m // BLOCK_M, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
+            start_m = tile * BLOCK_M
+            q_start, seqlen_q = packed_range(CuQ, seq, total_q, seqlen_q)
+            k_start, seqlen_k = packed_range(CuK, seq, total_k, seqlen_k)
+            if (start_m < 0) | (start_m >= seqlen_q):  # an idle slot: nothing to load, compute or store
                 return
             full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                             CAUSAL=CAUSAL)

@@ -105,12 +105,9 @@ GLUON = True
 # "packed" total_q // BLOCK_M + B slots per head (a binary search over cu_seqlens_q per program), "auto" packed
 # where the max grid has over twice the slots (an idle program costs a launch and the cu_seqlens loads)
 VARLEN_GRID = "auto"
-# True: packed forwards that take the Hopper path and whose head dim runs the Gluon kernel (``use_gluon``) run it
-# (one program per tile; the cu_seqlens reported by a kernel of their own); off until its GPU tests have run
-GLUON_VARLEN = False
-# ... unless its grid (every sequence spans the longest one's query tiles) holds over this many times the tiles
-# with rows: then the Triton kernel's packed grid
-GLUON_VARLEN_IDLE = 2
+# False keeps packed forwards on the Triton Hopper kernel where the Gluon one would run (``use_gluon``; one program
+# per slot of the packed grid, the cu_seqlens reported by a kernel of their own)
+GLUON_VARLEN = True
 
 
 def use_gluon(d: int, causal: bool) -> bool:
@@ -190,11 +187,12 @@ def prefer_hopper_varlen(
 ) -> bool:
     """Whether the forward on a packed batch (q (total_q, Hq, d), k, v (total_k, Hk, d)) runs the Hopper kernel:
     :func:`prefer_hopper`'s rule with the longest sequence's ``max_seqlen_k`` keys as Nk (the long sequences
-    hold most of the FLOPs), for d >= 128 (the head dims whose packed forward was measured, or whose
-    fixed-length Hopper kernel wins by 1.4x and more).  ``plain`` also excludes a ``block_table``; no keys at
-    all stays with FA2, and so does causal: H100, 64k tokens of 128..8k-token sequences, d = 128 (bench/NOTES.md, "Hopper varlen"), the
-    Triton Hopper kernel ran 378 TFLOP/s causal against FA2's 410 (454 vs 450 without a mask)."""
-    if k.shape[0] == 0 or causal or q.shape[-1] < 128:  # measured at d = 128 (above: 1.4-2.6x FA2 fixed-length)
+    hold most of the FLOPs).  ``plain`` also excludes a ``block_table``; no keys at all stays with FA2.  H100,
+    64k tokens of 128..8k-token sequences, 2048 / d heads (bench/NOTES.md, "Gluon packed forward"), non-causal /
+    causal TFLOP/s of the Hopper path (Gluon's packed grid at d <= 192, Triton's at 256): d = 64 444 / 348, 96
+    455 / 397, 128 564 / 472, 192 556 / 487, 256 569 / 552; FA2's packed kernel: d = 64 413 / 352 (causal d <= 64
+    stays there by the rule), 96 322 / 330, causal 128 377, 192 187, 256 260."""
+    if k.shape[0] == 0:
         return False
     return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, capability)
 
@@ -396,8 +394,6 @@ def fa3_varlen_forward(
         from flashtile.runtime.fa3_gluon import gluon_config
 
         gluon_cfg = replace(gluon_config(d, causal), persistent=False, dynamic=False, host_desc=False)
-        if b * triton.cdiv(max_q, gluon_cfg.block_m) > GLUON_VARLEN_IDLE * (total_q // gluon_cfg.block_m + b):
-            gluon_cfg = None
     if gluon_cfg is not None:
         from flashtile.kernels.fa3_fwd import cu_seqlens_report_kernel
         from flashtile.runtime.fa3_gluon import gluon_launch

@@ -330,18 +330,22 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
     until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
     stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per tile
-    with device descriptors."""
+    max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
+    of the packed grid with device descriptors."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    cu_q = cu_k = total_q = total_k = None  # constexprs: no parameters without a packed batch
+    bm = cfg.block_m
+    # constexprs: no parameters without a packed batch
+    cu_q = cu_k = total_q = total_k = n_batch = search_steps = None
     if varlen is not None:
         if cfg.persistent or cfg.host_desc:
             raise ValueError(f"a packed batch runs one program per tile with device descriptors, got {cfg}")
         cu_q, cu_k, max_q, max_k = varlen
-        b, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
-    bm = cfg.block_m
-    num_m_tiles = triton.cdiv(nq, bm)
+        n_batch, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
+        # one "batch" of total_q // bm + B slots per head (kernels/fa3_gluon.packed_slot): at most B idle
+        b, num_m_tiles, search_steps = 1, total_q // bm + n_batch, (n_batch - 1).bit_length()
+    else:
+        num_m_tiles = triton.cdiv(nq, bm)
     total_tiles = b * hq * num_m_tiles
     if total_tiles >= 2**31:
         raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {total_tiles} tiles exceed the grid's axis 0")
@@ -366,7 +370,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k,
+        hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k, n_batch, search_steps,
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,

@@ -48,8 +48,9 @@ ENABLED = os.environ.get("FLASHTILE_GLUON_BWD", "1") != "0"
 VARLEN = True
 # the packed backward's head dims: the kernels with the statistics through shared memory (tiles 64 wide and more)
 VARLEN_HEAD_DIMS = tuple(range(40, 257, 8))
-# False keeps packed backwards above d = 128 (the wide kernel) on FA2's kernel: on once their GPU tests have run
-VARLEN_WIDE = False
+# False keeps packed backwards above d = 128 (the wide kernel) on FA2's kernel (H100, d = 192 / 256, 64k tokens:
+# fwd+bwd 1.5-2.0x through the wide kernel, bench/NOTES.md "Packed wide backward")
+VARLEN_WIDE = True
 
 
 @dataclass(frozen=True)
@@ -392,7 +393,7 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,
                             max_seqlen_k: int, n_seqs: int, capability: tuple[int, int] | None = None) -> bool:
     """Whether a packed backward of ``n_seqs`` sequences (q (total_q, Hq, d), ...) runs
-    :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-128 (to 256 with ``VARLEN_WIDE``)
+    :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-256 (40-128 without ``VARLEN_WIDE``)
     where :func:`gluon_bwd_wins`
     says so for the longest sequence's keys, a batch the padded layout and the grid suit (:func:`varlen_fits`),
     then what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not

@@ -577,7 +577,7 @@ def test_varlen_launcher_and_refusals(monkeypatch):
 
 def test_varlen_wide_launcher(monkeypatch):
     """Above d = 128 the packed backward launches the wide kernel with IS_VARLEN (192-wide tiles at d = 192, 64-key
-    tiles: B * Hq * cdiv(max_seqlen_k, 64) programs); dispatched only with ``VARLEN_WIDE``."""
+    tiles: B * Hq * cdiv(max_seqlen_k, 64) programs); dispatched with ``VARLEN_WIDE`` (on), not without it."""
     from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
 
     calls = _record_launches(monkeypatch)
@@ -594,9 +594,9 @@ def test_varlen_wide_launcher(monkeypatch):
     args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140,
                 n_seqs=2)
     monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # as on an sm_90 device
+    assert fa3_gluon_bwd.VARLEN_WIDE is True and fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
+    monkeypatch.setattr(fa3_gluon_bwd, "VARLEN_WIDE", False)
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
-    monkeypatch.setattr(fa3_gluon_bwd, "VARLEN_WIDE", True)
-    assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
 
 
 def test_varlen_fits():

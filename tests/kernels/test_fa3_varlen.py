@@ -61,7 +61,9 @@ def _assert_matches(out, lse, lens_q, lens_k, q, k, v, scale, causal):
 
 @pytest.fixture
 def host_on_cpu(monkeypatch):
-    """fa3_varlen_forward's host steps on CPU tensors: the device check lifted, the interpreter's tiles."""
+    """fa3_varlen_forward's host steps on CPU tensors: the device check lifted, the Triton kernel (the interpreter
+    runs no Gluon) with the interpreter's tiles."""
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", False)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
@@ -235,15 +237,18 @@ def test_prefer_hopper_varlen_gates():
     assert not prefer_hopper_varlen(q, q[:0], q[:0], **kw)
 
 
-def test_prefer_hopper_varlen_leaves_causal_to_fa2(monkeypatch):
-    """Where the fixed-length rule says yes, a causal packed batch still runs FA2 (measured faster there)."""
+def test_prefer_hopper_varlen_follows_the_fixed_rule(monkeypatch):
+    """A packed batch asks the fixed-length rule with the longest sequence's keys: causal or not, every head dim."""
     q = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a: True)
+    asked = []
+    monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a: asked.append(a) or True)
     kw = dict(plain=True, max_seqlen_k=8192, capability=(9, 0))
     assert prefer_hopper_varlen(q, q, q, causal=False, window=(-1, -1), **kw)
-    assert not prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
+    assert prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
     q64 = q[..., :64]
-    assert not prefer_hopper_varlen(q64, q64, q64, causal=False, window=(-1, -1), **kw)  # d < 128: not measured
+    assert prefer_hopper_varlen(q64, q64, q64, causal=False, window=(-1, -1), **kw)
+    assert [a[3] for a in asked] == [False, True, False] and {a[6] for a in asked} == {8192}
+    assert asked[2][0].shape == (1, 2, 4096, 64)  # the kernel's packed view
 
 
 def test_varlen_forward_checks_its_cu_seqlens(monkeypatch):
@@ -262,13 +267,12 @@ def test_varlen_forward_checks_its_cu_seqlens(monkeypatch):
 def test_gluon_varlen_launch_and_report(monkeypatch):
     """``GLUON_VARLEN``: a packed forward on the Gluon path runs the cu_seqlens report kernel (interpreted here:
     a decreasing cu_seqlens_q sets ERR_CU_SEQLENS in the store-only error word), then the Gluon kernel with
-    IS_VARLEN over B * Hq * cdiv(max_seqlen_q, 128) programs, one per tile, device descriptors; no launch but the
-    report without keys; off by default."""
+    IS_VARLEN over Hq * (total_q // 128 + B) programs, one per slot of the packed grid, device descriptors; no
+    launch but the report without keys; on by default."""
     import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
 
-    assert fa3_fwd.GLUON_VARLEN is False
-    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
+    assert fa3_fwd.GLUON_VARLEN is True
     monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)  # no sm_90 device here
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
     calls = []
@@ -277,8 +281,6 @@ def test_gluon_varlen_launch_and_report(monkeypatch):
     cu_q, cu_k = _cu(LENS_Q, "cpu"), _cu(LENS_K, "cpu")
     err = error_flags(q.device, caller="test")
     err.zero_()
-    fa3_varlen_forward(q, k, v, cu_q, cu_k, 300, 50, softmax_scale=0.1, causal=True)
-    assert calls[-1][0][0] is not fa3_gluon_kernel  # 6 x 3 tiles of 128 rows, 7 with rows: the Triton kernel
     fa3_varlen_forward(q, k, v, cu_q, cu_k, 70, 50, softmax_scale=0.1, causal=True)
     assert int(err[1]) == 0  # a valid batch reports nothing
     (kernel, grid, dynamic, static), kw = calls[-1]
@@ -288,7 +290,9 @@ def test_gluon_varlen_launch_and_report(monkeypatch):
     assert bound["CuQ"] is cu_q and bound["CuK"] is cu_k
     assert (bound["seqlen_q"], bound["seqlen_k"], bound["total_q"], bound["total_k"]) == (70, 50, q.shape[0],
                                                                                           k.shape[0])
-    assert grid == (len(LENS_Q) * 4,) and bound["num_m_tiles"] == 1  # sequences x heads x cdiv(70, 128)
+    slots = q.shape[0] // 128 + len(LENS_Q)
+    assert grid == (4 * slots,) and bound["num_m_tiles"] == slots  # heads x slots
+    assert bound["n_batch"] == len(LENS_Q) and bound["search_steps"] == (len(LENS_Q) - 1).bit_length()
     assert bound["Q"].shape == (1, 4, q.shape[0], 128) and bound["LSE"].shape == (4, q.shape[0])
     bad = cu_q.clone()
     bad[2] = 1  # a decrease
@@ -315,8 +319,9 @@ GPU_LENS_K = [5, 200, 700, 129, 1000, 0, 0, 777, 1]
 @pytest.mark.parametrize("grid", ["max", "packed"])
 def test_gpu_varlen_matches_float64(monkeypatch, d, causal, dtype, grid):
     """Empty q / k sequences, L_q != L_k per sequence (causal rows with no key), GQA 4 / 2, max_seqlen above
-    the real maximum, every row written; both grids."""
+    the real maximum, every row written; both grids of the Triton kernel (the Gluon one's: below)."""
     monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", False)
     q, k, v = _packed(GPU_LENS_Q, GPU_LENS_K, 4, 2, d, "cuda", dtype, seed=d)
     out, lse = fa3_varlen_forward(q, k, v, _cu(GPU_LENS_Q, "cuda"), _cu(GPU_LENS_K, "cuda"), 1200, 1100,
                                   softmax_scale=d ** -0.5, causal=causal)
@@ -345,14 +350,15 @@ def test_gpu_varlen_one_sequence_and_many_tiny_ones(causal):
 @pytest.mark.gpu
 @hopper
 def test_gpu_public_op_runs_hopper_varlen_then_backward(monkeypatch):
-    """flash_attn_varlen_func, bf16, d 128, sequences up to 4k: the forward takes the Hopper kernel without a
-    mask (FA2 causal), the packed backward its out and LSE; out, LSE and gradients match the oracle."""
+    """flash_attn_varlen_func, bf16, d 128, sequences up to 4k: the forward takes the Hopper path (the Gluon
+    kernel) causal or not, the packed backward its out and LSE; out, LSE and gradients match the oracle."""
     from flashtile import flash_attn_varlen_func
+    from flashtile.runtime import fa3_gluon
     from tests._oracle import rounding_slack
 
     launched = []
-    real = fa3_fwd.launch
-    monkeypatch.setattr(fa3_fwd, "launch", lambda *a, **kw: launched.append(kw.get("varlen")) or real(*a, **kw))
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a, **kw: launched.append(kw.get("varlen")) or real(*a, **kw))
     lens = [4096, 1, 700, 0, 1500]
     q, k, v = _packed(lens, lens, 8, 2, 128, "cuda", torch.bfloat16, seed=7)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
@@ -361,10 +367,7 @@ def test_gpu_public_op_runs_hopper_varlen_then_backward(monkeypatch):
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         out, lse = flash_attn_varlen_func(qg, kg, vg, cu, cu, 4096, 4096, causal=causal, return_lse=True)
         out.backward(dout)
-        if causal:  # measured faster on FA2 (prefer_hopper_varlen)
-            assert not any(v is not None for v in launched), "a causal packed forward ran the Hopper kernel"
-        else:
-            assert launched and launched[-1] is not None, "the Hopper packed forward was not used"
+        assert launched and launched[-1] is not None, "the Hopper packed forward was not used"
         launched.clear()
         pick = slice(4097, 4797)  # sequence 2: the float64 oracle of the 4k one is large
         ref = attention_varlen_ref_grads(q[pick], k[pick], v[pick], dout[pick], [0, 700], [0, 700], causal=causal)
@@ -385,8 +388,11 @@ def test_gpu_misaligned_packed_tensors_fall_back_to_fa2(monkeypatch):
     (tensor descriptors need 16-byte aligned bases and strides) and is still right."""
     from flashtile import flash_attn_varlen_func
 
+    from flashtile.runtime import fa3_gluon
+
     launched = []
     monkeypatch.setattr(fa3_fwd, "launch", lambda *a, **kw: launched.append(1))
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a, **kw: launched.append(2))
     lens = [1000, 3000]
     q, k, v = _packed(lens, lens, 4, 4, 128, "cuda", torch.bfloat16, seed=8)
     q_off = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
@@ -402,10 +408,12 @@ def test_gpu_misaligned_packed_tensors_fall_back_to_fa2(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("grid", ["max", "packed"])
+@pytest.mark.parametrize("grid", ["max", "packed", "gluon"])
 def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(monkeypatch, grid):
-    """Compiled: bad values are clamped (no NaN from the guard bands, which stay untouched) and recorded."""
-    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", grid)
+    """Compiled: bad values are clamped (no NaN from the guard bands, which stay untouched) and recorded; the
+    Triton kernel's two grids and the Gluon kernel's packed one."""
+    monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", "packed" if grid == "gluon" else grid)
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", grid == "gluon")
     h, d, guard = 2, 64, 1 << 16
 
     def guarded(rows, seed):
@@ -483,13 +491,12 @@ def test_gpu_varlen_cuda_graph_replay_records_bad_values():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_gluon_varlen_matches_float64(monkeypatch, d, causal, dtype):
-    """``GLUON_VARLEN`` (the Gluon kernel, one program per tile, its idle-grid limit lifted): empty q / k
+    """``GLUON_VARLEN`` (the Gluon kernel, one program per slot of the packed grid): empty q / k
     sequences, L_q != L_k, GQA 4 / 2, max_seqlen above the real maximum, every row written; then one 3000-key
     sequence and 1000 tiny ones; a decreasing cu_seqlens_q reported by check_errors."""
     from flashtile.runtime import fa3_gluon
 
     monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
-    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN_IDLE", float("inf"))
     ran = []
     real = fa3_gluon.gluon_launch
     monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a, **kw: ran.append(kw["varlen"]) or real(*a, **kw))
