@@ -101,7 +101,8 @@ def _bench_attention_varlen(args: argparse.Namespace, console) -> int:
             table.add_row("y" if p["causal"] else "n", p["mode"],
                           *[f"{t[n]:.0f}" if t.get(n) else "—" for n in ab.VARLEN_PROVIDERS])
         console.print(table)
-    path = write_json({"env": payloads[0]["env"], "runs": payloads}, args.out, "attention-varlen")
+    name = "attention-varlen" if args.name == "attention" else args.name
+    path = write_json({"env": payloads[0]["env"], "runs": payloads}, args.out, name)
     console.print(f"wrote {path}")
     return 0
 

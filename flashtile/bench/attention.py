@@ -22,6 +22,7 @@ halved when causal, ×3.5 for forward + backward (backward = 2.5 × forward).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -368,6 +369,11 @@ def _attn_flops(sq_sum: float, heads: int, d: int, causal: bool, mode: str) -> f
     return f * (3.5 if mode == "fwd_bwd" else 1.0)
 
 
+def _no_grad_ms(fn, inputs) -> float:
+    with torch.no_grad():
+        return median_ms(lambda: fn(*inputs))
+
+
 def _flex_document_fn(lens: list[int], causal: bool, device):
     """FlexAttention over the packed batch as one sequence with a document mask (one compiled kernel)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -392,11 +398,13 @@ def _flex_document_fn(lens: list[int], causal: bool, device):
 def run_varlen(
     providers=VARLEN_PROVIDERS, total: int = 65536, lo: int = 128, hi: int = 8192, head_dim: int = 128,
     heads: int = 16, modes=("fwd", "fwd_bwd"), causal_modes=(False, True), seed: int = 0, dtype=torch.bfloat16,
-    device: str = "cuda",
+    device: str = "cuda", rounds: int = 3,
 ) -> dict:
     """A packed batch of lengths from ``varlen_lengths`` timed through ``flash_attn_varlen_func`` and
     FlexAttention with a document mask, and a fixed-length ``flash_attn_func`` batch of the same
-    attention FLOPs (:func:`equal_flops_batch`).  TFLOP/s count only the FLOPs inside each sequence."""
+    attention FLOPs (:func:`equal_flops_batch`).  TFLOP/s count only the FLOPs inside each sequence; each time
+    is the median of ``rounds`` interleaved rounds, each round starting at the next provider (one process's
+    clock drift and order effects reach every provider alike)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("`flashtile bench attention --varlen` needs a CUDA GPU")
     from flashtile import flash_attn_func, flash_attn_varlen_func
@@ -427,23 +435,33 @@ def run_varlen(
                 raise ValueError(f"unknown provider {name!r}; choose from {VARLEN_PROVIDERS}")
         for mode in modes:
             pt = {"causal": causal, "mode": mode, "ms": {}, "tflops": {}, "err": {}}
-            for name, (fn, inputs, flops_sq) in fns.items():
+            runs: dict[str, Callable[[], float]] = {}
+            for name, (fn, inputs, _) in fns.items():
                 if fn is None:
                     pt["ms"][name], pt["err"][name] = None, f"unsupported: {inputs}"
+                elif mode == "fwd":
+                    runs[name] = lambda fn=fn, inputs=inputs: _no_grad_ms(fn, inputs)
+                else:
+                    leaves = [x.detach().requires_grad_() for x in inputs]
+                    dout = torch.randn_like(leaves[0])
+                    runs[name] = lambda fn=fn, leaves=leaves, dout=dout: median_ms(
+                        lambda: fn(*leaves).backward(dout), grad_to_none=leaves)
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for r in range(rounds):  # each round starts at another provider: drift and order effects even out
+                order = list(runs)[r % max(1, len(runs)):] + list(runs)[: r % max(1, len(runs))]
+                for name in order:
+                    if name in pt["err"]:
+                        continue
+                    try:
+                        times[name].append(runs[name]())
+                    except Exception as e:
+                        pt["ms"][name], pt["err"][name] = None, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            for name, ts in times.items():
+                if name in pt["err"]:
                     continue
-                try:
-                    if mode == "fwd":
-                        with torch.no_grad():
-                            ms = median_ms(lambda: fn(*inputs))
-                    else:
-                        leaves = [x.detach().requires_grad_() for x in inputs]
-                        dout = torch.randn_like(leaves[0])
-                        ms = median_ms(lambda: fn(*leaves).backward(dout), grad_to_none=leaves)
-                except Exception as e:
-                    pt["ms"][name], pt["err"][name] = None, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    continue
+                ms = statistics.median(ts)
                 pt["ms"][name] = ms
-                pt["tflops"][name] = _attn_flops(flops_sq, heads, head_dim, causal, mode) / (ms * 1e-3) / 1e12
+                pt["tflops"][name] = _attn_flops(fns[name][2], heads, head_dim, causal, mode) / (ms * 1e-3) / 1e12
             points.append(pt)
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -455,5 +473,6 @@ def run_varlen(
         "head_dim": head_dim,
         "heads": heads,
         "flops_convention": "4*H*d*sum(L_i^2) forward, /2 causal, x3.5 fwd+bwd",
+        "rounds": rounds,
         "points": points,
     }

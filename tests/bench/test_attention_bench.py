@@ -45,16 +45,25 @@ def test_varlen_bench_is_a_cli_option():
 
 
 def test_varlen_bench_routine_runs(monkeypatch):
-    """The routine end to end on the CPU (interpreter, tiny batch, timing stubbed): every point has a time
-    for each provider, and TFLOP/s count the FLOPs inside the sequences."""
+    """The routine end to end on the CPU (interpreter, tiny batch, timing stubbed): every point has the median of
+    its interleaved rounds (each round starting at the next provider) for each provider, and TFLOP/s count the
+    FLOPs inside the sequences."""
     from flashtile.bench import attention as ab
 
-    monkeypatch.setattr(ab, "median_ms", lambda fn, grad_to_none=None: (fn(), 1.0)[1])
+    timed = []
+
+    def fake_ms(fn, grad_to_none=None):
+        fn()
+        timed.append(len(timed))
+        return float((len(timed) - 1) % 6 + 1)  # calls v f | f v | v f: varlen 1, 4, 5, fixed 2, 3, 6
+
+    monkeypatch.setattr(ab, "median_ms", fake_ms)
     payload = ab.run_varlen(providers=("flashtile-varlen", "flashtile-fixed"), total=96, lo=16, hi=48, head_dim=16,
                             heads=1, causal_modes=(True,), dtype=torch.float32, device="cpu")
-    assert sum(payload["lengths"]) == 96 and len(payload["points"]) == 2
+    assert sum(payload["lengths"]) == 96 and len(payload["points"]) == 2 and payload["rounds"] == 3
+    assert len(timed) == 2 * 3 * 2  # modes x rounds x providers
     sq = sum(n * n for n in payload["lengths"])
     for p in payload["points"]:
-        assert set(p["ms"]) == {"flashtile-varlen", "flashtile-fixed"} and all(v == 1.0 for v in p["ms"].values())
+        assert p["ms"] == {"flashtile-varlen": 4.0, "flashtile-fixed": 3.0}  # without the rotation: 3 and 4
         mult = 3.5 if p["mode"] == "fwd_bwd" else 1.0
-        assert p["tflops"]["flashtile-varlen"] == pytest.approx(4 * 16 * sq / 2 * mult / 1e-3 / 1e12)
+        assert p["tflops"]["flashtile-varlen"] == pytest.approx(4 * 16 * sq / 2 * mult / 4e-3 / 1e12)
