@@ -161,10 +161,12 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
     against the Triton Hopper backward ("Gluon backward above 128"), backward alone with dQ through TMA (the
     table's): 1.06-1.41x at d = 136-256, 1k-16k (``scratch/gwide_probe.py``, ``scratch/gwide2_probe.py``): every
-    d > 128."""
-    del causal
+    d > 128.  Causal under 1k keys with 128-wide tiles: FA2 (d = 128, 512 keys, fwd+bwd in interleaved rounds,
+    ``scratch/gshort_probe.py``: 144 vs 133 TFLOP/s; at 1k 216 vs 219, 2k 306 vs 302)."""
     width = block_d(d)
-    return width == 128 or (width == 64 and nk >= 4096) or d in WIDE_HEAD_DIMS
+    if width == 128:
+        return not causal or nk >= 1024
+    return (width == 64 and nk >= 4096) or d in WIDE_HEAD_DIMS
 
 
 def _check_config(cfg, d: int, esize: int) -> None:

@@ -652,10 +652,11 @@ def test_float64_twin_at_the_kernels_tiling(causal):
 
 
 def test_dispatch_rule():
-    """Measured (``gluon_bwd_wins``): 128-wide tiles at every length, 64-wide from 4k keys, narrower never (the
-    rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
+    """Measured (``gluon_bwd_wins``): 128-wide tiles at every length without a mask and from 1k keys causal, 64-wide
+    from 4k keys, narrower never (the rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
     wins = fa3_gluon_bwd.gluon_bwd_wins
-    assert all(wins(d, c, 1) for d in (72, 96, 128) for c in (False, True))
+    assert all(wins(d, False, 1) and wins(d, True, 1024) for d in (72, 96, 128))
+    assert not any(wins(d, True, 1023) for d in (72, 96, 128))
     assert wins(64, False, 4096) and wins(40, True, 16384) and not wins(64, False, 4095) and not wins(48, True, 1024)
     assert not wins(32, False, 1 << 20)
     assert all(wins(d, c, 1) for d in (136, 160, 192, 200, 248, 256) for c in (False, True))  # the wide kernel
@@ -1016,7 +1017,8 @@ def test_gpu_dispatch_rule():
         args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False)
         return fa3_gluon_bwd.prefer_gluon_bwd(q, q, q, q, **{**args, **kw})
 
-    assert prefer() and prefer(d=96, causal=True, window=(-1, 0)) and prefer(d=64, n=8192) and prefer(dtype=torch.float16)
+    assert prefer() and prefer(d=96, n=1024, causal=True, window=(-1, 0)) and prefer(d=64, n=8192)
+    assert prefer(dtype=torch.float16) and not prefer(d=96, causal=True, window=(-1, 0))  # causal under 1k keys: FA2
     assert not prefer(d=64) and not prefer(d=32, n=8192) and not prefer(dtype=torch.float32)
     assert prefer(d=136) and prefer(d=256, causal=True, window=(-1, 0))  # the wide kernel
     assert not prefer(window=(8, -1)) and not prefer(plain=False) and not prefer(deterministic=True)
@@ -1026,11 +1028,12 @@ def test_gpu_dispatch_rule():
 @pytest.mark.gpu
 @hopper
 def test_gpu_autograd_hook(monkeypatch):
-    """With the switch on, flash_attn_func's backward runs the Gluon kernel and matches FA2's (switch off)."""
+    """With the switch on, flash_attn_func's backward runs the Gluon kernel and matches FA2's (switch off); causal,
+    1000 queries against 1030 keys (from 1k keys: ``gluon_bwd_wins``)."""
     from flashtile import flash_attn_func
 
     monkeypatch.setattr(fa3_gluon_bwd, "ENABLED", False)
-    q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in inputs(2, 8, 2, 1000, 1000, 128, BF16,
+    q, k, v, do = (x.transpose(1, 2).contiguous().requires_grad_() for x in inputs(2, 8, 2, 1000, 1030, 128, BF16,
                                                                                     "cuda", seed=3))
     called = []
     real = fa3_gluon_bwd.backward_into
