@@ -240,7 +240,7 @@ def run_point(providers: dict, d: int, n: int, b: int, h: int, causal: bool, mod
                     ms = median_ms(step, grad_to_none=[qg, kg, vg])
             except Exception as e:  # a backend that does not support this point
                 pt.ms[name] = None
-                pt.err.setdefault(name, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                pt.err.setdefault(name, f"unsupported: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
                 continue
             pt.ms[name] = ms
             pt.tflops[name] = pt.flops / (ms * 1e-3) / 1e12
@@ -407,6 +407,8 @@ def run_varlen(
     clock drift and order effects reach every provider alike)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("`flashtile bench attention --varlen` needs a CUDA GPU")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     from flashtile import flash_attn_func, flash_attn_varlen_func
 
     dev = device
@@ -430,7 +432,7 @@ def run_varlen(
                 try:
                     fns[name] = (_flex_document_fn(lens, causal, dev), (q, k, v), sq)
                 except Exception as e:  # an optional peer: reported, not fatal
-                    fns[name] = (None, str(e).splitlines()[0][:120], sq)
+                    fns[name] = (None, (str(e).splitlines() or [''])[0][:120], sq)
             else:
                 raise ValueError(f"unknown provider {name!r}; choose from {VARLEN_PROVIDERS}")
         for mode in modes:
@@ -455,7 +457,8 @@ def run_varlen(
                     try:
                         times[name].append(runs[name]())
                     except Exception as e:
-                        pt["ms"][name], pt["err"][name] = None, f"unsupported: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                        first = (str(e).splitlines() or [""])[0][:120]
+                        pt["ms"][name], pt["err"][name] = None, f"unsupported: {type(e).__name__}: {first}"
             for name, ts in times.items():
                 if name in pt["err"]:
                     continue

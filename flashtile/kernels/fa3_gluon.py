@@ -847,11 +847,13 @@ def fa3_gluon_kernel(
         if IS_VARLEN:
             # one "batch" of slots per head: the slot's sequence and query tile, then that sequence's rows
             seq, tile = packed_slot(CuQ, start_m // BLOCK_M, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
-            start_m = tile * BLOCK_M
             q_start, seqlen_q = packed_range(CuQ, seq, total_q, seqlen_q)
             k_start, seqlen_k = packed_range(CuK, seq, total_k, seqlen_k)
-            if (start_m < 0) | (start_m >= seqlen_q):  # an idle slot: nothing to load, compute or store
+            # an idle slot: nothing to load, compute or store (tile tested before any product: any int for
+            # decreasing cu_seqlens)
+            if (tile < 0) | (tile >= gl.cdiv(seqlen_q, BLOCK_M)):
                 return
+            start_m = tile * BLOCK_M
             full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                             CAUSAL=CAUSAL)
 

@@ -405,7 +405,7 @@ def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slo
 
     plain = block_table is None and alibi_slopes is None and dropout_p == 0 and softcap == 0
     if prefer_hopper_varlen(q, k, v, causal=causal, window=(window_left, window_right), plain=plain,
-                            max_seqlen_k=max_seqlen_k):
+                            max_seqlen_k=max_seqlen_k, n_seqs=cu_seqlens_q.shape[0] - 1):
         out, lse = fa3_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=softmax_scale, causal=causal)
         return out, lse, torch.zeros(2, dtype=torch.int64)

@@ -95,6 +95,27 @@ def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int, int]:
 
 
 
+# Triton offsets each program's global scratch (where in-kernel tensor descriptors are built) by program id x its
+# bytes in int32, so a grid whose scratch reaches 2^31 bytes writes outside it (H100, Triton 3.6: 5.6M programs x
+# 384 B faulted); the descriptor kernels take at most 768 B per program (offline sm_90a compiles): 1 KB bounds them
+DESC_SCRATCH_BYTES = 1024
+
+
+def descriptor_grid_fits(programs: int) -> bool:
+    """Whether ``programs`` programs that build tensor descriptors in global scratch stay inside it."""
+    return programs * DESC_SCRATCH_BYTES < 2**31
+
+
+def check_descriptor_grid(programs: int, what: str) -> None:
+    """NotImplementedError unless :func:`descriptor_grid_fits` (for direct callers of the Hopper launchers;
+    the public dispatch sends such problems to the FA2 kernels first)."""
+    if not descriptor_grid_fits(programs):
+        raise NotImplementedError(
+            f"{what}: a grid of {programs} programs, each building tensor descriptors in global scratch, exceeds "
+            f"the {2**31 // DESC_SCRATCH_BYTES - 1} Triton's int32 scratch offsets allow; flash_attn_func / "
+            "flash_attn_varlen_func run such problems on the FA2 kernels")
+
+
 # Tiles are addressed from a 64-bit base plus 32-bit in-tile offsets (tile row x row stride,
 # tiles of at most 256 rows): a row stride below this keeps those offsets under 2^31
 TILE_ROW_STRIDE_MAX = 2**31 // 256

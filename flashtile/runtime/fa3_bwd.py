@@ -21,6 +21,7 @@ import torch
 import triton
 
 from flashtile.runtime.common import capability as device_capability
+from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits
 from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, SMEM_LIMIT, SUPPORTED_HEAD_DIMS, ensure_allocator, _tma_ready
 from flashtile.runtime.fa3_gluon import block_d, head_split
 
@@ -115,6 +116,9 @@ def prefer_hopper_bwd(
     ``prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=(window_left, window_right), plain=plain)``
     with ``plain`` as in ``_fwd_impl``, then ``fa3_backward(dob, qb, kb, vb, ob, lse, softmax_scale=...,
     causal=causal, deterministic=deterministic, dq=..., dk=..., dv=...)`` on the same (B, H, N, d) views."""
+    # both kernels' grids (64-row tiles and wider) inside their descriptors' scratch
+    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(max(q.shape[2], k.shape[2]), 64)):
+        return False
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window
@@ -293,8 +297,7 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, c
     hk, nk = k.shape[1], k.shape[2]
     num_n_tiles = triton.cdiv(nk, cfg.block_n)
     grid = (b * (hk if group_loop else hq) * num_n_tiles,)
-    if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * H * cdiv(Nk, {cfg.block_n}) = {grid[0]} programs exceed the grid's axis 0")
+    check_descriptor_grid(grid[0], "the Hopper dK/dV kernel")
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)),
@@ -317,8 +320,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, cfg: Fa
     hk, nk = k.shape[1], k.shape[2]
     num_m_tiles = triton.cdiv(nq, cfg.dq_block_m)
     grid = (b * hq * num_m_tiles,)
-    if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * Hq * cdiv(Nq, {cfg.dq_block_m}) = {grid[0]} programs exceed the grid's axis 0")
+    check_descriptor_grid(grid[0], "the Hopper dQ kernel")
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
         hq, hq // hk, nq, nk, num_m_tiles,

@@ -19,7 +19,8 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
-from flashtile.runtime.common import capability as device_capability, on_device
+from flashtile.runtime.common import capability as device_capability
+from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits, on_device
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
            "fa3_varlen_forward", "launch", "smem_bytes", "packed_view", "prefer_hopper_varlen",
@@ -159,11 +160,15 @@ def prefer_hopper(
 
     ``plain``: no softcap, ALiBi, bias, dropout or block mask (the kernel has none of them);
     the window must be unbounded, or causal; then :func:`hopper_wins` decides."""
-    return _prefer(q, k, v, causal, window, plain, k.shape[2], capability)
+    return _prefer(q, k, v, causal, window, plain, k.shape[2], q.shape[0] * q.shape[1] * triton.cdiv(q.shape[2], 64),
+                   capability)
 
 
-def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, capability) -> bool:
-    """:func:`prefer_hopper` on (B, H, N, d) views with ``nk`` keys per sequence."""
+def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, programs: int, capability) -> bool:
+    """:func:`prefer_hopper` on (B, H, N, d) views with ``nk`` keys per sequence; ``programs`` a bound on the
+    grid (its in-kernel descriptors' scratch: ``descriptor_grid_fits``)."""
+    if not descriptor_grid_fits(programs):
+        return False
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
     left, right = window
@@ -183,9 +188,10 @@ def packed_view(x: torch.Tensor) -> torch.Tensor:
 
 def prefer_hopper_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, window: tuple[int, int], plain: bool,
-    max_seqlen_k: int, capability: tuple[int, int] | None = None,
+    max_seqlen_k: int, n_seqs: int, capability: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether the forward on a packed batch (q (total_q, Hq, d), k, v (total_k, Hk, d)) runs the Hopper kernel:
+    """Whether the forward on a packed batch of ``n_seqs`` sequences (q (total_q, Hq, d), k, v (total_k, Hk, d))
+    runs the Hopper kernel (a grid of at most 2 Hq (total_q // 64 + B) programs: ``descriptor_grid_fits``):
     :func:`prefer_hopper`'s rule with the longest sequence's ``max_seqlen_k`` keys as Nk (the long sequences
     hold most of the FLOPs).  ``plain`` also excludes a ``block_table``; no keys at all stays with FA2.  H100,
     64k tokens of 128..8k-token sequences, 2048 / d heads (bench/NOTES.md, "Gluon packed forward"), non-causal /
@@ -194,7 +200,9 @@ def prefer_hopper_varlen(
     stays there by the rule), 96 322 / 330, causal 128 377, 192 187, 256 260."""
     if k.shape[0] == 0:
         return False
-    return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, capability)
+    programs = 2 * q.shape[1] * (q.shape[0] // 64 + n_seqs)  # either grid of either kernel (launch, gluon_launch)
+    return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, programs,
+                   capability)
 
 
 def prefer_hopper_fp8(
@@ -443,8 +451,7 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
         if packed_grid:  # one "batch" of slots (kernels/fa3_fwd._packed_slot), bit_length(b - 1) halvings each
             num_m_tiles, b, search_steps = slots, 1, (b - 1).bit_length()
     grid = (b * hq * num_m_tiles,)  # one axis: its limit is 2^31 - 1, y and z stop at 65535
-    if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * H * cdiv(Nq, {cfg.block_m}) = {grid[0]} programs exceed the grid's axis 0")
+    check_descriptor_grid(grid[0], "the Hopper forward")
     if fp8:
         qs, ks, vs = descales
         scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
-from flashtile.runtime.common import on_device
+from flashtile.runtime.common import check_descriptor_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
@@ -339,7 +339,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     cu_q = cu_k = total_q = total_k = n_batch = search_steps = None
     if varlen is not None:
         if cfg.persistent or cfg.host_desc:
-            raise ValueError(f"a packed batch runs one program per tile with device descriptors, got {cfg}")
+            raise ValueError(f"a packed batch runs one program per slot with device descriptors, got {cfg}")
         cu_q, cu_k, max_q, max_k = varlen
         n_batch, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
         # one "batch" of total_q // bm + B slots per head (kernels/fa3_gluon.packed_slot): at most B idle
@@ -348,7 +348,8 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         num_m_tiles = triton.cdiv(nq, bm)
     total_tiles = b * hq * num_m_tiles
     if total_tiles >= 2**31:
-        raise NotImplementedError(f"B * H * cdiv(Nq, {bm}) = {total_tiles} tiles exceed the grid's axis 0")
+        raise NotImplementedError(f"{total_tiles} tiles ({'Hq * (total_q // BLOCK_M + B)' if varlen else 'B * H * cdiv(Nq, BLOCK_M)'}, "
+                                  f"BLOCK_M {bm}) exceed the grid's axis 0")
     if cfg.persistent:
         grid = (min(total_tiles, sm_count(q.device.index)),)
         persistent_tiles = total_tiles  # the kernel's loop bound
@@ -363,6 +364,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         if cfg.host_desc:
             ensure_allocator()
         descs = _NO_DESCS
+        check_descriptor_grid(grid[0], "the Gluon forward")
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.dynamic else None
     dynamic = (q, k, v, out, lse, counter, cu_q, cu_k, softmax_scale * LOG2E, *descs)
     static = (

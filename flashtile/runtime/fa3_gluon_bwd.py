@@ -25,7 +25,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
-from flashtile.runtime.common import on_device
+from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits, on_device
 from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
@@ -424,13 +424,13 @@ def varlen_fits(n_seqs: int, hq: int, total_q: int, total_k: int, max_seqlen_k: 
     the dQ accumulator (``VARLEN_PAD`` rows each) at most doubles them, and the grid (every sequence spans the
     longest one's kv tiles; an idle program returns at once, but each gets its descriptors' ~1 KB of global
     scratch) holds at most 2^18 programs or 8x those with keys (the bench's 40 sequences of 128..8k at H 16:
-    41k programs, 4.6x), and fewer than 2^31; ``block_n`` keys per program (the wide kernel's: 64).  Otherwise
-    FA2's packed backward (no such overheads)."""
+    41k programs, 4.6x), and whose scratch stays inside Triton's int32 offsets (``descriptor_grid_fits``);
+    ``block_n`` keys per program (the wide kernel's: 64).  Otherwise FA2's packed backward (no such overheads)."""
     from flashtile.kernels.fa3_gluon_bwd import VARLEN_PAD
 
     programs = n_seqs * hq * triton.cdiv(max_seqlen_k, block_n)
     busy = hq * (triton.cdiv(total_k, block_n) + n_seqs)
-    return VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18) and programs < 2**31
+    return VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18) and descriptor_grid_fits(programs)
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
@@ -460,8 +460,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     num_n_tiles = triton.cdiv(nk, block_n)
     group_loop = cfg.group_loop and not wide
     grid = (b * (hk if group_loop else hq) * num_n_tiles,)
-    if grid[0] >= 2**31:
-        raise NotImplementedError(f"B * Hq * cdiv(Nk, {block_n}) = {grid[0]} programs exceed the grid's axis 0")
+    check_descriptor_grid(grid[0], "the Gluon backward")
     partial = dk.shape[1] != hk
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
                *dv.stride()[:3], dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles)
@@ -550,6 +549,8 @@ def prefer_gluon_bwd(
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
     to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
     if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
+        return False
+    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64)):  # 64-key tiles and wider
         return False
     return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
 

@@ -214,7 +214,7 @@ def test_public_op_dispatches_plain_packed_forwards(monkeypatch, host_on_cpu):
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse = flash_attn_varlen_func(qg, kg, vg, cu_q, cu_k, max(LENS_Q), 60, causal=True, return_lse=True)
     out.backward(dout)
-    assert launched and asked[-1] == dict(causal=True, window=(-1, 0), plain=True, max_seqlen_k=60)
+    assert launched and asked[-1] == dict(causal=True, window=(-1, 0), plain=True, max_seqlen_k=60, n_seqs=6)
     ref = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, causal=True)
     assert_close(out, ref[0], torch.float16, "cpu", "out")
     assert_close(lse, ref[1], torch.float32, "cpu", "lse")
@@ -230,7 +230,7 @@ def test_public_op_dispatches_plain_packed_forwards(monkeypatch, host_on_cpu):
 def test_prefer_hopper_varlen_gates():
     """CPU tensors, fp32, a bounded window, non-plain calls and no keys at all never take the Hopper kernel."""
     q = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
-    kw = dict(causal=False, window=(-1, -1), plain=True, max_seqlen_k=8192, capability=(9, 0))
+    kw = dict(causal=False, window=(-1, -1), plain=True, max_seqlen_k=8192, n_seqs=1, capability=(9, 0))
     assert not prefer_hopper_varlen(q, q, q, **kw)  # CPU
     assert not prefer_hopper_varlen(q, q, q, **(kw | dict(plain=False)))
     assert not prefer_hopper_varlen(q, q, q, **(kw | dict(window=(128, -1))))
@@ -242,13 +242,55 @@ def test_prefer_hopper_varlen_follows_the_fixed_rule(monkeypatch):
     q = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
     asked = []
     monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a: asked.append(a) or True)
-    kw = dict(plain=True, max_seqlen_k=8192, capability=(9, 0))
+    kw = dict(plain=True, max_seqlen_k=8192, n_seqs=3, capability=(9, 0))
     assert prefer_hopper_varlen(q, q, q, causal=False, window=(-1, -1), **kw)
     assert prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
     q64 = q[..., :64]
     assert prefer_hopper_varlen(q64, q64, q64, causal=False, window=(-1, -1), **kw)
     assert [a[3] for a in asked] == [False, True, False] and {a[6] for a in asked} == {8192}
+    assert {a[7] for a in asked} == {2 * 2 * (4096 // 64 + 3)}  # the grid bound: 2 Hq (total_q // 64 + B)
     assert asked[2][0].shape == (1, 2, 4096, 64)  # the kernel's packed view
+
+
+def test_descriptor_grids_stay_inside_their_scratch(monkeypatch):
+    """Grids whose in-kernel descriptors' scratch would pass Triton's int32 offsets (programs x 1 KB >= 2^31):
+    each public rule asks ``descriptor_grid_fits`` with its grid's bound (fixed and packed forward, both
+    backwards; that a False sends the call to FA2 on a GPU: ``test_gpu_descriptor_grid_rules``)."""
+    from flashtile.runtime import common, fa3_bwd, fa3_gluon_bwd
+
+    assert common.descriptor_grid_fits(2**21 - 1) and not common.descriptor_grid_fits(2**21)
+    with pytest.raises(NotImplementedError, match="int32 scratch offsets"):
+        common.check_descriptor_grid(2**21, "a kernel")
+    fits = []
+    monkeypatch.setattr(fa3_fwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
+    monkeypatch.setattr(fa3_gluon_bwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
+    monkeypatch.setattr(fa3_bwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
+    q = torch.empty(2, 3, 1000, 128, dtype=torch.bfloat16)  # (B, H, N, d) views
+    kw = dict(causal=False, window=(-1, -1), plain=True, capability=(9, 0))
+    assert not fa3_fwd.prefer_hopper(q, q, q, **kw)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd(q, q, q, q, deterministic=False, **kw)
+    assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, **kw)
+    p = torch.empty(4096, 3, 128, dtype=torch.bfloat16)  # packed (total, H, d)
+    assert not prefer_hopper_varlen(p, p, p, max_seqlen_k=4096, n_seqs=5, **kw)
+    assert fits == [2 * 3 * 16, 2 * 3 * 16, 2 * 3 * 16, 2 * 3 * (4096 // 64 + 5)]
+    assert not fa3_gluon_bwd.varlen_fits(2**12, 2**9, 2**24, 2**24, 2**12)  # 2^21 + programs, all busy
+
+
+def test_descriptor_launchers_refuse_grids_past_their_scratch(monkeypatch):
+    """With every grid's scratch past 2^31 bytes (DESC_SCRATCH_BYTES raised), the forward launchers (Triton, Gluon
+    with device descriptors) raise NotImplementedError before any kernel runs."""
+    from flashtile.runtime import common, fa3_gluon
+    import flashtile.runtime.launch as launch_mod
+
+    monkeypatch.setattr(common, "DESC_SCRATCH_BYTES", 2**31)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: pytest.fail("a kernel was launched"))
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(NotImplementedError, match="int32 scratch offsets"):
+        fa3_fwd.launch(q, q, q, q.clone(), lse, 0.1, False, fa3_fwd.fa3_config(64, False, 64, 64))
+    cfg = fa3_gluon.gluon_config(64, False)
+    with pytest.raises(NotImplementedError, match="int32 scratch offsets"):
+        fa3_gluon.gluon_launch(q, q, q, q.clone(), lse, 0.1, False, cfg)
 
 
 def test_varlen_forward_checks_its_cu_seqlens(monkeypatch):
@@ -400,7 +442,8 @@ def test_gpu_misaligned_packed_tensors_fall_back_to_fa2(monkeypatch):
     assert q_off.data_ptr() % 16 and (k_wide.stride(1) * 2) % 16
     cu = _cu(lens, "cuda")
     for qq, kk in ((q_off, k), (q, k_wide)):
-        assert not prefer_hopper_varlen(qq, kk, v, causal=False, window=(-1, -1), plain=True, max_seqlen_k=3000)
+        assert not prefer_hopper_varlen(qq, kk, v, causal=False, window=(-1, -1), plain=True, max_seqlen_k=3000,
+                                        n_seqs=2)
         out, lse = flash_attn_varlen_func(qq, kk, v, cu, cu, 3000, 3000, return_lse=True)
         assert not launched
         _assert_matches(out[:1000], lse[:, :1000], [1000], [1000], q[:1000], k[:1000], v[:1000], 128 ** -0.5, False)
@@ -412,8 +455,13 @@ def test_gpu_misaligned_packed_tensors_fall_back_to_fa2(monkeypatch):
 def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(monkeypatch, grid):
     """Compiled: bad values are clamped (no NaN from the guard bands, which stay untouched) and recorded; the
     Triton kernel's two grids and the Gluon kernel's packed one."""
+    from flashtile.runtime import fa3_gluon
+
     monkeypatch.setattr(fa3_fwd, "VARLEN_GRID", "packed" if grid == "gluon" else grid)
     monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", grid == "gluon")
+    ran = []
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     h, d, guard = 2, 64, 1 << 16
 
     def guarded(rows, seed):
@@ -434,14 +482,18 @@ def test_gpu_varlen_bad_cu_seqlens_stay_inside_and_are_recorded(monkeypatch, gri
             assert not torch.isnan(out[first]).any() and not torch.isnan(lse[:, first]).any()
         for store in (sq, sk, sv):
             assert torch.isnan(store[:guard]).all() and torch.isnan(store[-guard:]).all()
+        assert bool(ran) == (grid == "gluon")
         with pytest.raises(ValueError, match="cu_seqlens_q / cu_seqlens_k out of range"):
             check_errors()
 
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_varlen_offsets_past_2_31_elements():
-    """1025 sequences of 2048 tokens, 8 heads, d 128 (4.3 GB as q, k and v): the last ones start past element 2^31."""
+@pytest.mark.parametrize("gluon", [True, False])
+def test_gpu_varlen_offsets_past_2_31_elements(monkeypatch, gluon):
+    """1025 sequences of 2048 tokens, 8 heads, d 128 (4.3 GB as q, k and v): the last ones start past element 2^31;
+    the Gluon and the Triton packed kernels."""
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", gluon)
     hq, d, n = 8, 128, 2048
     lens = [n] * (2**31 // (hq * d * n) + 1)
     x = torch.randn(sum(lens), hq, d, device="cuda", dtype=torch.bfloat16)
@@ -466,7 +518,7 @@ def test_gpu_varlen_cuda_graph_replay_records_bad_values():
     q, k, v = _packed([1000, 2000], [1500, 2500], 8, 2, 128, "cuda", torch.bfloat16)
     cu_q, cu_k = _cu([1000, 2000], "cuda"), _cu([1500, 2500], "cuda")
     kw = dict(causal=False)
-    assert prefer_hopper_varlen(q, k, v, causal=False, window=(-1, -1), plain=True, max_seqlen_k=2500)
+    assert prefer_hopper_varlen(q, k, v, causal=False, window=(-1, -1), plain=True, max_seqlen_k=2500, n_seqs=2)
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2000, 2500, **kw)
     torch.cuda.synchronize()
     check_errors()
@@ -519,3 +571,28 @@ def test_gpu_gluon_varlen_matches_float64(monkeypatch, d, causal, dtype):
     fa3_varlen_forward(q, k, v, bad, _cu(lk, "cuda"), 2000, 3000, softmax_scale=0.1, causal=causal)
     with pytest.raises(ValueError, match="cu_seqlens"):
         check_errors()
+
+
+@pytest.mark.gpu
+@hopper
+def test_gpu_many_sequences_stay_inside_the_descriptor_scratch():
+    """One 4096-token sequence and 5.6M one-token ones, one head, d 128: the Hopper packed grids' descriptor scratch
+    would pass 2^31 bytes (an illegal address before the rule), so the dispatch runs FA2 and the Hopper entry point
+    refuses; each one-token row attends to its own key: out = v there."""
+    from flashtile import flash_attn_varlen_func
+
+    lens = [4096] + [1] * 5_600_000
+    total = sum(lens)
+    q, k, v = (torch.randn(total, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = _cu(lens, "cuda")
+    assert not prefer_hopper_varlen(q, k, v, causal=False, window=(-1, -1), plain=True, max_seqlen_k=4096,
+                                    n_seqs=len(lens))
+    assert prefer_hopper_varlen(q[:4096], k[:4096], v[:4096], causal=False, window=(-1, -1), plain=True,
+                                max_seqlen_k=4096, n_seqs=1)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 4096, 4096)
+    torch.cuda.synchronize()
+    assert torch.equal(out[4096:], v[4096:])
+    want = attention_varlen_ref(q[:512], k[:4096], v[:4096], [0, 512], [0, 4096])
+    assert_close(out[:512], want[0], torch.bfloat16, "cuda", "long sequence out")
+    with pytest.raises(NotImplementedError, match="int32 scratch offsets"):
+        fa3_varlen_forward(q, k, v, cu, cu, 4096, 4096, softmax_scale=128 ** -0.5)
