@@ -97,7 +97,8 @@ def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int, int]:
 
 # Triton offsets each program's global scratch (where in-kernel tensor descriptors are built) by program id x its
 # bytes in int32, so a grid whose scratch reaches 2^31 bytes writes outside it (H100, Triton 3.6: 5.6M programs x
-# 384 B faulted); the descriptor kernels take at most 768 B per program (offline sm_90a compiles): 1 KB bounds them
+# 384 B faulted); the Gluon forward / backward kernels take 384-768 B per program (offline sm_90a compiles), the
+# Triton ones at most 8 descriptors of 128 B: 1 KB bounds them
 DESC_SCRATCH_BYTES = 1024
 
 
@@ -112,7 +113,7 @@ def check_descriptor_grid(programs: int, what: str) -> None:
     if not descriptor_grid_fits(programs):
         raise NotImplementedError(
             f"{what}: a grid of {programs} programs, each building tensor descriptors in global scratch, exceeds "
-            f"the {2**31 // DESC_SCRATCH_BYTES - 1} Triton's int32 scratch offsets allow; flash_attn_func / "
+            f"the {2**31 // DESC_SCRATCH_BYTES - 1} programs Triton's int32 scratch offsets allow; flash_attn_func / "
             "flash_attn_varlen_func run such problems on the FA2 kernels")
 
 

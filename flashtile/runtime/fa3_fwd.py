@@ -166,7 +166,8 @@ def prefer_hopper(
 
 def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, programs: int, capability) -> bool:
     """:func:`prefer_hopper` on (B, H, N, d) views with ``nk`` keys per sequence; ``programs`` a bound on the
-    grid (its in-kernel descriptors' scratch: ``descriptor_grid_fits``)."""
+    grid (its in-kernel descriptors' scratch: ``descriptor_grid_fits``; a bound also where the Gluon kernel would
+    build its descriptors on the host, so B * H * N from 2^27 rows runs FA2)."""
     if not descriptor_grid_fits(programs):
         return False
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
@@ -211,8 +212,11 @@ def prefer_hopper_fp8(
 ) -> bool:
     """Whether e4m3 (B, H, N, d) views q, k run the FP8 Hopper kernel (V is copied transposed, any layout):
     sm_90, no softcap / ALiBi (``plain``), an unbounded or causal window, a positive scale, head dims
-    multiple of 16 and tensor-descriptor-ready q, k.  Otherwise the caller dequantises."""
+    multiple of 16, tensor-descriptor-ready q, k and a grid inside its descriptors' scratch (``descriptor_grid_fits``).
+    Otherwise the caller dequantises."""
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype != FP8 or q.shape[3] not in FP8_HEAD_DIMS:
+        return False
+    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(q.shape[2], 64)):
         return False
     left, right = window
     if left != -1 or right != (0 if causal else -1) or not 0 < softmax_scale < math.inf:

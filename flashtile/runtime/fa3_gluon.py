@@ -348,8 +348,8 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         num_m_tiles = triton.cdiv(nq, bm)
     total_tiles = b * hq * num_m_tiles
     if total_tiles >= 2**31:
-        raise NotImplementedError(f"{total_tiles} tiles ({'Hq * (total_q // BLOCK_M + B)' if varlen else 'B * H * cdiv(Nq, BLOCK_M)'}, "
-                                  f"BLOCK_M {bm}) exceed the grid's axis 0")
+        shape = "Hq * (total_q // BLOCK_M + B)" if varlen is not None else "B * H * cdiv(Nq, BLOCK_M)"
+        raise NotImplementedError(f"{total_tiles} tiles ({shape}, BLOCK_M {bm}) exceed the grid's axis 0")
     if cfg.persistent:
         grid = (min(total_tiles, sm_count(q.device.index)),)
         persistent_tiles = total_tiles  # the kernel's loop bound
