@@ -143,12 +143,13 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x; causal
     below 1k unmeasured: FA2);
     d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
-    1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k (0.9-1.1x at 4k, 1.2x at 16k in the Hopper
-    dispatch probe): from 8k keys.  d <= 32 was not measured: FA2."""
+    1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k, from 4k keys (two consumer warpgroups over
+    dynamic tiles 1.05-1.06x at 4k, the three-warpgroup table 1.1-1.25x from 8k; bench/NOTES.md "d = 64 / 48 causal
+    forward").  d <= 32 was not measured: FA2."""
     if d not in SUPPORTED_HEAD_DIMS or d <= 32:
         return False
-    if d <= 64:
-        return nk >= (8192 if causal else 2048)
+    if d <= 64:  # causal from 4k: two consumer warpgroups, dynamic tiles (fa3_gluon.NARROW_TWO_WG_KEYS)
+        return nk >= (4096 if causal else 2048)
     return d > 128 or not causal or nk >= (1024 if d < 128 else 2048)  # causal below 1k keys: unmeasured, FA2
 
 
@@ -197,8 +198,8 @@ def prefer_hopper_varlen(
     hold most of the FLOPs).  ``plain`` also excludes a ``block_table``; no keys at all stays with FA2.  H100,
     64k tokens of 128..8k-token sequences, 2048 / d heads (bench/NOTES.md, "Gluon packed forward"), non-causal /
     causal TFLOP/s of the Hopper path (Gluon's packed grid at d <= 192, Triton's at 256): d = 64 444 / 348, 96
-    455 / 397, 128 564 / 472, 192 556 / 487, 256 569 / 552; FA2's packed kernel: d = 64 413 / 352 (causal d <= 64
-    stays there by the rule), 96 322 / 330, causal 128 377, 192 187, 256 260."""
+    455 / 397, 128 564 / 472, 192 556 / 487, 256 569 / 552; FA2's packed kernel: d = 64 413 / 352 (causal: a tie),
+    96 322 / 330, causal 128 377, 192 187, 256 260."""
     if k.shape[0] == 0:
         return False
     programs = 2 * q.shape[1] * (q.shape[0] // 64 + n_seqs)  # either grid of either kernel (launch, gluon_launch)
@@ -345,10 +346,13 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
     q, softmax_scale = positive_scale(q, softmax_scale)
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     if use_gluon(d, causal):
-        from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, gluon_config, gluon_launch
+        from flashtile.runtime.fa3_gluon import (DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_TWO_WG_KEYS,
+                                                 gluon_config, gluon_launch)
 
         big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS))
+        lo, hi = NARROW_TWO_WG_KEYS
+        cfg = gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi)
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
         return out, lse
     with on_device(q):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))

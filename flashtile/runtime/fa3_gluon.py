@@ -120,10 +120,14 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
 HOST_DESC_MIN_WORK = 1 << 32
 # keys from which a causal call with tiles wider than 64 claims its tiles dynamically (gluon_config's ``many_keys``)
 DYNAMIC_MIN_KEYS = 2048
+# keys [lo, hi) in which a causal call with tiles 33-64 wide runs two consumer warpgroups over dynamically claimed
+# tiles (gluon_config's ``mid_keys``): three warpgroups win from 8k, FA2 below 4k (hopper_wins)
+NARROW_TWO_WG_KEYS = (4096, 8192)
 
 
 @functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
-def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool = False) -> GluonConfig:
+def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool = False,
+                 mid_keys: bool = False) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
@@ -138,8 +142,11 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     widths do not (d = 64 at 16k 0.93x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
     tiles wider than 64 loops persistently over dynamically claimed tiles (``dynamic``; static round robin lost,
     0.65-0.9x): dynamic / one program per tile 1.01-1.09x at 2k-16k for d = 96, 128, 192, 256 in interleaved
-    rounds; 0.86-0.87x at 1k, d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler").  ``host_desc``: the
-    caller's choice (``HOST_DESC_MIN_WORK``)."""
+    rounds; 0.86-0.87x at 1k, d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler").  Causal with
+    ``mid_keys`` (the caller's Nk in ``NARROW_TWO_WG_KEYS``) and tiles 33-64 wide: two consumer warpgroups over
+    dynamically claimed tiles, 1.05-1.06x FA2 at 4k keys where the three-warpgroup row ran 0.93-1.0x (d = 64 and
+    48, also GQA 32 / 8; bench/NOTES.md "d = 64 / 48 causal forward", ``results/g64gqa-fwd-probe_*.json``); from
+    8k that row wins (428 vs 400 TFLOP/s).  ``host_desc``: the caller's choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -161,6 +168,8 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
         cfg = replace(cfg, persistent=True)
     elif causal and many_keys and width > 64:
         cfg = replace(cfg, persistent=True, dynamic=True)
+    elif causal and mid_keys and 32 < width <= 64:
+        cfg = replace(cfg, num_wg=2, persistent=True, dynamic=True)
     if host_desc:
         cfg = replace(cfg, host_desc=True)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:

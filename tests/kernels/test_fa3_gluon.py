@@ -45,6 +45,11 @@ def test_config_table_fits():
     assert gluon_config(96, True, many_keys=True).dynamic and gluon_config(192, True, False, True).dynamic
     assert not gluon_config(64, True, many_keys=True).dynamic and not gluon_config(40, True, many_keys=True).persistent
     assert gluon_config(128, False, many_keys=True) == gluon_config(128, False)  # non-causal: static persistent
+    # 4k-8k causal keys at widths 33-64: two consumer warpgroups over dynamic tiles; not wider, not non-causal
+    assert gluon_config(64, True, True, True, True) == replace(gluon_config(64, True, True), num_wg=2,
+                                                               persistent=True, dynamic=True)
+    assert gluon_config(40, True, mid_keys=True).num_wg == 2 and gluon_config(128, True, mid_keys=True).num_wg == 2
+    assert not gluon_config(128, True, mid_keys=True).dynamic and gluon_config(64, False, mid_keys=True).num_wg == 3
     for d in (64, 96, 128, 192):  # host_desc is the caller's per-call choice, the rest of the row unchanged
         assert gluon_config(d, True, True) == replace(gluon_config(d, True), host_desc=True)
     assert [block_d(d) for d in (8, 16, 24, 40, 64, 72, 192, 256)] == [16, 16, 32, 64, 64, 128, 256, 256]
@@ -465,6 +470,30 @@ def test_gpu_forward_claims_causal_tiles_dynamically_from_many_keys(monkeypatch)
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d", [64, 48])
+def test_gpu_narrow_causal_mid_keys_two_warpgroups_dynamic(monkeypatch, d):
+    """Narrow causal tiles with Nk in NARROW_TWO_WG_KEYS run two consumer warpgroups over dynamic tiles (from the
+    end of that range, three); GQA 4 / 2, Nq < Nk (bottom-right causal), tails; both match the oracle."""
+    from flashtile.runtime import fa3_gluon
+    from flashtile.runtime.fa3_fwd import fa3_forward
+
+    seen = []
+    real = fa3_gluon.gluon_launch
+    monkeypatch.setattr(fa3_gluon, "gluon_launch", lambda *a: seen.append((a[-1].num_wg, a[-1].dynamic)) or real(*a))
+    lo, hi = fa3_gluon.NARROW_TWO_WG_KEYS
+    for nk in (lo + 40, hi):
+        q = torch.randn(1, 4, 1000, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = fa3_forward(q, k, v, softmax_scale=0.1, causal=True)
+        kk, vv = (x.repeat_interleave(2, dim=1) for x in (k, v))
+        ref_o, ref_lse = attention_ref(*(x.double() for x in (q, kk, vv)), scale=0.1, causal=True)
+        assert_close(out, ref_o, out.dtype, out.device, f"out, Nk = {nk}")
+        assert_close(lse, ref_lse, torch.float32, lse.device, f"lse, Nk = {nk}")
+    assert seen == [(2, True), (3, False)]
+
+
+@pytest.mark.gpu
+@hopper
 def test_gpu_bound_launch_reuses_the_kernel_correctly():
     """Second and third calls of one signature go through runtime.launch's bound runner, new data each."""
     cfg = gluon_config(128, True)
@@ -766,7 +795,8 @@ def test_gpu_dynamic_cuda_graph_replays(d):
 
 def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
     """fa3_fwd.forward_checked (the ops' entry) asks gluon_config for the dynamic causal grid from
-    DYNAMIC_MIN_KEYS keys on, not below, and never without a mask (the launch itself stubbed: no sm_90 here)."""
+    DYNAMIC_MIN_KEYS keys on, not below, and never without a mask; at d = 64 two warpgroups over dynamic tiles for
+    causal keys in NARROW_TWO_WG_KEYS only (the launch itself stubbed: no sm_90 here)."""
     from flashtile.runtime import fa3_fwd, fa3_gluon
 
     seen = []
@@ -778,3 +808,10 @@ def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
         k = torch.zeros(1, 2, nk, 128, dtype=torch.bfloat16)
         fa3_fwd.forward_checked(q, k, k, 0.1, causal)
     assert [(c, cfg.dynamic) for c, cfg in seen] == [(True, False), (True, True), (False, False)]
+    seen.clear()
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    lo, hi = fa3_gluon.NARROW_TWO_WG_KEYS
+    for nk, causal in ((lo - 1, True), (lo, True), (hi - 1, True), (hi, True), (lo, False)):
+        k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
+        fa3_fwd.forward_checked(q, k, k, 0.1, causal)
+    assert [(cfg.num_wg, cfg.dynamic) for _, cfg in seen] == [(3, False), (2, True), (2, True), (3, False), (3, False)]
