@@ -57,8 +57,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.kernels._common import LN2
+# a @triton.jit helper of scalar ops: Gluon code generates it as its own (the same PTX as a Gluon copy)
+from flashtile.kernels.fa3_fwd import _packed_slot
 
-__all__ = ["fa3_gluon_kernel", "packed_range", "packed_slot", "WG_M"]
+__all__ = ["fa3_gluon_kernel", "packed_range", "WG_M"]
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 _LN2 = gl.constexpr(LN2)
@@ -73,32 +75,6 @@ def packed_range(Cu, b, total, max_len):
     start = gl.minimum(gl.maximum(gl.load(Cu + b).to(gl.int64), 0), total)
     end = gl.minimum(gl.maximum(gl.load(Cu + b + 1).to(gl.int64), start), total)
     return start, gl.minimum(end - start, max_len).to(gl.int32)
-
-
-@gluon.jit
-def _slot_start(Cu, b, total, BLOCK_M: gl.constexpr):
-    """First grid slot of sequence ``b``: its start row (clamped to [0, total]) // BLOCK_M + b."""
-    start = gl.minimum(gl.maximum(gl.load(Cu + b).to(gl.int64), 0), total)
-    return (start // BLOCK_M).to(gl.int32) + b
-
-
-@gluon.jit
-def packed_slot(Cu, slot, n_batch, total, n_steps, BLOCK_M: gl.constexpr):
-    """``(b, tile)`` of slot ``slot`` of a packed grid, as :func:`flashtile.kernels.fa3_fwd._packed_slot` finds
-    it: sequence b owns the slots [s(b), s(b + 1)) (``_slot_start``), at least cdiv(L_b, BLOCK_M) of them, so
-    total // BLOCK_M + B slots per head hold every tile with at most B idle; b is the last sequence with
-    s(b) <= slot (``n_steps`` = bit_length(B - 1) halvings of [0, B)); tile < 0 only for decreasing cu_seqlens."""
-    lo = slot * 0
-    hi = lo + n_batch
-    s_lo = _slot_start(Cu, 0, total, BLOCK_M=BLOCK_M)
-    for _ in range(n_steps):
-        mid = (lo + hi) // 2
-        s_mid = _slot_start(Cu, mid, total, BLOCK_M=BLOCK_M)
-        right = (s_mid <= slot).to(gl.int32)  # branch-free: the scalars stay uniform
-        lo = lo + (mid - lo) * right
-        s_lo = s_lo + (s_mid - s_lo) * right
-        hi = mid + (hi - mid) * right
-    return lo, slot - s_lo
 
 
 @gluon.jit
@@ -802,7 +778,7 @@ def fa3_gluon_kernel(
     stride_ob, stride_oh, stride_om,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     total_tiles,  # PERSISTENT: B * Hq * num_m_tiles; otherwise None (a constexpr: no parameter)
-    # IS_VARLEN: the packed row counts, B, and packed_slot's halvings bit_length(B - 1); otherwise None
+    # IS_VARLEN: the packed row counts, B, and _packed_slot's halvings bit_length(B - 1); otherwise None
     total_q, total_k, n_batch, search_steps,
     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
@@ -822,7 +798,7 @@ def fa3_gluon_kernel(
     device (no global scratch); otherwise per-head descriptors are built in the kernel from the pointers.
     ``IS_VARLEN`` (one program per slot, descriptors built here): a packed batch of ``n_batch`` sequences, Q, K,
     V, Out (1, H, total, d) views, LSE (Hq, total_q), ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths,
-    ``num_m_tiles`` = total_q // BLOCK_M + B slots per head (``packed_slot`` maps a slot to its sequence and
+    ``num_m_tiles`` = total_q // BLOCK_M + B slots per head (``fa3_fwd._packed_slot`` maps a slot to its sequence and
     query tile; at most B idle); each program reads its sequence's rows from CuQ / CuK (``packed_range``:
     clamped to the tensors) and its descriptors and stores stop at the sequence's end."""
     BLOCK_M: gl.constexpr = NUM_WG * 64
@@ -846,7 +822,7 @@ def fa3_gluon_kernel(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
         if IS_VARLEN:
             # one "batch" of slots per head: the slot's sequence and query tile, then that sequence's rows
-            seq, tile = packed_slot(CuQ, start_m // BLOCK_M, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
+            seq, tile = _packed_slot(CuQ, start_m // BLOCK_M, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
             q_start, seqlen_q = packed_range(CuQ, seq, total_q, seqlen_q)
             k_start, seqlen_k = packed_range(CuK, seq, total_k, seqlen_k)
             # an idle slot: nothing to load, compute or store (tile tested before any product: any int for

@@ -351,7 +351,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
             raise ValueError(f"a packed batch runs one program per slot with device descriptors, got {cfg}")
         cu_q, cu_k, max_q, max_k = varlen
         n_batch, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
-        # one "batch" of total_q // bm + B slots per head (kernels/fa3_gluon.packed_slot): at most B idle
+        # one "batch" of total_q // bm + B slots per head (kernels/fa3_fwd._packed_slot): at most B idle
         b, num_m_tiles, search_steps = 1, total_q // bm + n_batch, (n_batch - 1).bit_length()
     else:
         num_m_tiles = triton.cdiv(nq, bm)
