@@ -97,23 +97,26 @@ def fold_grid(n_tiles: int, n_bh: int) -> tuple[int, int, int]:
 
 # Triton offsets each program's global scratch (where in-kernel tensor descriptors are built) by program id x its
 # bytes in int32, so a grid whose scratch reaches 2^31 bytes writes outside it (H100, Triton 3.6: 5.6M programs x
-# 384 B faulted); the Gluon forward / backward kernels take 384-768 B per program (offline sm_90a compiles), the
-# Triton ones at most 8 descriptors of 128 B: 1 KB bounds them
+# 384 B faulted).  Bytes per program, bounds of offline sm_90a compiles: forward kernels 384-768 (Triton: 640)
 DESC_SCRATCH_BYTES = 1024
+# backward kernels 512-1408 (the wide Gluon kernel's 192-wide tiles with dQ through TMA: 11 descriptors)
+DESC_SCRATCH_BWD_BYTES = 2048
 
 
-def descriptor_grid_fits(programs: int) -> bool:
-    """Whether ``programs`` programs that build tensor descriptors in global scratch stay inside it."""
-    return programs * DESC_SCRATCH_BYTES < 2**31
+def descriptor_grid_fits(programs: int, backward: bool = False) -> bool:
+    """Whether ``programs`` programs of a forward (or ``backward``) kernel that build tensor descriptors in
+    global scratch stay inside it."""
+    return programs * (DESC_SCRATCH_BWD_BYTES if backward else DESC_SCRATCH_BYTES) < 2**31
 
 
-def check_descriptor_grid(programs: int, what: str) -> None:
+def check_descriptor_grid(programs: int, what: str, backward: bool = False) -> None:
     """NotImplementedError unless :func:`descriptor_grid_fits` (for direct callers of the Hopper launchers;
     the public dispatch sends such problems to the FA2 kernels first)."""
-    if not descriptor_grid_fits(programs):
+    if not descriptor_grid_fits(programs, backward):
+        scratch = DESC_SCRATCH_BWD_BYTES if backward else DESC_SCRATCH_BYTES
         raise NotImplementedError(
             f"{what}: a grid of {programs} programs, each building tensor descriptors in global scratch, exceeds "
-            f"the {2**31 // DESC_SCRATCH_BYTES - 1} programs Triton's int32 scratch offsets allow; flash_attn_func / "
+            f"the {2**31 // scratch - 1} programs Triton's int32 scratch offsets allow; flash_attn_func / "
             "flash_attn_varlen_func run such problems on the FA2 kernels")
 
 

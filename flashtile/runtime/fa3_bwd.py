@@ -117,7 +117,7 @@ def prefer_hopper_bwd(
     with ``plain`` as in ``_fwd_impl``, then ``fa3_backward(dob, qb, kb, vb, ob, lse, softmax_scale=...,
     causal=causal, deterministic=deterministic, dq=..., dk=..., dv=...)`` on the same (B, H, N, d) views."""
     # both kernels' grids (64-row tiles and wider) inside their descriptors' scratch
-    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(max(q.shape[2], k.shape[2]), 64)):
+    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(max(q.shape[2], k.shape[2]), 64), backward=True):
         return False
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
         return False
@@ -297,7 +297,7 @@ def launch_dkdv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, c
     hk, nk = k.shape[1], k.shape[2]
     num_n_tiles = triton.cdiv(nk, cfg.block_n)
     grid = (b * (hk if group_loop else hq) * num_n_tiles,)
-    check_descriptor_grid(grid[0], "the Hopper dK/dV kernel")
+    check_descriptor_grid(grid[0], "the Hopper dK/dV kernel", backward=True)
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         *(dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)),
@@ -320,7 +320,7 @@ def launch_dq(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, cfg: Fa
     hk, nk = k.shape[1], k.shape[2]
     num_m_tiles = triton.cdiv(nq, cfg.dq_block_m)
     grid = (b * hq * num_m_tiles,)
-    check_descriptor_grid(grid[0], "the Hopper dQ kernel")
+    check_descriptor_grid(grid[0], "the Hopper dQ kernel", backward=True)
     static = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
         hq, hq // hk, nq, nk, num_m_tiles,

@@ -430,7 +430,8 @@ def varlen_fits(n_seqs: int, hq: int, total_q: int, total_k: int, max_seqlen_k: 
 
     programs = n_seqs * hq * triton.cdiv(max_seqlen_k, block_n)
     busy = hq * (triton.cdiv(total_k, block_n) + n_seqs)
-    return VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18) and descriptor_grid_fits(programs)
+    return (VARLEN_PAD * n_seqs <= total_q and programs <= max(8 * busy, 2**18)
+            and descriptor_grid_fits(programs, backward=True))
 
 
 def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: float, causal: bool,
@@ -460,7 +461,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     num_n_tiles = triton.cdiv(nk, block_n)
     group_loop = cfg.group_loop and not wide
     grid = (b * (hk if group_loop else hq) * num_n_tiles,)
-    check_descriptor_grid(grid[0], "the Gluon backward")
+    check_descriptor_grid(grid[0], "the Gluon backward", backward=True)
     partial = dk.shape[1] != hk
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
                *dv.stride()[:3], dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles)
@@ -550,7 +551,7 @@ def prefer_gluon_bwd(
     to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
     if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
-    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64)):  # 64-key tiles and wider
+    if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64), backward=True):  # 64-key tiles+
         return False
     return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
 

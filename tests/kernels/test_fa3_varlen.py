@@ -253,18 +253,21 @@ def test_prefer_hopper_varlen_follows_the_fixed_rule(monkeypatch):
 
 
 def test_descriptor_grids_stay_inside_their_scratch(monkeypatch):
-    """Grids whose in-kernel descriptors' scratch would pass Triton's int32 offsets (programs x 1 KB >= 2^31):
-    each public rule asks ``descriptor_grid_fits`` with its grid's bound (fixed and packed forward, both
-    backwards; that a False sends the call to FA2 on a GPU: ``test_gpu_descriptor_grid_rules``)."""
+    """Grids whose in-kernel descriptors' scratch would pass Triton's int32 offsets (programs x 1 KB >= 2^31 forward,
+    x 2 KB backward): each public rule asks ``descriptor_grid_fits`` with its grid's bound and direction (fixed
+    and packed forward, both backwards; that a False sends the call to FA2 on a GPU:
+    ``test_gpu_many_sequences_stay_inside_the_descriptor_scratch``); the packed backward's rule from 2^20 programs."""
     from flashtile.runtime import common, fa3_bwd, fa3_gluon_bwd
 
     assert common.descriptor_grid_fits(2**21 - 1) and not common.descriptor_grid_fits(2**21)
+    assert common.descriptor_grid_fits(2**20 - 1, backward=True) and not common.descriptor_grid_fits(2**20, True)
     with pytest.raises(NotImplementedError, match="int32 scratch offsets"):
         common.check_descriptor_grid(2**21, "a kernel")
     fits = []
-    monkeypatch.setattr(fa3_fwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
-    monkeypatch.setattr(fa3_gluon_bwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
-    monkeypatch.setattr(fa3_bwd, "descriptor_grid_fits", lambda n: fits.append(n) or False)
+    record = lambda n, backward=False: fits.append((n, backward)) or False  # noqa: E731
+    monkeypatch.setattr(fa3_fwd, "descriptor_grid_fits", record)
+    monkeypatch.setattr(fa3_gluon_bwd, "descriptor_grid_fits", record)
+    monkeypatch.setattr(fa3_bwd, "descriptor_grid_fits", record)
     q = torch.empty(2, 3, 1000, 128, dtype=torch.bfloat16)  # (B, H, N, d) views
     kw = dict(causal=False, window=(-1, -1), plain=True, capability=(9, 0))
     assert not fa3_fwd.prefer_hopper(q, q, q, **kw)
@@ -272,8 +275,11 @@ def test_descriptor_grids_stay_inside_their_scratch(monkeypatch):
     assert not fa3_bwd.prefer_hopper_bwd(q, q, q, q, **kw)
     p = torch.empty(4096, 3, 128, dtype=torch.bfloat16)  # packed (total, H, d)
     assert not prefer_hopper_varlen(p, p, p, max_seqlen_k=4096, n_seqs=5, **kw)
-    assert fits == [2 * 3 * 16, 2 * 3 * 16, 2 * 3 * 16, 2 * 3 * (4096 // 64 + 5)]
-    assert not fa3_gluon_bwd.varlen_fits(2**12, 2**9, 2**24, 2**24, 2**12)  # 2^21 + programs, all busy
+    assert fits == [(96, False), (96, True), (96, True), (2 * 3 * (4096 // 64 + 5), False)]  # 2 * 3 * cdiv(1000, 64)
+    monkeypatch.undo()
+    # 1024 sequences x 32 heads x cdiv(max_seqlen_k, 128) programs, about 1/8 of them with keys
+    assert fa3_gluon_bwd.varlen_fits(1024, 32, 2**22, 2**22, 4096 - 128)  # 2^20 - 2^15 programs
+    assert not fa3_gluon_bwd.varlen_fits(1024, 32, 2**22, 2**22, 4096)  # 2^20
 
 
 def test_descriptor_launchers_refuse_grids_past_their_scratch(monkeypatch):
