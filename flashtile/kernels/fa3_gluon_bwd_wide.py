@@ -17,10 +17,10 @@ rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring) 
 ``PINGPONG`` as in the narrow kernel. Pᵀ and dSᵀ reach the GEMMs that read them from shared memory through one tile
 each per warpgroup. ``SPLIT_S`` (FA3's split): warpgroup w computes Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and
 writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two buffers, ``ds_full`` / ``ds_empty`` between the
-warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (not with ``SPLIT_S``): dQ's
-parts go through a [64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector
-reductions from registers; Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the staging
-tiles.
+warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (with ``SPLIT_S`` only at
+TILE_D = 192: 230 KB at 256): dQ's parts go through a [64, 32] fp32 shared tile per warpgroup and TMA bulk
+reduce-adds (FA3's way) instead of vector reductions from registers; without ``SPLIT_S`` Pᵀ is then the dV GEMM's
+register operand, its shared tiles' 16 KB holding the staging tiles.
 
 Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
 KB of the 227 (177 KB at TILE_D = 192). TMA zero-fills columns past d; stores are masked. The dQ accumulator's rows
@@ -209,14 +209,15 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
 
 @gluon.jit
 def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
-                       stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, qk_scale,
-                       seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
+                       stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
+                       qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
                        gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG:
-                       gl.constexpr):
+                       gl.constexpr, DQ_TMA: gl.constexpr):
     """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
     [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
     tiles of buffer it % 2, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
-    both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``)."""
+    both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``).  ``DQ_TMA`` (TILE_D = 192: room for
+    the staging tiles beside both buffers): dQ's parts as in :func:`_wide_q_step`."""
     COL0: gl.constexpr = WG * 128
     WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -269,18 +270,31 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     mbarrier.wait(ds_full.index(buf), (it // 2) & 1)  # both warpgroups' columns written
     dv = warpgroup_mma(pt_b, do_w, dv, is_async=True)
     dk = warpgroup_mma(ds_b, q_w, dk, is_async=True)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 64, 16])
-    dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
     ds_t = ds_b.permute((1, 0))
-    acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
-    dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-    _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-    for c in gl.static_range(1, WIDTH // 64):
-        dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
-        _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    if DQ_TMA:
+        PART: gl.constexpr = 32
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, PART, 16])
+        dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_t, k_w.slice(0, PART, dim=1), dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
+        for c in gl.static_range(1, WIDTH // PART):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 64, 16])
+        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
+        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
+        dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        for c in gl.static_range(1, WIDTH // 64):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
+            _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     mbarrier.arrive(ds_empty.index(buf))  # this warpgroup's last read of the buffer retired
     return dk, dv
 
@@ -296,9 +310,9 @@ def _wide_steps(lo, hi, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi
         if SPLIT_S:
             dk, dv = _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
                                         ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars,
-                                        DQacc, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                                        TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=MASKED,
-                                        PINGPONG=PINGPONG)
+                                        DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG,
+                                        BLOCK_D=BLOCK_D, TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
+                                        MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA)
         else:
             dk, dv = _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
                                   stats_smem, q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem,
@@ -429,7 +443,8 @@ def fa3_gluon_bwd_wide_kernel(
     else:
         pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
-    gl.static_assert(not (DQ_TMA and SPLIT_S))  # split_s needs both Pᵀ buffers: no room for the dQ tiles
+    # split_s's two Pᵀ buffers leave room for the dQ staging tiles at TILE_D = 192 only (230 KB at 256)
+    gl.static_assert(not (DQ_TMA and SPLIT_S) or TILE_D == 192)
     if DQ_TMA:
         # one fp32 [64, 32] dQ part per warpgroup, bulk reduce-added into the accumulator
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 32],

@@ -96,12 +96,15 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     ``num_stages`` pairs of 64 fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
     with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
-    ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles), the
-    statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
+    ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all
+    six with ``split_s`` and ``dq_tma``), the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456
+    at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
-        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + stats + 1024
+        dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma else 0
+        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + \
+            stats + 1024
     tiles = 6 if cfg.dq_split else 4
     dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
     stats = cfg.num_stages * 2 * BLOCK_M * 4 if cfg.stats_smem else 0
@@ -127,13 +130,15 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
     other path) and dQ through 32-column staging tiles and TMA reduce-adds (``dq_tma``, Pᵀ then a register operand):
     1.06-1.41x the Triton Hopper backward and 1.13-1.30x the wide kernel's register reductions at d = 136-256,
-    1k / 4k (``scratch/gwide2_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
+    1k / 4k (``scratch/gwide2_probe.py``); with 192-wide tiles (d = 136-192) also the split score GEMMs
+    (``split_s``, whose Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at d = 192,
+    1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
     :func:`group_loop_wins`."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
     if d in WIDE_HEAD_DIMS:
-        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
+        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=wide_tile_d(d) == 192)
     if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
         return GluonBwdConfig(num_stages=4)
     cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True,
@@ -194,8 +199,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
             raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong, split_s and dq_tma "
                              f"vary (stats_smem True, pt_separate = not dq_tma, the other dQ flags False), got {cfg} "
                              f"at head_dim {d}")
-        if cfg.dq_tma and cfg.split_s:  # split_s's two Pᵀ buffers leave no room for the dQ staging tiles
-            raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 128, got {cfg}")
+        if cfg.dq_tma and cfg.split_s and wide_tile_d(d) != 192:
+            # split_s's two Pᵀ buffers leave room for the dQ staging tiles beside 192-wide tiles only
+            raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 192, got {cfg} at "
+                             f"head_dim {d}")
     else:
         if cfg.split_s:
             raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "

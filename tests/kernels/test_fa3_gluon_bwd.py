@@ -47,9 +47,10 @@ def test_config_table_fits():
     assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, dq_swizzle32=True,
                                                                                     **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
-    # above 128 the wide kernel's one shape: dQ through TMA
+    # above 128 the wide kernel: dQ through TMA, and the split score GEMMs beside 192-wide tiles
     wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
-    assert gluon_bwd_config(136, False) == gluon_bwd_config(256, True) == gluon_bwd_config(192, False) == wide
+    assert gluon_bwd_config(200, False) == gluon_bwd_config(256, True) == wide
+    assert gluon_bwd_config(136, False) == gluon_bwd_config(192, True) == replace(wide, split_s=True)
     # group_loop (the caller's group_loop_wins) up to 128 where the statistics go through shared memory
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
@@ -70,10 +71,12 @@ def test_smem_estimate_matches_compile_reports():
     # (the table's) or from registers, split_s
     for d, stages, flags, reported in [(256, 2, {}, 230896), (256, 2, dict(split_s=True), 230960),
                                        (200, 2, dict(dq_tma=False, pt_separate=True), 230960),
-                                       (192, 2, {}, 181744), (136, 3, {}, 231456),
-                                       (160, 2, dict(dq_tma=False, pt_separate=True), 181744)]:
+                                       (192, 2, dict(split_s=False), 181744), (136, 3, dict(split_s=False), 231456),
+                                       (160, 2, dict(dq_tma=False, pt_separate=True), 181744),
+                                       (192, 2, dict(split_s=True, dq_tma=False, pt_separate=True), 181808),
+                                       (192, 2, {}, 198224)]:  # the table's: split_s with dQ through TMA
         cfg = replace(gluon_bwd_config(d, False), num_stages=stages, **flags)
-        if cfg.split_s:
+        if cfg.split_s and d > 192:
             cfg = replace(cfg, dq_tma=False, pt_separate=True)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT, (d, stages, flags)
     assert fa3_gluon_bwd.wide_tile_d(136) == fa3_gluon_bwd.wide_tile_d(192) == 192
@@ -172,7 +175,7 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     """Above d = 128 a config must describe the wide kernel (no dQ split / TMA / swizzle / release-once, statistics
     and Pᵀ through shared memory): anything else is a ValueError naming config, before any launch."""
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    base = gluon_bwd_config(192, False)  # dq_tma: Pᵀ a register operand, no tile of its own
+    base = gluon_bwd_config(256, False)  # dq_tma: Pᵀ a register operand, no tile of its own
     registers = replace(base, dq_tma=False, pt_separate=True)  # dQ reduced from registers, Pᵀ in its own tiles
     for cfg in (base, registers, replace(registers, split_s=True), replace(base, pingpong=False)):
         for d in (136, 192, 256):
@@ -181,8 +184,13 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
                 dict(release_once=True, dq_split=True), dict(dq_split=True), dict(dq_swizzle32=True)):
         with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
-    with pytest.raises(ValueError, match="exclude each other"):
-        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, split_s=True))
+    # split_s with dQ through TMA (the table's at d <= 192): beside 192-wide tiles only, and with 2 ring stages
+    fa3_gluon_bwd._check_config(gluon_bwd_config(136, False), 136, 2)
+    with pytest.raises(ValueError, match="exclude each other above head_dim 192"):
+        fa3_gluon_backward(*_args(d=200), softmax_scale=0.125, config=replace(base, split_s=True))
+    with pytest.raises(ValueError, match="shared memory"):
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(gluon_bwd_config(192, False),
+                                                                              num_stages=3))
     fa3_gluon_bwd._check_config(replace(base, num_stages=3), 192, 2)  # 192-wide tiles: a third ring stage fits
     with pytest.raises(ValueError, match="shared memory"):  # 256-wide ones: not
         fa3_gluon_backward(*_args(d=200), softmax_scale=0.125, config=replace(base, num_stages=3))
@@ -385,7 +393,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
     assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["TILE_D"], bound["NUM_STAGES"], bound["CAUSAL"],
-            bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, False, True)
+            bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, True, True)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -746,23 +754,25 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     assert_exact_zeros(got, visible)
 
 
-# the wide kernel's variants as config flags: the table's (dq_tma, Pᵀ a register operand) and the two it replaced: dQ reduced from registers, that with the split score GEMMs
+# the wide kernel's variants as config flags: the table's (dq_tma, Pᵀ a register operand), the two it replaced (dQ
+# reduced from registers, that with the split score GEMMs) and the split score GEMMs with dQ through TMA (192-wide
+# tiles only: the staging tiles do not fit beside 256-wide ones)
 WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True),
-                 "split_s": dict(split_s=True, dq_tma=False, pt_separate=True)}
+                 "split_s": dict(split_s=True, dq_tma=False, pt_separate=True), "split_s_tma": dict(split_s=True)}
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("variant", ["split_s", "registers"])
-@pytest.mark.parametrize("d", [136, 192, 200, 256])
+@pytest.mark.parametrize("variant,d", [(v, d) for v in ("split_s", "registers") for d in (136, 192, 200, 256)]
+                         + [("split_s_tma", d) for d in (136, 160, 192)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
 def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
-    """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles)
-    and ``registers`` (dQ reduced from registers, Pᵀ in its own tiles; the table's dq_tma is
-    ``test_gpu_wide_kernel_matches_oracle``): GQA 4:2, ragged Nq / Nk, ping-pong on and off, against the float64
-    oracle."""
+    """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles;
+    dQ from registers, or through TMA with ``split_s_tma``) and ``registers`` (dQ reduced from registers, Pᵀ in its
+    own tiles; the table's dq_tma is ``test_gpu_wide_kernel_matches_oracle``): GQA 4:2, ragged Nq / Nk, ping-pong
+    on and off, against the float64 oracle."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nk + causal)
     cfg = replace(gluon_bwd_config(d, causal), pingpong=pingpong, **WIDE_VARIANTS[variant])
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
@@ -774,7 +784,7 @@ def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
 @hopper
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("d,variant", [(d, v) for d in (192, 256) for v in ("default", "split_s", "registers")]
-                         + [(192, "3 stages")])  # 3 ring stages fit beside 192-wide tiles only
+                         + [(192, "3 stages"), (192, "split_s_tma")])  # 192-wide tiles only
 def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
     """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
     (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
