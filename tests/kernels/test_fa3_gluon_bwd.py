@@ -754,17 +754,19 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
     assert_exact_zeros(got, visible)
 
 
-# the wide kernel's variants as config flags: the table's (dq_tma, Pᵀ a register operand), the two it replaced (dQ
-# reduced from registers, that with the split score GEMMs) and the split score GEMMs with dQ through TMA (192-wide
-# tiles only: the staging tiles do not fit beside 256-wide ones)
-WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True),
-                 "split_s": dict(split_s=True, dq_tma=False, pt_separate=True), "split_s_tma": dict(split_s=True)}
+# the wide kernel's variants as config flags: the table's (dQ through TMA, Pᵀ a register operand; with the split
+# score GEMMs beside 192-wide tiles), dQ reduced from registers, that with the split score GEMMs, the split score
+# GEMMs with dQ through TMA (192-wide tiles only: the staging tiles do not fit beside 256-wide ones) and dQ through
+# TMA unsplit (the table's above 192)
+WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True, split_s=False),
+                 "split_s": dict(split_s=True, dq_tma=False, pt_separate=True), "split_s_tma": dict(split_s=True),
+                 "tma_unsplit": dict(split_s=False)}
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("variant,d", [(v, d) for v in ("split_s", "registers") for d in (136, 192, 200, 256)]
-                         + [("split_s_tma", d) for d in (136, 160, 192)])
+                         + [(v, d) for v in ("split_s_tma", "tma_unsplit") for d in (136, 160, 192)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
@@ -789,7 +791,8 @@ def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
     """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
     (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, d, F16, "cuda", seed=5 + pingpong)
-    flags = dict(num_stages=3) if variant == "3 stages" else WIDE_VARIANTS[variant]
+    # 3 stages: without split_s (with it, the dQ staging tiles leave room for 2)
+    flags = dict(num_stages=3, split_s=False) if variant == "3 stages" else WIDE_VARIANTS[variant]
     cfg = replace(gluon_bwd_config(d, True), pingpong=pingpong, **flags)
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
