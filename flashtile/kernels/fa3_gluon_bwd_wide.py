@@ -229,7 +229,8 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
 
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
-    buf = it % 2
+    DS_BUFS: gl.constexpr = pt_smem.shape[0]  # Pᵀ / dSᵀ buffers: 2, or 1 where shared memory holds one only
+    buf = it % DS_BUFS
     # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
     # descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
@@ -260,14 +261,14 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
         if CAUSAL:
             keep = keep & (gl.expand_dims(rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
         pt = gl.where(keep, pt, 0.0)
-    # the buffer's readers of two steps ago (both warpgroups) retired; the first round passes on fresh barriers
-    mbarrier.wait(ds_empty.index(buf), ((it // 2) & 1) ^ 1)
+    # the buffer's readers of DS_BUFS steps ago (both warpgroups) retired; the first round passes on fresh barriers
+    mbarrier.wait(ds_empty.index(buf), ((it // DS_BUFS) & 1) ^ 1)
     pt_b.slice(WG * 32, 32, dim=1).store(pt.to(dtype))
     dpt = warpgroup_mma_wait(0, deps=(dpt,))
     ds_b.slice(WG * 32, 32, dim=1).store((pt * dpt).to(dtype))
     fence_async_shared()
     mbarrier.arrive(ds_full.index(buf))
-    mbarrier.wait(ds_full.index(buf), (it // 2) & 1)  # both warpgroups' columns written
+    mbarrier.wait(ds_full.index(buf), (it // DS_BUFS) & 1)  # both warpgroups' columns written
     dv = warpgroup_mma(pt_b, do_w, dv, is_async=True)
     dk = warpgroup_mma(ds_b, q_w, dk, is_async=True)
     ds_t = ds_b.permute((1, 0))
@@ -435,16 +436,16 @@ def fa3_gluon_bwd_wide_kernel(
         # atoms, so each warpgroup's column slice is whole atoms
         half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
                                                          element_bitwidth=dtype.primitive_bitwidth, rank=2)
-        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], half_layout)
+        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (228 KB with one, 244 with two)
+        DS_BUFS: gl.constexpr = 1 if DQ_TMA and TILE_D == 256 else 2
+        pt_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
     elif DQ_TMA:
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
         pt_smem = ds_smem  # unread: Pᵀ is the dV GEMM's register operand
     else:
         pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one Pᵀ per warpgroup
         ds_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], tile_layout)  # one dSᵀ per warpgroup
-    # split_s's two Pᵀ buffers leave room for the dQ staging tiles at TILE_D = 192 only (230 KB at 256)
-    gl.static_assert(not (DQ_TMA and SPLIT_S) or TILE_D == 192)
     if DQ_TMA:
         # one fp32 [64, 32] dQ part per warpgroup, bulk reduce-added into the accumulator
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 64, 32],

@@ -97,12 +97,13 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
     with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
     ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all
-    six with ``split_s`` and ``dq_tma``), the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456
-    at d = 192, 2 / 3 stages)."""
+    six with ``split_s`` and ``dq_tma`` at 192-wide tiles, one Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones),
+    the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
-        dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma else 0
+        # split_s with dq_tma: two Pᵀ / dSᵀ buffers beside the staging tiles at 192-wide tiles, one at 256-wide ones
+        dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and wide_tile_d(d) == 192 else 0
         return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + \
             stats + 1024
     tiles = 6 if cfg.dq_split else 4
@@ -199,10 +200,6 @@ def _check_config(cfg, d: int, esize: int) -> None:
             raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong, split_s and dq_tma "
                              f"vary (stats_smem True, pt_separate = not dq_tma, the other dQ flags False), got {cfg} "
                              f"at head_dim {d}")
-        if cfg.dq_tma and cfg.split_s and wide_tile_d(d) != 192:
-            # split_s's two Pᵀ buffers leave room for the dQ staging tiles beside 192-wide tiles only
-            raise ValueError(f"config: dq_tma and split_s exclude each other above head_dim 192, got {cfg} at "
-                             f"head_dim {d}")
     else:
         if cfg.split_s:
             raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "

@@ -74,10 +74,9 @@ def test_smem_estimate_matches_compile_reports():
                                        (192, 2, dict(split_s=False), 181744), (136, 3, dict(split_s=False), 231456),
                                        (160, 2, dict(dq_tma=False, pt_separate=True), 181744),
                                        (192, 2, dict(split_s=True, dq_tma=False, pt_separate=True), 181808),
-                                       (192, 2, {}, 198224)]:  # the table's: split_s with dQ through TMA
+                                       (192, 2, {}, 198224),  # the table's: split_s with dQ through TMA
+                                       (256, 2, dict(split_s=True), 230992)]:  # one Pᵀ / dSᵀ buffer there
         cfg = replace(gluon_bwd_config(d, False), num_stages=stages, **flags)
-        if cfg.split_s and d > 192:
-            cfg = replace(cfg, dq_tma=False, pt_separate=True)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT, (d, stages, flags)
     assert fa3_gluon_bwd.wide_tile_d(136) == fa3_gluon_bwd.wide_tile_d(192) == 192
     assert fa3_gluon_bwd.wide_tile_d(200) == fa3_gluon_bwd.wide_tile_d(256) == 256
@@ -184,10 +183,9 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
                 dict(release_once=True, dq_split=True), dict(dq_split=True), dict(dq_swizzle32=True)):
         with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
-    # split_s with dQ through TMA (the table's at d <= 192): beside 192-wide tiles only, and with 2 ring stages
+    # split_s with dQ through TMA (the table's at d <= 192), with 2 ring stages only
     fa3_gluon_bwd._check_config(gluon_bwd_config(136, False), 136, 2)
-    with pytest.raises(ValueError, match="exclude each other above head_dim 192"):
-        fa3_gluon_backward(*_args(d=200), softmax_scale=0.125, config=replace(base, split_s=True))
+    fa3_gluon_bwd._check_config(replace(base, split_s=True), 256, 2)
     with pytest.raises(ValueError, match="shared memory"):
         fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(gluon_bwd_config(192, False),
                                                                               num_stages=3))
@@ -756,8 +754,8 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
 
 # the wide kernel's variants as config flags: the table's (dQ through TMA, Pᵀ a register operand; with the split
 # score GEMMs beside 192-wide tiles), dQ reduced from registers, that with the split score GEMMs, the split score
-# GEMMs with dQ through TMA (192-wide tiles only: the staging tiles do not fit beside 256-wide ones) and dQ through
-# TMA unsplit (the table's above 192)
+# GEMMs with dQ through TMA (one Pᵀ / dSᵀ buffer beside 256-wide tiles) and dQ through TMA unsplit (the table's
+# above 192)
 WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True, split_s=False),
                  "split_s": dict(split_s=True, dq_tma=False, pt_separate=True), "split_s_tma": dict(split_s=True),
                  "tma_unsplit": dict(split_s=False)}
@@ -766,7 +764,8 @@ WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("variant,d", [(v, d) for v in ("split_s", "registers") for d in (136, 192, 200, 256)]
-                         + [(v, d) for v in ("split_s_tma", "tma_unsplit") for d in (136, 160, 192)])
+                         + [("tma_unsplit", d) for d in (136, 160, 192)]
+                         + [("split_s_tma", d) for d in (136, 160, 192, 200, 256)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
@@ -786,7 +785,7 @@ def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
 @hopper
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("d,variant", [(d, v) for d in (192, 256) for v in ("default", "split_s", "registers")]
-                         + [(192, "3 stages"), (192, "split_s_tma")])  # 192-wide tiles only
+                         + [(192, "3 stages"), (192, "tma_unsplit"), (256, "split_s_tma")])
 def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
     """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
     (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
