@@ -17,14 +17,15 @@ rows from ``stats_preprocess_kernel``'s buffer into a ``NUM_STAGES``-deep ring) 
 ``PINGPONG`` as in the narrow kernel. Pᵀ and dSᵀ reach the GEMMs that read them from shared memory through one tile
 each per warpgroup. ``SPLIT_S`` (FA3's split): warpgroup w computes Sᵀ, dPᵀ only for q columns [32 w, 32 w + 32) and
 writes its Pᵀ, dSᵀ columns into shared [64, 64] tiles (two buffers, ``ds_full`` / ``ds_empty`` between the
-warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA`` (with ``SPLIT_S`` only at
-TILE_D = 192: 230 KB at 256): dQ's parts go through a [64, 32] fp32 shared tile per warpgroup and TMA bulk
-reduce-adds (FA3's way) instead of vector reductions from registers; without ``SPLIT_S`` Pᵀ is then the dV GEMM's
-register operand, its shared tiles' 16 KB holding the staging tiles.
+warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``DQ_TMA``: dQ's parts go through a
+[64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from
+registers; without ``SPLIT_S`` Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the
+staging tiles; with it the staging tiles take their own 16 KB, beside two Pᵀ / dSᵀ buffers at TILE_D = 192 and one
+at 256 (all that fits).
 
 Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
-KB of the 227 (177 KB at TILE_D = 192). TMA zero-fills columns past d; stores are masked. The dQ accumulator's rows
-are ``BLOCK_D`` = 256 wide either way. The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need
+KB of the 227 (177 KB at TILE_D = 192; 194 KB there with ``SPLIT_S`` and ``DQ_TMA``). TMA zero-fills columns past
+d; stores are masked. The dQ accumulator's rows are ``BLOCK_D`` = 256 wide either way. The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need
 ``triton.set_allocator``.
 """
 
@@ -216,8 +217,8 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
     [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
     tiles of buffer it % 2, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
-    both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``).  ``DQ_TMA`` (TILE_D = 192: room for
-    the staging tiles beside both buffers): dQ's parts as in :func:`_wide_q_step`."""
+    both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``; with one buffer, the previous step).
+    ``DQ_TMA``: dQ's parts as in :func:`_wide_q_step`."""
     COL0: gl.constexpr = WG * 128
     WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -436,7 +437,7 @@ def fa3_gluon_bwd_wide_kernel(
         # atoms, so each warpgroup's column slice is whole atoms
         half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
                                                          element_bitwidth=dtype.primitive_bitwidth, rank=2)
-        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (228 KB with one, 244 with two)
+        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (226 KB; two: 242 KB)
         DS_BUFS: gl.constexpr = 1 if DQ_TMA and TILE_D == 256 else 2
         pt_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)

@@ -132,8 +132,9 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     other path) and dQ through 32-column staging tiles and TMA reduce-adds (``dq_tma``, Pᵀ then a register operand):
     1.06-1.41x the Triton Hopper backward and 1.13-1.30x the wide kernel's register reductions at d = 136-256,
     1k / 4k (``scratch/gwide2_probe.py``); with 192-wide tiles (d = 136-192) also the split score GEMMs
-    (``split_s``, whose Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at d = 192,
-    1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
+    (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
+    d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
+    one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
     :func:`group_loop_wins`."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
