@@ -25,8 +25,8 @@ at 256 (all that fits).
 
 Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
 KB of the 227 (177 KB at TILE_D = 192; 194 KB there with ``SPLIT_S`` and ``DQ_TMA``). TMA zero-fills columns past
-d; stores are masked. The dQ accumulator's rows are ``BLOCK_D`` = 256 wide either way. The host launcher is :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need
-``triton.set_allocator``.
+d; stores are masked. The dQ accumulator's rows are ``BLOCK_D`` = 256 wide either way. The host launcher is
+:mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 """
 
 from __future__ import annotations
