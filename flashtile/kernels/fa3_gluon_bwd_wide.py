@@ -216,7 +216,7 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
                        gl.constexpr, DQ_TMA: gl.constexpr):
     """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
     [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
-    tiles of buffer it % 2, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
+    tiles of buffer it % DS_BUFS, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
     both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``; with one buffer, the previous step).
     ``DQ_TMA``: dQ's parts as in :func:`_wide_q_step`."""
     COL0: gl.constexpr = WG * 128
@@ -437,7 +437,8 @@ def fa3_gluon_bwd_wide_kernel(
         # atoms, so each warpgroup's column slice is whole atoms
         half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
                                                          element_bitwidth=dtype.primitive_bitwidth, rank=2)
-        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (226 KB; two: 242 KB)
+        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (226 KB; two: 242 KB;
+        # runtime.fa3_gluon_bwd.smem_bytes counts the same)
         DS_BUFS: gl.constexpr = 1 if DQ_TMA and TILE_D == 256 else 2
         pt_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)

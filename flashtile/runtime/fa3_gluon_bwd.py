@@ -103,6 +103,7 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
         # split_s with dq_tma: two Pᵀ / dSᵀ buffers beside the staging tiles at 192-wide tiles, one at 256-wide ones
+        # (the kernel's DS_BUFS, fa3_gluon_bwd_wide_kernel)
         dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and wide_tile_d(d) == 192 else 0
         return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + \
             stats + 1024
@@ -128,7 +129,7 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     The q tile's LSE and D through shared memory with Q (``stats_smem``) and Pᵀ in its own buffer
     (``pt_separate``): +10-16 % at 1k / 4k (d = 128: 292 / 453 vs 255 / 390 non-causal); 32-byte swizzled dQ
     tiles (``dq_swizzle32``) only at 64-wide tiles (+7 % there, -13 % at 4k with 128-wide ones).  Above 128 the
-    wide kernel's one shape: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
+    wide kernel: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
     other path) and dQ through 32-column staging tiles and TMA reduce-adds (``dq_tma``, Pᵀ then a register operand):
     1.06-1.41x the Triton Hopper backward and 1.13-1.30x the wide kernel's register reductions at d = 136-256,
     1k / 4k (``scratch/gwide2_probe.py``); with 192-wide tiles (d = 136-192) also the split score GEMMs
@@ -194,7 +195,8 @@ def _check_config(cfg, d: int, esize: int) -> None:
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
         # the wide kernel: the statistics through shared memory; dQ by reductions from registers with Pᵀ in its own
-        # tiles, or (dq_tma) through 32-column staging tiles with Pᵀ a register operand; a config saying otherwise
+        # tiles, or (dq_tma) through 32-column staging tiles with Pᵀ a register operand (with split_s Pᵀ is in the
+        # split's shared buffers either way, and pt_separate follows dq_tma all the same); a config saying otherwise
         # would not describe what runs
         if cfg.dq_split or cfg.dq_swizzle32 or cfg.release_once or not cfg.stats_smem or \
                 cfg.pt_separate == cfg.dq_tma:

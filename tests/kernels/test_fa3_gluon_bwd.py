@@ -69,8 +69,9 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(GluonBwdConfig(num_stages=stages, dq_split=True), 128) - reported <= 1024, stages
     # the wide kernel (scratch/cc_gluon_bwd_wide.py): 192-wide tiles up to d = 192, 256-wide above; dQ through TMA
     # (the table's) or from registers, split_s
-    for d, stages, flags, reported in [(256, 2, {}, 230896), (256, 2, dict(split_s=True), 230960),
-                                       (200, 2, dict(dq_tma=False, pt_separate=True), 230960),
+    for d, stages, flags, reported in [(256, 2, {}, 230896),
+                                       (256, 2, dict(split_s=True, dq_tma=False, pt_separate=True), 230960),
+                                       (200, 2, dict(dq_tma=False, pt_separate=True), 230896),
                                        (192, 2, dict(split_s=False), 181744), (136, 3, dict(split_s=False), 231456),
                                        (160, 2, dict(dq_tma=False, pt_separate=True), 181744),
                                        (192, 2, dict(split_s=True, dq_tma=False, pt_separate=True), 181808),
@@ -171,8 +172,9 @@ def test_refusals_name_the_argument(monkeypatch):
 
 
 def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
-    """Above d = 128 a config must describe the wide kernel (no dQ split / TMA / swizzle / release-once, statistics
-    and Pᵀ through shared memory): anything else is a ValueError naming config, before any launch."""
+    """Above d = 128 a config must describe the wide kernel (no dQ split / swizzle / release-once, the statistics
+    through shared memory, Pᵀ in its own tiles exactly when dQ is reduced from registers): anything else is a
+    ValueError naming config, before any launch."""
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
     base = gluon_bwd_config(256, False)  # dq_tma: Pᵀ a register operand, no tile of its own
     registers = replace(base, dq_tma=False, pt_separate=True)  # dQ reduced from registers, Pᵀ in its own tiles
