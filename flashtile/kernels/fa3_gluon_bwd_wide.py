@@ -109,6 +109,44 @@ def _step_tiles(z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG: g
 
 
 @gluon.jit
+def _dq_first(ds_t, k_w, DQacc, m0, WG: gl.constexpr, BLOCK_D: gl.constexpr, DQ_TMA: gl.constexpr):
+    """dQ_i's first column part of this warpgroup, dS K[:, first part] (32 columns with ``DQ_TMA``, else 64),
+    issued asynchronously: ``(dq, a zero tile of its layout, the accumulator tile the reductions add into)``
+    (its address computed before the GEMM is issued; unused with ``DQ_TMA``)."""
+    PART: gl.constexpr = 32 if DQ_TMA else 64
+    acc_tile = DQacc
+    if not DQ_TMA:
+        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + WG * 128
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, PART, 16])
+    dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
+    dq = warpgroup_mma(ds_t, k_w.slice(0, PART, dim=1), dq_zero, use_acc=False, is_async=True)
+    return dq, dq_zero, acc_tile
+
+
+@gluon.jit
+def _dq_rest(dq, dq_zero, ds_t, k_w, acc_tile, dq_desc, dq_smem, m0, WG: gl.constexpr, BLOCK_D: gl.constexpr,
+             WIDTH: gl.constexpr, DQ_TMA: gl.constexpr):
+    """dQ_i[:, this warpgroup's WIDTH columns] += dS K: the first part (``dq``, retired) added, then the others
+    computed and added — through the warpgroup's staging tile and TMA reduce-adds (``DQ_TMA``) or by vector
+    reductions into ``acc_tile`` of the (rows, BLOCK_D) accumulator (rows padded to 64: no mask; int64 offsets)."""
+    COL0: gl.constexpr = WG * 128
+    PART: gl.constexpr = 32 if DQ_TMA else 64  # _dq_first's
+    if DQ_TMA:
+        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
+        for c in gl.static_range(1, WIDTH // PART):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
+            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, PART, 16])
+        _red_add(acc_tile, dq, N=PART, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+        for c in gl.static_range(1, WIDTH // PART):
+            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
+            _red_add(acc_tile + c * PART, dq, N=PART, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+
+
+@gluon.jit
 def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
                  q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k,
                  first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
@@ -117,8 +155,7 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
     """q tile ``first_m + it`` against the program's 64 keys ``kv_rows``: this warpgroup's columns of dV, dK
     updated in registers, of dQ_i added into ``DQacc`` (this (batch, q head)'s (rows, BLOCK_D) accumulator;
     ``DQ_TMA``: 32-column parts through ``dq_smem`` and bulk reduce-adds on ``dq_desc``, Pᵀ a register operand)."""
-    COL0: gl.constexpr = WG * 128  # this warpgroup's columns [COL0, COL0 + WIDTH) of the TILE_D-wide tiles
-    WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
+    WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128  # this warpgroup's columns [128 WG, 128 WG + WIDTH)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 64, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -176,35 +213,18 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
     fence_async_shared()
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_w, dk, is_async=True)
-    # dQ_i[:, this warpgroup's columns] += dS K in 64-column parts (32 registers each beside dK, dV); the
-    # accumulator has BLOCK_D columns and rows padded to 64: no mask; int64 offsets
+    # dQ_i[:, this warpgroup's columns] += dS K in 32- or 64-column parts (registers beside dK, dV)
     ds_t = ds_wg.permute((1, 0))
+    dq, dq_zero, acc_tile = _dq_first(ds_t, k_w, DQacc, m0, WG=WG, BLOCK_D=BLOCK_D, DQ_TMA=DQ_TMA)
     if DQ_TMA:
-        PART: gl.constexpr = 32
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, PART, 16])
-        dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_t, k_w.slice(0, PART, dim=1), dq_zero, use_acc=False, is_async=True)
         # pt_a and ds_a are read by the in-flight dV / dK GEMMs from registers: kept alive until this wait
         dv, dk, dq, pt_a, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_a, ds_a))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
-        for c in gl.static_range(1, WIDTH // PART):
-            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
     else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 64, 16])
-        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
-        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
-        dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-        for c in gl.static_range(1, WIDTH // 64):
-            dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
-            _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+    _dq_rest(dq, dq_zero, ds_t, k_w, acc_tile, dq_desc, dq_smem, m0, WG=WG, BLOCK_D=BLOCK_D, WIDTH=WIDTH,
+             DQ_TMA=DQ_TMA)
     return dk, dv
 
 
@@ -219,7 +239,6 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     tiles of buffer it % DS_BUFS, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
     both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``; with one buffer, the previous step).
     ``DQ_TMA``: dQ's parts as in :func:`_wide_q_step`."""
-    COL0: gl.constexpr = WG * 128
     WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
@@ -273,30 +292,11 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     dv = warpgroup_mma(pt_b, do_w, dv, is_async=True)
     dk = warpgroup_mma(ds_b, q_w, dk, is_async=True)
     ds_t = ds_b.permute((1, 0))
-    if DQ_TMA:
-        PART: gl.constexpr = 32
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, PART, 16])
-        dq_zero = gl.zeros([64, PART], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_t, k_w.slice(0, PART, dim=1), dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
-        for c in gl.static_range(1, WIDTH // PART):
-            dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
-    else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 64, 16])
-        dq_zero = gl.zeros([64, 64], gl.float32, layout=dq_layout)
-        acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D + COL0
-        dq = warpgroup_mma(ds_t, k_w.slice(0, 64, dim=1), dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        _red_add(acc_tile, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
-        for c in gl.static_range(1, WIDTH // 64):
-            dq = warpgroup_mma(ds_t, k_w.slice(c * 64, 64, dim=1), dq_zero, use_acc=False)
-            _red_add(acc_tile + c * 64, dq, N=64, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+    dq, dq_zero, acc_tile = _dq_first(ds_t, k_w, DQacc, m0, WG=WG, BLOCK_D=BLOCK_D, DQ_TMA=DQ_TMA)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+    _dq_rest(dq, dq_zero, ds_t, k_w, acc_tile, dq_desc, dq_smem, m0, WG=WG, BLOCK_D=BLOCK_D, WIDTH=WIDTH,
+             DQ_TMA=DQ_TMA)
     mbarrier.arrive(ds_empty.index(buf))  # this warpgroup's last read of the buffer retired
     return dk, dv
 
