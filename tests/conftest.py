@@ -43,3 +43,12 @@ def pytest_collection_modifyitems(config, items):
 def device() -> str:
     """Where kernels run: the GPU when present, else the CPU through the interpreter."""
     return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test plans its own signatures (flashtile.ops.plan), under whatever it patches."""
+    from flashtile.ops import plan
+
+    plan.clear()
+    yield

@@ -159,9 +159,17 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
 
     ``rng_state``: dropout's [seed, offset] chosen by the caller (ring attention gives each of its
     kernel calls its own counter range); None draws one."""
+    from flashtile.ops.plan import forward_plan
     from flashtile.runtime.fa2_fwd import fa2_forward
     from flashtile.runtime.fa3_fwd import forward_checked, prefer_hopper
 
+    if (bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
+            and rng_state is None):
+        plan = forward_plan(q, k, v, causal, (window_left, window_right), seq_major, softmax_scale,
+                            _check_op_tensors)
+        if plan is not None:  # its signature passed the checks below when it was planned
+            out, lse = plan(q, k, v, softmax_scale)
+            return out, lse, torch.zeros(2, dtype=torch.int64)
     _check_op_tensors(q, k, v, seq_major)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
@@ -231,10 +239,17 @@ def flash_attn_bwd(
 def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k,
               softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, seq_major):
     """Body of ``flashtile::flash_attn_bwd`` (also called directly by the eager path)."""
+    from flashtile.ops.plan import backward_plan
     from flashtile.runtime import fa3_gluon_bwd
     from flashtile.runtime.fa2_bwd import fa2_backward
     from flashtile.runtime.fa3_bwd import fa3_backward, prefer_hopper_bwd
 
+    if (bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
+            and isinstance(dout, torch.Tensor)):
+        plan = backward_plan(dout, q, k, v, out, lse, causal, (window_left, window_right), deterministic, seq_major,
+                             softmax_scale, _check_op_tensors)
+        if plan is not None:  # its signature passed the checks below when it was planned
+            return plan(dout, q, k, v, out, lse, softmax_scale)
     if not isinstance(dout, torch.Tensor) or dout.shape != out.shape or dout.dtype != out.dtype \
             or dout.device != out.device:  # autograd guarantees it; a direct call of the op may not
         raise ValueError(f"dout must have out's shape {tuple(out.shape)}, dtype {out.dtype} and device {out.device}, "

@@ -27,7 +27,7 @@ from flashtile.runtime.common import (
     wide_rows,
 )
 from flashtile.runtime.decode import aligned16, error_flags
-from flashtile.runtime.launch import launch
+from flashtile.runtime.launch import launch, launcher
 
 __all__ = ["fa2_forward", "fwd_config", "fwd_grid"]
 
@@ -228,12 +228,8 @@ def fa2_forward(
     hk, nk = k.shape[1], k.shape[2]
     shape = (b, hq, nq, d)
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=device)
-    alibi, s_ab, s_ah = lse, 0, 0
-    if alibi_slopes is not None:  # (Hq,) broadcasts over the batch
-        alibi = alibi_slopes
-        s_ab, s_ah = (0, alibi.stride(0)) if alibi.dim() == 1 else alibi.stride()
     # stride 0 on broadcast dims: nothing is materialised
-    bias_t = bias.expand(shape[:3] + (nk,)) if bias is not None else lse
+    bias_t = bias.expand(shape[:3] + (nk,)) if bias is not None else None
     bias_strides = bias_t.stride() if bias is not None else (0, 0, 0, 0)
 
     # the kernel writes through unit-stride-d views only; otherwise via a temporary
@@ -253,20 +249,55 @@ def fa2_forward(
         bias_strides = bias_t.stride()
     q, softmax_scale = _positive_scale(q, softmax_scale, softcap == 0 and alibi_slopes is None and bias is None)
 
-    heavy = dropout_p > 0 or bias is not None
-    block_m, block_n, num_warps, num_stages = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
-    counts, idx, cnt_strides, idx_strides, (br, bc) = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
+    rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else None
+    sparse = _sparse_args(block_mask, b, hq, nq, nk, device, lse)
+    extra = dict(bias_t=bias_t, alibi=alibi_slopes, counts=sparse[0], idx=sparse[1], rng=rng, softcap=softcap,
+                 dropout_p=dropout_p)
+    if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
+        ints, flags, _, per_call = _kernel_args(q, k, v, target, left, right, softcap, alibi_slopes, bias_t,
+                                                bias_strides, block_mask, sparse, dropout_p, device)
+        grid = lambda meta: fwd_grid(b, hq, nq, meta["BLOCK_M"])  # noqa: E731
+        _autotuned_kernel()[grid](*_dynamic(q, k, v, target, lse, softmax_scale, per_call, **extra), *ints, **flags)
+    else:
+        grid, static, options, per_call = _launch_args(q, k, v, target, left, right, softcap, alibi_slopes, bias_t,
+                                                       bias_strides, block_mask, sparse, dropout_p, device)
+        launch(_fa2_fwd_kernel.fn, grid, _dynamic(q, k, v, target, lse, softmax_scale, per_call, **extra), static,
+               **options)
+
+    if result is not target:  # ``out`` had a non-unit stride on d
+        result.copy_(target)
+    return result, lse
+
+
+def _dynamic(q, k, v, out, lse, softmax_scale: float, per_call: tuple, *, bias_t=None, alibi=None, counts=None,
+             idx=None, rng=None, softcap: float = 0.0, dropout_p: float = 0.0) -> tuple:
+    """The forward kernel's per-call arguments (fixed-length batch); what a feature leaves unread is ``lse``."""
+    return (q, k, v, out, lse, lse if bias_t is None else bias_t, lse if alibi is None else alibi,
+            lse if counts is None else counts, lse if idx is None else idx, lse if rng is None else rng,
+            lse, lse, lse, lse, softmax_scale, softcap, dropout_p, *per_call)
+
+
+def _kernel_args(q, k, v, out, left: int, right: int, softcap: float, alibi_slopes, bias_t, bias_strides, block_mask,
+                 sparse, dropout_p: float, device):
+    """(int arguments, keyword constexprs, (BLOCK_M, BLOCK_N, num_warps, num_stages), per-call ints) of a
+    fixed-length forward on (B, H, N, d) views with unit stride on d; ``sparse``: :func:`_sparse_args` of
+    ``block_mask``."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    s_ab = s_ah = 0
+    if alibi_slopes is not None:  # (Hq,) broadcasts over the batch
+        s_ab, s_ah = (0, alibi_slopes.stride(0)) if alibi_slopes.dim() == 1 else alibi_slopes.stride()
+    heavy = dropout_p > 0 or bias_t is not None
+    _, _, cnt_strides, idx_strides, (br, bc) = sparse
+    tiles = _tiles(d, q.dtype, right, nq, nk, device, heavy, block_mask)
     block_d = max(16, triton.next_power_of_2(d))
-    rng = check_rng_state(rng_state, int(philox_seed), int(philox_offset), device) if dropout_p > 0 else lse
     # the key count and K/V batch / head strides go per call: a decoding loop's growing cache keeps one binding
     per_call = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), nk, nk // 128)
-    dynamic = (q, k, v, target, lse, bias_t, alibi, counts, idx, rng, lse, lse, lse, lse, softmax_scale, softcap,
-               dropout_p, *per_call)
     ints = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(2),
         v.stride(2),
-        target.stride(0), target.stride(1), target.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         *bias_strides, s_ab, s_ah, *cnt_strides, *idx_strides,
         hq, b * hq, hq // hk, nq, d,
         0, 0, 0, 1, 1,  # total_q, total_k, stride_bt_b, page_size, n_pages: packed / paged batches only
@@ -276,31 +307,63 @@ def fa2_forward(
     flags = dict(
         BLOCK_D=block_d,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_BIAS=bias_t is not None,
         HAS_DROPOUT=dropout_p > 0, IS_BLOCK_SPARSE=block_mask is not None, IS_VARLEN=False, PAGED=False,
         EVEN_D=block_d == d,
         DOT_PRECISION="tf32",  # fp32 inputs on TF32 tensor cores; fp16 / bf16 ignore it
         UPCAST_DOT=q.dtype == torch.bfloat16 and interpreting(device),
         KV_ALIGNED=aligned16(*per_call[:4]),
     )
-    if os.environ.get("FLASHTILE_AUTOTUNE") == "1" and block_mask is None and not interpreting(device):
-        grid = lambda meta: fwd_grid(b, hq, nq, meta["BLOCK_M"])  # noqa: E731
-        _autotuned_kernel()[grid](*dynamic, *ints, **flags)
-    else:
-        # EVEN_M / EVEN_N, which the kernel's ``triton.heuristics`` derives per call, are passed
-        # here so the kernel can be bound once per signature (the Philox state is a tensor)
-        constexprs = (
-            block_m, block_n, block_d, flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-            flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"], False, False,
-            nq % block_m == 0, nk % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
-            flags["KV_ALIGNED"],
-        )
-        launch(_fa2_fwd_kernel.fn, fwd_grid(b, hq, nq, block_m), dynamic, ints + constexprs,
-               num_warps=num_warps, num_stages=num_stages)
+    return ints, flags, tiles, per_call
 
-    if result is not target:  # ``out`` had a non-unit stride on d
-        result.copy_(target)
-    return result, lse
+
+def _launch_args(q, k, v, out, left: int, right: int, softcap: float, alibi_slopes, bias_t, bias_strides, block_mask,
+                 sparse, dropout_p: float, device):
+    """(grid, static arguments, launch options, per-call ints) of the bound forward launch: the ints of
+    :func:`_kernel_args` and the constexprs in the kernel's order; EVEN_M / EVEN_N, which the kernel's
+    ``triton.heuristics`` derives per call, are passed so that it can be bound once per signature."""
+    ints, flags, (block_m, block_n, num_warps, num_stages), per_call = _kernel_args(
+        q, k, v, out, left, right, softcap, alibi_slopes, bias_t, bias_strides, block_mask, sparse, dropout_p, device)
+    b, hq, nq, _ = q.shape
+    constexprs = (
+        block_m, block_n, flags["BLOCK_D"], flags["HAS_LEFT"], flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+        flags["HAS_ALIBI"], flags["HAS_BIAS"], flags["HAS_DROPOUT"], flags["IS_BLOCK_SPARSE"], False, False,
+        nq % block_m == 0, k.shape[2] % block_n == 0, flags["EVEN_D"], flags["DOT_PRECISION"], flags["UPCAST_DOT"],
+        flags["KV_ALIGNED"],
+    )
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    return fwd_grid(b, hq, nq, block_m), ints + constexprs, options, per_call
+
+
+class PlainForward:
+    """A fixed-length forward without softcap, ALiBi, bias, dropout or block mask, prepared for one problem
+    signature (shapes, strides, dtype, device, window): ``plan(q, k, v, out, lse, softmax_scale)`` launches the
+    kernel bound once (:func:`flashtile.runtime.launch.launcher`) on tensors with the signature's strides (any
+    views of them: only addresses are passed), ``softmax_scale > 0``.  :func:`plain_forward` makes one."""
+
+    __slots__ = ("_run", "_per_call")
+
+    def __init__(self, run, per_call: tuple) -> None:
+        self._run, self._per_call = run, per_call
+
+    def __call__(self, q, k, v, out, lse, softmax_scale: float) -> None:
+        self._run(*_dynamic(q, k, v, out, lse, softmax_scale, self._per_call))
+
+
+def plain_forward(q, k, v, out, lse, softmax_scale: float, left: int, right: int) -> PlainForward | None:
+    """:class:`PlainForward` for these (B, H, N, d) views (``out`` (B, Hq, Nq, d), ``lse`` (B, Hq, Nq) float32),
+    or None where :func:`fa2_forward` would do more than one launch of the bound kernel (no rows or keys, a
+    non-unit stride on d, K / V rows too far apart for 32-bit tile offsets, autotuning)."""
+    b, hq, nq, _ = q.shape
+    if b * hq * nq == 0 or k.shape[2] == 0 or os.environ.get("FLASHTILE_AUTOTUNE") == "1":
+        return None
+    if any(x.stride(-1) != 1 and x.shape[-1] != 1 for x in (q, k, v, out)) or wide_rows(k, v):
+        return None
+    grid, static, options, per_call = _launch_args(q, k, v, out, left, right, 0.0, None, None, (0, 0, 0, 0), None,
+                                                   _sparse_args(None, b, hq, nq, k.shape[2], q.device, None), 0.0,
+                                                   q.device)
+    dynamic = _dynamic(q, k, v, out, lse, softmax_scale, per_call)
+    return PlainForward(launcher(_fa2_fwd_kernel.fn, grid, dynamic, static, **options), per_call)
 
 
 def _positive_scale(q: torch.Tensor, softmax_scale: float, plain: bool) -> tuple[torch.Tensor, float]:

@@ -346,17 +346,59 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
     q, softmax_scale = positive_scale(q, softmax_scale)
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
     if use_gluon(d, causal):
-        from flashtile.runtime.fa3_gluon import (DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_TWO_WG_KEYS,
-                                                 gluon_config, gluon_launch)
+        from flashtile.runtime.fa3_gluon import gluon_launch
 
-        big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
-        lo, hi = NARROW_TWO_WG_KEYS
-        cfg = gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi)
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, _gluon_cfg(q, k, causal))
         return out, lse
     with on_device(q):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse
+
+
+def _gluon_cfg(q, k, causal: bool):
+    """The Gluon config of a forward on these (B, H, N, d) views (``fa3_gluon.gluon_config``'s row for the head
+    dim, host descriptors from ``HOST_DESC_MIN_WORK``, the causal schedulers by key count)."""
+    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_TWO_WG_KEYS, gluon_config
+
+    d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
+    big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
+    lo, hi = NARROW_TWO_WG_KEYS
+    return gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi)
+
+
+def forward_plan(q, k, v, out, lse, causal: bool):
+    """The launch of :func:`forward_checked` prepared for the signature of these (B, H, N, d) views (work to do,
+    descriptor-ready, as :func:`prefer_hopper` accepts them; ``out`` / ``lse`` example outputs): a callable
+    ``run(q, k, v, out, lse, softmax_scale)`` for tensors of that signature (any views with their addresses)
+    and ``softmax_scale > 0``."""
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
+    from flashtile.runtime.launch import launcher
+
+    d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
+    if use_gluon(d, causal):
+        from flashtile.runtime import fa3_gluon
+
+        cfg = _gluon_cfg(q, k, causal)
+        args = fa3_gluon.gluon_args(q, k, v, out, causal, cfg)
+        run = fa3_gluon.gluon_launcher(args, fa3_gluon.gluon_dynamic(args, q, k, v, out, lse, 1.0))
+        device_desc = args.descs is None
+
+        def gluon_run(q, k, v, out, lse, softmax_scale: float) -> None:
+            if device_desc:
+                ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+            run(*fa3_gluon.gluon_dynamic(args, q, k, v, out, lse, softmax_scale))
+
+        return gluon_run
+    cfg = fa3_config(d, causal, nq, nk)
+    grid, static = launch_args(q, k, v, out, causal, cfg)
+    run = launcher(fa3_fwd_kernel, grid, launch_dynamic(q, k, v, out, lse, 1.0), static, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages)
+
+    def triton_run(q, k, v, out, lse, softmax_scale: float) -> None:
+        ensure_allocator()
+        run(*launch_dynamic(q, k, v, out, lse, softmax_scale * LOG2E))
+
+    return triton_run
 
 
 def fa3_varlen_forward(
@@ -441,16 +483,33 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
+    grid, static = launch_args(q, k, v, out, causal, cfg, descales, varlen)
+    dynamic = launch_dynamic(q, k, v, out, lse, qk_scale, descales, err, varlen)
+    # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
+    # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
+    run_kernel(fa3_fwd_kernel, grid, dynamic, static, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def launch_dynamic(q, k, v, out, lse, qk_scale: float, descales=None, err=None, varlen=None) -> tuple:
+    """:func:`launch`'s per-call arguments: the tensors (placeholders: ``lse``, never read) and the scale."""
+    qs = ks = vs = lse
+    if descales is not None:
+        qs, ks, vs = descales
+    cu_q, cu_k = (varlen[0], varlen[1]) if varlen is not None else (lse, lse)
+    return (q, k, v, out, lse, qs, ks, vs, lse if err is None else err, cu_q, cu_k, float(qk_scale))
+
+
+def launch_args(q, k, v, out, causal: bool, cfg: Fa3Config, descales=None, varlen=None) -> tuple[tuple, tuple]:
+    """(grid, static arguments) of :func:`launch` on these views: only shapes and strides are read (of
+    ``varlen``, its ints and cu_seqlens_q's length)."""
     fp8 = descales is not None
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
     packed_grid, search_steps = False, 0
     if varlen is not None:
-        cu_q, cu_k, nq, nk = varlen
+        cu_q, _, nq, nk = varlen
         b = cu_q.shape[0] - 1
-    else:
-        cu_q = cu_k = lse  # unread placeholders
     n_batch = b
     num_m_tiles = triton.cdiv(nq, cfg.block_m)
     if varlen is not None and b > 0:
@@ -463,14 +522,8 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
     if fp8:
         qs, ks, vs = descales
         scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
-    else:  # unread placeholders
-        qs = ks = vs = lse
+    else:
         scale_strides = (0,) * 6
-    if err is None:
-        err = lse
-    # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
-    # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
-    dynamic = (q, k, v, out, lse, qs, ks, vs, err, cu_q, cu_k, float(qk_scale))
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -485,4 +538,4 @@ def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, des
         bool(causal), varlen is None and nk % cfg.block_n == 0, cfg.warp_spec, cfg.o_tma, fp8, fp8 and not q.is_cuda,
         varlen is not None, packed_grid,
     )
-    run_kernel(fa3_fwd_kernel, grid, dynamic, static, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, static

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -303,53 +304,70 @@ def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype) 
     return tuple(plan)
 
 
-def host_descriptors(q, k, v, out, cfg: GluonConfig):
-    """The kernel's ``q_desc0`` ... ``o_desc1``: Gluon host ``TensorDescriptor`` s over the (B, H, N, d) views
-    with their strides, boxes [1, 1, 64 | block_n, BLOCK_D0 | BLOCK_D1] (a box's part past a head's N or past
-    d reads 0 and is dropped when stored; it never reaches another batch or head); None for the second part
-    when unsplit and for O unless ``o_tma``.  None where a stride rules them out (``_desc_strides``)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+def _desc_entries(q, k, v, out, cfg: GluonConfig) -> tuple | None:
+    """Per kernel argument ``q_desc0`` ... ``o_desc1``: None (not passed) or (tensor index in q, k, v, out,
+    shape, strides, box, layout) of a host descriptor over that view; None where a stride rules them out
+    (``_desc_strides``).  Only shapes, strides and the dtype are read."""
     xs = (q, k, v, out)
     strides = [_desc_strides(x) for x in xs]
     if None in strides:
         return None
     shapes = [list(x.shape) for x in xs]
+    return tuple(None if e is None else (e[0], shapes[e[0]], strides[e[0]], e[1], e[2])
+                 for e in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype))
+
+
+def _descriptors(entries: tuple, xs: tuple) -> list:
+    """Gluon host ``TensorDescriptor`` s of :func:`_desc_entries` over the tensors ``xs`` (q, k, v, out: any
+    views with the addresses of the ones the entries were made from)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     descs = []
-    for entry in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype):
+    for entry in entries:
         if entry is None:
             descs.append(None)
             continue
-        i, box, layout = entry
+        i, shape, strides, box, layout = entry
         # the dataclass's checks (16-byte base and strides, unit stride on d, positive dims) are
         # fa3_fwd._check's and outputs' (work to do): built without them (~0.4 vs 2.6 us each)
         desc = TensorDescriptor.__new__(TensorDescriptor)
-        desc.__dict__.update(base=xs[i], shape=shapes[i], strides=strides[i], block_shape=box, layout=layout)
+        desc.__dict__.update(base=xs[i], shape=shape, strides=strides, block_shape=box, layout=layout)
         descs.append(desc)
     return descs
 
 
-def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig, varlen=None) -> None:
-    """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
-    unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
-    ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
-    kernel's tile order, or with ``cfg.dynamic`` tile p, then tiles grid + c (c: a global int32 counter's
-    old value, one atomic add per claim).  Invariant: the counter is a fresh ``torch.zeros`` per launch on
-    the launch's stream (a memset kernel ordered before it: no host sync; each launch, each stream and
-    each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
-    until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
-    stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
-    of the packed grid with device descriptors."""
+def host_descriptors(q, k, v, out, cfg: GluonConfig):
+    """The kernel's ``q_desc0`` ... ``o_desc1``: Gluon host ``TensorDescriptor`` s over the (B, H, N, d) views
+    with their strides, boxes [1, 1, 64 | block_n, BLOCK_D0 | BLOCK_D1] (a box's part past a head's N or past
+    d reads 0 and is dropped when stored; it never reaches another batch or head); None for the second part
+    when unsplit and for O unless ``o_tma``.  None where a stride rules them out (``_desc_strides``)."""
+    entries = _desc_entries(q, k, v, out, cfg)
+    return None if entries is None else _descriptors(entries, (q, k, v, out))
+
+
+class GluonArgs(NamedTuple):
+    """What one Gluon forward launch takes besides the tensors and the scale, fixed by the problem's signature
+    (shapes, strides, dtype, config): grid, the static arguments, the host descriptors' plan (``_desc_entries``;
+    None: device-side descriptors) and whether a tile counter is needed (``cfg.dynamic``)."""
+
+    grid: tuple
+    static: tuple
+    descs: tuple | None
+    counter: bool
+
+
+def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None) -> GluonArgs:
+    """:class:`GluonArgs` of :func:`gluon_launch` on these views (only their shapes, strides and dtype are read;
+    ``varlen`` as there, its tensors unread)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
     # constexprs: no parameters without a packed batch
-    cu_q = cu_k = total_q = total_k = n_batch = search_steps = None
+    total_q = total_k = n_batch = search_steps = None
     if varlen is not None:
         if cfg.persistent or cfg.host_desc:
             raise ValueError(f"a packed batch runs one program per slot with device descriptors, got {cfg}")
-        cu_q, cu_k, max_q, max_k = varlen
+        cu_q, _, max_q, max_k = varlen
         n_batch, total_q, total_k, nq, nk = cu_q.shape[0] - 1, nq, nk, max_q, max_k
         # one "batch" of total_q // bm + B slots per head (kernels/fa3_fwd._packed_slot): at most B idle
         b, num_m_tiles, search_steps = 1, total_q // bm + n_batch, (n_batch - 1).bit_length()
@@ -365,17 +383,9 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     else:
         grid = (total_tiles,)
         persistent_tiles = None  # a constexpr: the one-tile-per-program kernel has no such parameter
-    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
-    from flashtile.runtime.launch import launch as run_kernel
-
-    descs = host_descriptors(q, k, v, out, cfg) if cfg.host_desc else None
+    descs = _desc_entries(q, k, v, out, cfg) if cfg.host_desc else None
     if descs is None:
-        if cfg.host_desc:
-            ensure_allocator()
-        descs = _NO_DESCS
         check_descriptor_grid(grid[0], "the Gluon forward")
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.dynamic else None
-    dynamic = (q, k, v, out, lse, counter, cu_q, cu_k, softmax_scale * LOG2E, *descs)
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -385,8 +395,48 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not _NO_DESCS, cfg.dynamic, varlen is not None,
+        descs is not None, cfg.dynamic, varlen is not None,
     )
+    return GluonArgs(grid, static, descs, cfg.dynamic)
+
+
+def gluon_dynamic(args: GluonArgs, q, k, v, out, lse, softmax_scale: float, cu_q=None, cu_k=None) -> tuple:
+    """The per-call arguments of a launch with :class:`GluonArgs` ``args``: the tensors (any views with the
+    addresses of the ones ``args`` were made from), a fresh tile counter, the scale, the host descriptors."""
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if args.counter else None
+    descs = _NO_DESCS if args.descs is None else _descriptors(args.descs, (q, k, v, out))
+    return (q, k, v, out, lse, counter, cu_q, cu_k, softmax_scale * LOG2E, *descs)
+
+
+def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig, varlen=None) -> None:
+    """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
+    unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
+    ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
+    kernel's tile order, or with ``cfg.dynamic`` tile p, then tiles grid + c (c: a global int32 counter's
+    old value, one atomic add per claim).  Invariant: the counter is a fresh ``torch.zeros`` per launch on
+    the launch's stream (a memset kernel ordered before it: no host sync; each launch, each stream and
+    each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
+    until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
+    stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
+    of the packed grid with device descriptors."""
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+    from flashtile.runtime.launch import launch as run_kernel
+
+    args = gluon_args(q, k, v, out, causal, cfg, varlen)
+    if cfg.host_desc and args.descs is None:
+        ensure_allocator()
+    cu = varlen[:2] if varlen is not None else ()
+    dynamic = gluon_dynamic(args, q, k, v, out, lse, softmax_scale, *cu)
     with on_device(q):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
-        run_kernel(fa3_gluon_kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+        run_kernel(fa3_gluon_kernel, args.grid, dynamic, args.static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+
+
+def gluon_launcher(args: GluonArgs, dynamic: tuple):
+    """The bound launch of :func:`gluon_launch` for :class:`GluonArgs` ``args`` (``dynamic``: one call's
+    :func:`gluon_dynamic`), for a plan to keep."""
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+    from flashtile.runtime.launch import launcher
+
+    return launcher(fa3_gluon_kernel, args.grid, dynamic, args.static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

@@ -314,6 +314,48 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
     write_back((dq, dk, dv), bufs, True)
 
 
+def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
+    """:func:`backward_into`'s launches prepared for the signature of these views (as :func:`prefer_gluon_bwd`
+    accepts them, work to do; ``dq``, ``dk``, ``dv`` example gradients): a callable ``run(dout, q, k, v, out,
+    lse, dq, dk, dv, softmax_scale)`` for tensors of that signature (any views with their addresses), or None
+    where :func:`backward_into` does more than its three launches (fp32 partials under GQA, the statistics
+    without shared memory)."""
+    from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel, stats_preprocess_kernel
+    from flashtile.runtime.fa3_fwd import ensure_allocator
+    from flashtile.runtime.launch import launcher
+
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if b * hq * nq == 0 or nk == 0:
+        return None
+    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
+                           group_loop_wins(causal, b, hk, nk, q.device.index))
+    if not (hq == hk or cfg.group_loop) or not cfg.stats_smem:
+        return None
+    s_grid, s_static, stats_shape, acc_shape = stats_args(out, dout, lse, True)
+    dev = q.device
+    acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
+    stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
+    kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, acc, causal, cfg)
+    p_grid, p_static = post_args(acc, dq)
+    stats_run = launcher(stats_preprocess_kernel, s_grid, (out, dout, lse, stats, acc, lse), s_static, num_warps=4,
+                         num_stages=1)
+    wide = d in WIDE_HEAD_DIMS
+    main_run = launcher(kernel, grid, _bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, 1.0),
+                        static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+    post_run = launcher(dq_postprocess_kernel, p_grid, (acc, dq, acc, 1.0), p_static, num_warps=4, num_stages=1)
+
+    def run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float) -> None:
+        ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+        acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
+        stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
+        stats_run(out, dout, lse, stats, acc, lse)  # also zeroes the dQ accumulator
+        main_run(*_bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, softmax_scale))
+        post_run(acc, dq, acc, float(softmax_scale))
+
+    return run
+
+
 def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: float, causal: bool,
                 cfg: GluonBwdConfig) -> None:
     """The statistics, the kernel into a zeroed fp32 dQ accumulator, then dQ's scaling into ``dq_buf``, on
@@ -452,14 +494,30 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     of :func:`stats_preprocess` (the narrow kernel only)."""
     from flashtile.runtime.launch import launch as run_kernel
 
+    kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal, cfg, varlen)
+    cu = varlen[:2] if varlen is not None else (dq_acc, dq_acc)  # unread placeholders without a packed batch
+    dynamic = _bwd_dynamic(q.shape[3] in WIDE_HEAD_DIMS, q, k, v, dout, lse, delta, dk, dv, dq_acc, *cu,
+                           softmax_scale)
+    # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
+    run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+
+
+def _bwd_dynamic(wide: bool, q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale: float) -> tuple:
+    """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta``)."""
+    if wide:
+        return (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
+    return (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
+
+
+def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
+    """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes and strides are
+    read (of ``varlen``, its ints and cu_seqlens_q's length)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
     if varlen is not None:
-        cu_q, cu_k, nq, nk = varlen
+        cu_q, _, nq, nk = varlen
         b = cu_q.shape[0] - 1
-    else:
-        cu_q = cu_k = dq_acc  # unread placeholders
     wide = d in WIDE_HEAD_DIMS
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N as block_n
@@ -475,19 +533,16 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel as kernel
 
-        dynamic = (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
         # constexprs, in the kernel's order
         static = (*strides, total_q, total_k, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma, varlen is not None)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 
-        dynamic = (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
         static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
                   cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None)
-    # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
-    run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
+    return kernel, grid, static
 
 
 def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
@@ -499,33 +554,44 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     max_seqlen_q): a packed batch, out / dout (1, Hq, total_q, d) views, lse (1, Hq, total_q); the statistics
     (Hq, 2 * R) and ``dq_acc`` (Hq, R, block_d(d)), R = ``varlen_rows(total_q, B)``, each sequence's
     [2, rows rounded up to 64] block at its padded offset (``kernels.fa3_gluon_bwd.VARLEN_PAD``)."""
-    from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel, varlen_rows
-    from flashtile.runtime.common import fold_grid
+    from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel
     from flashtile.runtime.launch import launch as run_kernel
+
+    zero_acc = dq_acc is not None
+    grid, static, stats_shape, acc_shape = stats_args(out, dout, lse, zero_acc, varlen)
+    if zero_acc and (dq_acc.shape != acc_shape or not dq_acc.is_contiguous() or dq_acc.dtype != torch.float32):
+        raise ValueError(f"dq_acc must be a contiguous fp32 {acc_shape} tensor, got {tuple(dq_acc.shape)} "
+                         f"{dq_acc.dtype}")
+    stats = torch.empty(stats_shape, dtype=torch.float32, device=out.device)
+    cu_q = varlen[0] if varlen is not None else lse  # unread without a packed batch
+    run_kernel(stats_preprocess_kernel, grid, (out, dout, lse, stats, dq_acc if zero_acc else stats, cu_q), static,
+               num_warps=4, num_stages=1)
+    return stats
+
+
+def stats_args(out, dout, lse, zero_acc: bool, varlen=None) -> tuple:
+    """(grid, static arguments, statistics shape, accumulator shape) of :func:`stats_preprocess` on these views
+    (shapes and strides read; of ``varlen``, cu_seqlens_q's length and max_seqlen_q)."""
+    from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+    from flashtile.runtime.common import fold_grid
 
     _, hq, nq, d = out.shape
     if varlen is None:
-        b, total_q, cu_q = out.shape[0], 0, lse  # cu_q unread
+        b, total_q = out.shape[0], 0
         rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
-        stats = torch.empty((b * hq, 2, rows), dtype=torch.float32, device=out.device)
+        stats_shape = (b * hq, 2, rows)
         acc_shape = (b * hq, rows, block_d(d))
         tiles = rows // BLOCK_M
     else:
         cu_q, max_q = varlen
         b, total_q = cu_q.shape[0] - 1, nq
         rows = varlen_rows(total_q, b)
-        stats = torch.empty((hq, 2 * rows), dtype=torch.float32, device=out.device)
+        stats_shape = (hq, 2 * rows)
         acc_shape = (hq, rows, block_d(d))
         tiles, nq = triton.cdiv(max_q, BLOCK_M), max_q
-    zero_acc = dq_acc is not None
-    if zero_acc and (dq_acc.shape != acc_shape or not dq_acc.is_contiguous() or dq_acc.dtype != torch.float32):
-        raise ValueError(f"dq_acc must be a contiguous fp32 {acc_shape} tensor, got {tuple(dq_acc.shape)} "
-                         f"{dq_acc.dtype}")
     static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, total_q, d, block_d(d),
               BLOCK_M, zero_acc, varlen is not None)
-    run_kernel(stats_preprocess_kernel, fold_grid(tiles, b * hq),
-               (out, dout, lse, stats, dq_acc if zero_acc else stats, cu_q), static, num_warps=4, num_stages=1)
-    return stats
+    return fold_grid(tiles, b * hq), static, stats_shape, acc_shape
 
 
 def dq_postprocess(dq_acc: torch.Tensor, dq: torch.Tensor, softmax_scale: float, varlen=None) -> None:
@@ -535,17 +601,23 @@ def dq_postprocess(dq_acc: torch.Tensor, dq: torch.Tensor, softmax_scale: float,
     from flashtile.kernels.fa3_gluon_bwd import dq_postprocess_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
+    grid, static = post_args(dq_acc, dq, varlen)
+    cu_q = varlen[0] if varlen is not None else dq_acc  # unread without a packed batch
+    run_kernel(dq_postprocess_kernel, grid, (dq_acc, dq, cu_q, float(softmax_scale)), static, num_warps=4,
+               num_stages=1)
+
+
+def post_args(dq_acc, dq, varlen=None) -> tuple:
+    """(grid, static arguments) of :func:`dq_postprocess` (shapes and strides read)."""
     b, hq, nq, d = dq.shape
-    total_q, cu_q = 0, dq_acc  # cu_q unread
+    total_q = 0
     if varlen is not None:
         cu_q, max_q = varlen
         b, total_q, nq = cu_q.shape[0] - 1, nq, max_q
     tiles = triton.cdiv(nq, POST_BLOCK)
-    grid = (b * hq * tiles,)
     static = (dq_acc.stride(0), dq_acc.stride(1), *dq.stride()[:3], hq, nq, tiles, total_q, d, dq_acc.shape[2],
               POST_BLOCK, varlen is not None)
-    run_kernel(dq_postprocess_kernel, grid, (dq_acc, dq, cu_q, float(softmax_scale)), static, num_warps=4,
-               num_stages=1)
+    return (b * hq * tiles,), static
 
 
 def prefer_gluon_bwd(

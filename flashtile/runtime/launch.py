@@ -65,7 +65,7 @@ except ImportError:  # a Triton without the interpreter: nothing is interpreted
     class _Interpreted:  # type: ignore[no-redef]
         pass
 
-__all__ = ["KernelLauncher", "launch"]
+__all__ = ["KernelLauncher", "launch", "launcher"]
 
 # held around every launch through Triton's interpreter (its state is module-global)
 _INTERPRETER_LOCK = threading.Lock()
@@ -223,6 +223,29 @@ def _bound(
     return KernelLauncher(kernel, grid, static, options)
 
 
+def launcher(
+    kernel: Any, grid: tuple, dynamic: tuple, static: tuple, *, num_warps: int, num_stages: int, bind: bool = True,
+    pdl: bool = False,
+) -> Callable[..., None]:
+    """What :func:`launch` runs ``dynamic`` through, for a caller that keeps it (a plan launching one problem
+    signature many times): the memoised :class:`KernelLauncher` with ``bind``, else Triton's own path.
+    ``dynamic``: one call's per-call arguments (their dtypes and device key the binding)."""
+    if bind:
+        tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
+        dtypes = tuple(t.dtype for t in tensors)
+        return _bound(kernel, grid, static, num_warps, num_stages, pdl, dtypes, tensors[0].device)
+    return functools.partial(_unbound, kernel, grid, static, num_warps, num_stages, pdl)
+
+
+def _unbound(kernel: Any, grid: tuple, static: tuple, num_warps: int, num_stages: int, pdl: bool, *dynamic) -> None:
+    extra = {"launch_pdl": True} if pdl else {}
+    if isinstance(kernel, _Interpreted):
+        with _INTERPRETER_LOCK:
+            kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
+    else:
+        kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
+
+
 def launch(
     kernel: Any, grid: tuple, dynamic: tuple, static: tuple, *, num_warps: int, num_stages: int, bind: bool = True,
     pdl: bool = False,
@@ -234,14 +257,4 @@ def launch(
     (arguments that change every call, such as a Philox seed) goes through Triton.
     ``pdl``: programmatic dependent launch (``launch_pdl``; the kernel must ``gdc_wait()``
     before reading the previous kernel's output, see ``flashtile.runtime.common.pdl_supported``)."""
-    if bind:
-        tensors = [x for x in dynamic if isinstance(x, torch.Tensor)]
-        dtypes = tuple(t.dtype for t in tensors)
-        _bound(kernel, grid, static, num_warps, num_stages, pdl, dtypes, tensors[0].device)(*dynamic)
-    else:
-        extra = {"launch_pdl": True} if pdl else {}
-        if isinstance(kernel, _Interpreted):
-            with _INTERPRETER_LOCK:
-                kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
-        else:
-            kernel[grid](*dynamic, *static, num_warps=num_warps, num_stages=num_stages, **extra)
+    launcher(kernel, grid, dynamic, static, num_warps=num_warps, num_stages=num_stages, bind=bind, pdl=pdl)(*dynamic)

@@ -1,0 +1,190 @@
+"""Per-signature plans of the plain attention forward and backward: the eager path's host time.
+
+A call without softcap, ALiBi, bias, dropout or block mask is decided by its signature alone: the shapes,
+strides, dtypes and devices of its tensors, causal / window, the layout and whether the tensors are 16-byte
+aligned.  The first call of a signature takes the generic path's decisions (``prefer_hopper``,
+``prefer_gluon_bwd``, the configs) and binds its launches once; later calls allocate the outputs and launch.
+At 1k tokens the generic path's host time per fwd+bwd was about the kernels' time on an H100 host
+(bench/NOTES.md, "Host time of short calls").
+
+Invariants: a plan is used only while every dispatch hook below is the package's own (a test or tool that
+patches one takes the generic path on every call) and the switches' values are part of the key; a plan is
+made only where the generic path would make exactly the plan's launches with the plan's arguments (the
+runtime modules' ``*_args`` helpers are shared by both paths); the scale is checked per call (positive and
+finite: the kernels' fast path).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from flashtile.runtime import fa2_fwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
+
+__all__ = ["forward_plan", "backward_plan", "clear"]
+
+# (module, attribute) of every function the generic plain path dispatches or launches through
+_HOOK_NAMES = (
+    (launch, "launch"), (launch, "launcher"),
+    (fa3_fwd, "prefer_hopper"), (fa3_fwd, "_prefer"), (fa3_fwd, "hopper_wins"), (fa3_fwd, "use_gluon"),
+    (fa3_fwd, "forward_checked"), (fa3_fwd, "launch"), (fa3_fwd, "fa3_config"), (fa3_fwd, "ensure_allocator"),
+    (fa3_fwd, "_check"), (fa3_fwd, "descriptor_grid_fits"), (fa3_fwd, "forward_plan"),
+    (fa3_gluon, "gluon_launch"), (fa3_gluon, "gluon_config"), (fa3_gluon, "sm_count"), (fa3_gluon, "_check"),
+    (fa3_gluon, "ensure_allocator"), (fa3_gluon, "host_descriptors"),
+    (fa2_fwd, "fa2_forward"), (fa2_fwd, "fwd_config"), (fa2_fwd, "plain_forward"),
+    (fa3_gluon_bwd, "prefer_gluon_bwd"), (fa3_gluon_bwd, "backward_into"), (fa3_gluon_bwd, "_launch_all"),
+    (fa3_gluon_bwd, "gluon_bwd_config"), (fa3_gluon_bwd, "group_loop_wins"), (fa3_gluon_bwd, "gluon_bwd_wins"),
+    (fa3_gluon_bwd, "descriptor_grid_fits"), (fa3_gluon_bwd, "_check"), (fa3_gluon_bwd, "backward_plan"),
+)
+_OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
+
+_FWD: dict = {}
+_BWD: dict = {}
+_LOCK = threading.Lock()
+_MAX = 4096  # signatures kept per direction (a long-running server sees few; beyond this, start over)
+
+
+def clear() -> None:
+    """Forget every plan (the next call of each signature plans again)."""
+    with _LOCK:
+        _FWD.clear()
+        _BWD.clear()
+
+
+def _own_hooks() -> bool:
+    for (module, name), own in zip(_HOOK_NAMES, _OWN):
+        if getattr(module, name) is not own:
+            return False
+    return True
+
+
+def _switches() -> tuple:
+    """The module switches the generic path reads (benchmarks flip them): part of every key."""
+    return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
+            fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon_bwd.ENABLED,
+            fa3_gluon_bwd.BIND_LAUNCH)
+
+
+def _remember(table: dict, key, plan) -> None:
+    with _LOCK:
+        if len(table) >= _MAX:
+            table.clear()
+        table[key] = plan
+
+
+_NONE = object()  # a signature the generic path keeps (no plan)
+
+
+def _fwd_key(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, causal, window, seq_major, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+            _switches())
+
+
+class ForwardPlan:
+    """The plain forward of one signature: ``plan(q, k, v, softmax_scale)`` -> ``(out, lse)``, out in the op's
+    layout (``ops.autograd._out_like``), lse (B, Hq, Nq) float32."""
+
+    __slots__ = ("_run", "_out_shape", "_seq_major", "_lse_shape", "_dtype", "_device")
+
+    def __init__(self, run, out_shape, seq_major: bool, lse_shape, dtype, device) -> None:
+        self._run, self._out_shape, self._seq_major = run, out_shape, seq_major
+        self._lse_shape, self._dtype, self._device = lse_shape, dtype, device
+
+    def __call__(self, q, k, v, softmax_scale: float):
+        out = torch.empty(self._out_shape, dtype=self._dtype, device=self._device)
+        if not self._seq_major:
+            out = out.transpose(1, 2)
+        lse = torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
+        self._run(q, k, v, out, lse, softmax_scale)
+        return out, lse
+
+
+def forward_plan(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool, softmax_scale: float, check):
+    """The :class:`ForwardPlan` of a plain forward's signature (q, k, v in the op's layout, the device current),
+    or None: the generic path runs it (hooks patched, a non-positive scale, no work, a layout the plans do not
+    cover).  ``check(q, k, v, seq_major)``: the op's tensor checks, run before a signature is planned (it raises
+    on what the kernels cannot take; a signature with a plan passed them)."""
+    if not 0 < softmax_scale < float("inf") or not _own_hooks():
+        return None
+    key = _fwd_key(q, k, v, causal, window, seq_major)
+    plan = _FWD.get(key)
+    if plan is None:
+        check(q, k, v, seq_major)
+        plan = _make_forward(q, k, v, causal, window, seq_major)
+        _remember(_FWD, key, _NONE if plan is None else plan)
+    return None if plan is _NONE else plan
+
+
+def _bhnd(x, seq_major: bool):
+    return x.transpose(1, 2) if seq_major else x
+
+
+def _make_forward(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool):
+    qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
+    b, hq, nq, d = qb.shape
+    if b * hq * nq == 0 or kb.shape[2] == 0:
+        return None
+    out_shape = (b, nq, hq, d)  # (B, N, H, d) storage either way (ops.autograd._out_like)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device).transpose(1, 2)  # the kernels' view
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    if fa3_fwd.prefer_hopper(qb, kb, vb, causal=causal, window=window, plain=True):
+        run = fa3_fwd.forward_plan(qb, kb, vb, out, lse, causal)
+    else:
+        run = fa2_fwd.plain_forward(qb, kb, vb, out, lse, 1.0, *window)
+        if run is None:
+            return None
+    shape = out_shape if seq_major else (b, nq, hq, d)
+    return ForwardPlan(run, shape, seq_major, (b, hq, nq), q.dtype, q.device)
+
+
+def _bwd_key(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], seq_major: bool):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape, dout.stride(), out.shape,
+            out.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, dout.dtype, out.dtype, lse.dtype,
+            q.device, k.device, v.device, dout.device, out.device, lse.device, causal, window, seq_major,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr()) & 15, _switches())
+
+
+class BackwardPlan:
+    """The plain backward of one signature: ``plan(dout, q, k, v, out, lse, softmax_scale)`` -> ``(dq, dk, dv)``
+    contiguous in the op's layout."""
+
+    __slots__ = ("_run", "_seq_major")
+
+    def __init__(self, run, seq_major: bool) -> None:
+        self._run, self._seq_major = run, seq_major
+
+    def __call__(self, dout, q, k, v, out, lse, softmax_scale: float):
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        self._run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+        return dq, dk, dv
+
+
+def backward_plan(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], deterministic: bool,
+                  seq_major: bool, softmax_scale: float, check):
+    """The :class:`BackwardPlan` of a plain backward's signature (the device current), or None (the generic
+    path); ``check`` as :func:`forward_plan`'s."""
+    if deterministic or not 0 < softmax_scale < float("inf") or not _own_hooks():
+        return None
+    key = _bwd_key(dout, q, k, v, out, lse, causal, window, seq_major)
+    plan = _BWD.get(key)
+    if plan is None:
+        check(q, k, v, seq_major)
+        plan = _make_backward(dout, q, k, v, out, lse, causal, window, seq_major)
+        _remember(_BWD, key, _NONE if plan is None else plan)
+    return None if plan is _NONE else plan
+
+
+def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], seq_major: bool):
+    if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device or dout.stride(-1) != 1:
+        return None  # the generic path raises or copies
+    dob, qb, kb, vb, ob = (_bhnd(x, seq_major) for x in (dout, q, k, v, out))
+    if not (fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, vb, dob, causal=causal, window=window,
+                                                                     plain=True, deterministic=False)):
+        return None
+    dq, dk, dv = (_bhnd(torch.empty(x.shape, dtype=x.dtype, device=x.device), seq_major) for x in (q, k, v))
+    run = fa3_gluon_bwd.backward_plan(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal)
+    return None if run is None else BackwardPlan(run, seq_major)

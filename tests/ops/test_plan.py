@@ -1,0 +1,159 @@
+"""flashtile.ops.plan: per-signature plans of the plain forward and backward, against the oracle and the
+generic path (bitwise: the same kernels with the same arguments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests._oracle import assert_close, attention_ref, grads_ref
+
+from flashtile.ops import flash_attn_func, plan
+from flashtile.ops.sdpa import scaled_dot_product_attention
+from flashtile.runtime import fa3_fwd, fa3_gluon_bwd
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    plan.clear()
+    yield
+    plan.clear()
+
+
+def _generic(monkeypatch):
+    """Patch a dispatch hook with an equivalent wrapper: every call then takes the generic path."""
+    own_fwd, own_bwd = fa3_fwd.prefer_hopper, fa3_gluon_bwd.prefer_gluon_bwd
+    monkeypatch.setattr(fa3_fwd, "prefer_hopper", lambda *a, **kw: own_fwd(*a, **kw))
+    monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *a, **kw: own_bwd(*a, **kw))
+
+
+def _inputs(b, nq, nk, hq, hk, d, dtype, device, seed, layout="bnhd"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(n, h):
+        x = torch.randn(b, n, h, d, generator=gen, dtype=torch.float64)
+        if layout == "bhnd":  # (B, H, N, d) storage seen as (B, N, H, d): other strides, same signature shape
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        return x.to(device=device, dtype=dtype)
+
+    return make(nq, hq), make(nk, hk), make(nk, hk)
+
+
+def _oracle(q, k, v, **kw):
+    q64, k64, v64 = (x.detach().cpu().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    return attention_ref(q64, k64, v64, **kw), (q64, k64, v64)
+
+
+CASES = [  # (causal, window, Hq, Hk, Nq, Nk, d, layout)
+    (False, (-1, -1), 2, 2, 40, 56, 64, "bnhd"),
+    (True, (-1, 0), 4, 2, 56, 40, 48, "bnhd"),
+    (False, (8, 4), 2, 1, 33, 40, 40, "bhnd"),
+    (True, (10, 0), 2, 2, 40, 40, 24, "bhnd"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_planned_forward_matches_oracle_and_generic_path(case, device, monkeypatch):
+    causal, window, hq, hk, nq, nk, d, layout = case
+    dtype = torch.float32
+    q, k, v = _inputs(2, nq, nk, hq, hk, d, dtype, device, 3, layout)
+    kw = dict(causal=causal, window_size=window, return_lse=True)
+    first = flash_attn_func(q, k, v, **kw)
+    assert len(plan._FWD) == 1 and isinstance(next(iter(plan._FWD.values())), plan.ForwardPlan)
+    again = flash_attn_func(q, k, v, **kw)  # the plan, found
+    (ref, ref_lse), _ = _oracle(q, k, v, causal=causal, window=window)
+    for out, lse in (first, again):
+        assert out.shape == q.shape and out.stride() == q.new_empty(q.shape).stride() and out.dtype == dtype
+        assert_close(out.transpose(1, 2), ref, dtype, device, "out")
+        assert_close(lse, ref_lse, torch.float32, device, "lse")
+    plan.clear()
+    _generic(monkeypatch)
+    out, lse = flash_attn_func(q, k, v, **kw)
+    assert not plan._FWD  # a patched hook: no plan made
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+def test_sdpa_layout_plan(device):
+    """The SDPA drop-in (B, H, N, d) layout: a plan of its own, out a (B, H, N, d) view of (B, N, H, d) storage."""
+    q, k, v = (x.transpose(1, 2) for x in _inputs(1, 40, 40, 2, 2, 32, torch.float32, device, 4))
+    outs = [scaled_dot_product_attention(q, k, v, is_causal=True) for _ in range(2)]
+    (ref, _), _ = _oracle(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    assert len(plan._FWD) == 1
+    for out in outs:
+        assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+        assert_close(out, ref, torch.float32, device, "out")
+
+
+def test_signature_changes_plan_again_and_scale_checked_per_call(device):
+    """A new layout, window or dtype is a new signature; a scale <= 0 takes the generic path (the kernels'
+    fast path needs a positive scale) with the same plan in place."""
+    q, k, v = _inputs(1, 40, 40, 2, 2, 32, torch.float32, device, 5)
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, causal=True)
+    qt, kt, vt = _inputs(1, 40, 40, 2, 2, 32, torch.float32, device, 5, "bhnd")
+    out_t = flash_attn_func(qt, kt, vt)
+    assert len(plan._FWD) == 3
+    (ref, _), _ = _oracle(q, k, v)
+    assert_close(out_t.transpose(1, 2), ref, torch.float32, device, "other strides")
+    for scale in (-0.3, 0.0):
+        out = flash_attn_func(q, k, v, softmax_scale=scale)
+        (ref, _), _ = _oracle(q, k, v, scale=scale)
+        assert_close(out.transpose(1, 2), ref, torch.float32, device, f"scale {scale}")
+    assert len(plan._FWD) == 3
+
+
+def test_patched_hook_is_called_every_time(device, monkeypatch):
+    """A test or tool that patches a dispatch hook sees it called on every call (no plan bypasses it)."""
+    seen = []
+    own = fa3_fwd.prefer_hopper
+    monkeypatch.setattr(fa3_fwd, "prefer_hopper", lambda *a, **kw: seen.append(1) or own(*a, **kw))
+    q, k, v = _inputs(1, 24, 24, 2, 2, 16, torch.float32, device, 6)
+    for _ in range(3):
+        flash_attn_func(q, k, v)
+    assert len(seen) == 3 and not plan._FWD
+
+
+def test_no_work_signatures_are_left_to_the_generic_path(device):
+    q, k, v = _inputs(1, 24, 0, 2, 2, 16, torch.float32, device, 7)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    assert list(plan._FWD.values()) == [plan._NONE]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hk,causal,layout", [
+    (128, 4, 4, False, "bnhd"), (128, 8, 2, False, "bnhd"), (64, 4, 4, True, "bhnd"), (192, 2, 2, True, "bnhd"),
+    (96, 4, 4, False, "bhnd"), (256, 2, 2, False, "bnhd"),
+])
+def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, layout, monkeypatch):
+    """Hopper forward and Gluon backward plans (GQA with the group loop, both layouts, the wide kernel): against
+    the oracle, and bitwise against the generic path."""
+    dtype, nq, nk = torch.bfloat16, 4096, 4096
+    q, k, v = _inputs(1, nq, nk, hq, hk, d, dtype, "cuda", 8, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to("cuda", dtype)
+
+    def step():
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        out = flash_attn_func(qs, ks, vs, causal=causal)
+        return (out, *torch.autograd.grad(out, (qs, ks, vs), do))
+
+    planned = [step() for _ in range(2)]
+    assert len(plan._FWD) == 1 and len(plan._BWD) == 1
+    kinds = {type(p).__name__ for p in (*plan._FWD.values(), *plan._BWD.values())}
+    if d >= 64 and not causal or d > 64:
+        assert kinds == {"ForwardPlan", "BackwardPlan"}, kinds
+    (ref, _), leaves = _oracle(q, k, v, causal=causal)
+    grads = grads_ref(ref, leaves, do.cpu().double().transpose(1, 2))
+    size = max(float(g.abs().max()) for g in grads)
+    for got in planned:
+        assert_close(got[0].transpose(1, 2), ref, dtype, "cuda", "out")
+        for name, g, want in zip(("dq", "dk", "dv"), got[1:], grads):
+            assert_close(g.transpose(1, 2), want, dtype, "cuda", name, magnitude=size)
+    plan.clear()
+    _generic(monkeypatch)
+    generic = step()
+    assert not plan._FWD and not plan._BWD
+    assert torch.equal(generic[0], planned[1][0]) and torch.equal(generic[2], planned[1][2])
+    assert torch.equal(generic[3], planned[1][3])  # dK, dV: no atomics; dQ's fp32 reductions may reorder
+    assert_close(generic[1], planned[1][1], dtype, "cuda", "dq vs generic", tol=1e-2)
