@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from flashtile.reference.masks import BlockMask
-from flashtile.runtime.common import on_tensor_device
+from flashtile.runtime.common import check_device_mode, on_tensor_device
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "attention", "varlen_attention", "next_philox_state"]
 
@@ -107,6 +107,8 @@ def _check_op_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_maj
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}, {k.dtype}, {v.dtype} on {q.device}, "
                          f"{k.device}, {v.device}")
+    if q.get_device() < 0:  # CPU tensors only through the interpreter (a compiled launch cannot read them)
+        check_device_mode(q.device)
     h_ax = 2 if seq_major else 1
     hk = k.shape[h_ax]
     if (k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or not 1 <= q.shape[3] <= 256 or hk == 0

@@ -238,22 +238,25 @@ def test_gpu_every_head_dim_bucket_runs_fwd_bwd(dtype):
                              magnitude=size)
 
 
-def test_direct_op_calls_are_checked_before_any_kernel():
+def test_direct_op_calls_are_checked_before_any_kernel(device):
     """``torch.ops.flashtile.flash_attn_fwd`` / ``_bwd`` called directly (no public wrapper in front): mismatched
     q, k, v, a non-finite scale, a dout unlike out raise ValueError naming the argument, before a kernel reads
     anything (the kernels trust ops.validate, which the public functions run)."""
-    q = torch.randn(1, 8, 2, 16)
-    k = torch.randn(1, 8, 1, 16)
+    q = torch.randn(1, 8, 2, 16, device=device)
+    k = torch.randn(1, 8, 1, 16, device=device)
     opts = (None, None, None, 0, 0, 0.25, False, -1, -1, 0.0, 0.0, False, True)
     fwd = torch.ops.flashtile.flash_attn_fwd
     with pytest.raises(ValueError, match="one shape"):
-        fwd(q, k, torch.randn(1, 9, 1, 16), *opts)
+        fwd(q, k, torch.randn(1, 9, 1, 16, device=device), *opts)
     with pytest.raises(ValueError, match="dtype and device"):
         fwd(q, k, k.double(), *opts)
     with pytest.raises(ValueError, match="head_dim"):
-        fwd(q, torch.randn(1, 8, 1, 8), torch.randn(1, 8, 1, 8), *opts)
+        fwd(q, torch.randn(1, 8, 1, 8, device=device), torch.randn(1, 8, 1, 8, device=device), *opts)
     with pytest.raises(ValueError, match="multiple"):
-        fwd(torch.randn(1, 8, 3, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), *opts)
+        fwd(*(torch.randn(1, 8, h, 16, device=device) for h in (3, 2, 2)), *opts)
+    if device == "cuda":  # CPU tensors on a GPU machine: refused, not handed to a compiled launch
+        with pytest.raises(ValueError, match="CPU tensors"):
+            fwd(q.cpu(), k.cpu(), k.cpu(), *opts)
     with pytest.raises(ValueError, match="softmax_scale"):
         fwd(q, k, k, *opts[:5], float("nan"), *opts[6:])
     out, lse, rng = fwd(q, k, k, *opts)
@@ -263,7 +266,7 @@ def test_direct_op_calls_are_checked_before_any_kernel():
             bwd(bad, q, k, k, out, lse, rng, *opts)
 
 
-def test_backward_with_an_undefined_output_gradient():
+def test_backward_with_an_undefined_output_gradient(device):
     """Gradients are not materialised for out, lse, rng_state: a graph where out's gradient is undefined (a
     Function that drops it) gives no gradient to q, k, v instead of a kernel run on zeros."""
     class DropGrad(torch.autograd.Function):
@@ -275,7 +278,7 @@ def test_backward_with_an_undefined_output_gradient():
         def backward(ctx, g):
             return None
 
-    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 8, 2, 16, device=device, requires_grad=True) for _ in range(3))
     out = flash_attn_func(q, k, v)
     y = DropGrad.apply(out).sum() + q.sum()  # q also reached directly: backward runs
     y.backward()
