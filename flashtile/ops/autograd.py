@@ -167,8 +167,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
 
     if (bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
             and rng_state is None):
-        plan = forward_plan(q, k, v, causal, (window_left, window_right), seq_major, softmax_scale,
-                            _check_op_tensors)
+        plan = forward_plan(q, k, v, causal, (window_left, window_right), seq_major, softmax_scale)
         if plan is not None:  # its signature passed the checks below when it was planned
             out, lse = plan(q, k, v, softmax_scale)
             return out, lse, torch.zeros(2, dtype=torch.int64)
@@ -249,7 +248,7 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
     if (bias is None and alibi_slopes is None and block_mask is None and dropout_p == 0 and softcap == 0
             and isinstance(dout, torch.Tensor)):
         plan = backward_plan(dout, q, k, v, out, lse, causal, (window_left, window_right), deterministic, seq_major,
-                             softmax_scale, _check_op_tensors)
+                             softmax_scale)
         if plan is not None:  # its signature passed the checks below when it was planned
             return plan(dout, q, k, v, out, lse, softmax_scale)
     if not isinstance(dout, torch.Tensor) or dout.shape != out.shape or dout.dtype != out.dtype \

@@ -20,6 +20,7 @@ import threading
 
 import torch
 
+from flashtile.ops.autograd import _bhnd, _check_op_tensors, _out_like
 from flashtile.runtime import fa2_fwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
 
 __all__ = ["forward_plan", "backward_plan", "clear"]
@@ -31,7 +32,7 @@ _HOOK_NAMES = (
     (fa3_fwd, "forward_checked"), (fa3_fwd, "launch"), (fa3_fwd, "fa3_config"), (fa3_fwd, "ensure_allocator"),
     (fa3_fwd, "_check"), (fa3_fwd, "descriptor_grid_fits"), (fa3_fwd, "forward_plan"),
     (fa3_gluon, "gluon_launch"), (fa3_gluon, "gluon_config"), (fa3_gluon, "sm_count"), (fa3_gluon, "_check"),
-    (fa3_gluon, "ensure_allocator"), (fa3_gluon, "host_descriptors"),
+    (fa3_gluon, "ensure_allocator"),
     (fa2_fwd, "fa2_forward"), (fa2_fwd, "fwd_config"), (fa2_fwd, "plain_forward"),
     (fa3_gluon_bwd, "prefer_gluon_bwd"), (fa3_gluon_bwd, "backward_into"), (fa3_gluon_bwd, "_launch_all"),
     (fa3_gluon_bwd, "gluon_bwd_config"), (fa3_gluon_bwd, "group_loop_wins"), (fa3_gluon_bwd, "gluon_bwd_wins"),
@@ -86,57 +87,48 @@ class ForwardPlan:
     """The plain forward of one signature: ``plan(q, k, v, softmax_scale)`` -> ``(out, lse)``, out in the op's
     layout (``ops.autograd._out_like``), lse (B, Hq, Nq) float32."""
 
-    __slots__ = ("_run", "_out_shape", "_seq_major", "_lse_shape", "_dtype", "_device")
+    __slots__ = ("_run", "_seq_major", "_lse_shape")
 
-    def __init__(self, run, out_shape, seq_major: bool, lse_shape, dtype, device) -> None:
-        self._run, self._out_shape, self._seq_major = run, out_shape, seq_major
-        self._lse_shape, self._dtype, self._device = lse_shape, dtype, device
+    def __init__(self, run, seq_major: bool, lse_shape: tuple) -> None:
+        self._run, self._seq_major, self._lse_shape = run, seq_major, lse_shape
 
     def __call__(self, q, k, v, softmax_scale: float):
-        out = torch.empty(self._out_shape, dtype=self._dtype, device=self._device)
-        if not self._seq_major:
-            out = out.transpose(1, 2)
-        lse = torch.empty(self._lse_shape, dtype=torch.float32, device=self._device)
+        out = _out_like(q, self._seq_major)
+        lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
         self._run(q, k, v, out, lse, softmax_scale)
         return out, lse
 
 
-def forward_plan(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool, softmax_scale: float, check):
+def forward_plan(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool, softmax_scale: float):
     """The :class:`ForwardPlan` of a plain forward's signature (q, k, v in the op's layout, the device current),
     or None: the generic path runs it (hooks patched, a non-positive scale, no work, a layout the plans do not
-    cover).  ``check(q, k, v, seq_major)``: the op's tensor checks, run before a signature is planned (it raises
-    on what the kernels cannot take; a signature with a plan passed them)."""
+    cover).  The op's tensor checks (``_check_op_tensors``) run before a signature is planned: they raise on
+    what the kernels cannot take, and a signature with a plan passed them."""
     if not 0 < softmax_scale < float("inf") or not _own_hooks():
         return None
     key = _fwd_key(q, k, v, causal, window, seq_major)
     plan = _FWD.get(key)
     if plan is None:
-        check(q, k, v, seq_major)
+        _check_op_tensors(q, k, v, seq_major)
         plan = _make_forward(q, k, v, causal, window, seq_major)
         _remember(_FWD, key, _NONE if plan is None else plan)
     return None if plan is _NONE else plan
 
 
-def _bhnd(x, seq_major: bool):
-    return x.transpose(1, 2) if seq_major else x
-
-
 def _make_forward(q, k, v, causal: bool, window: tuple[int, int], seq_major: bool):
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
-    b, hq, nq, d = qb.shape
+    b, hq, nq, _ = qb.shape
     if b * hq * nq == 0 or kb.shape[2] == 0:
         return None
-    out_shape = (b, nq, hq, d)  # (B, N, H, d) storage either way (ops.autograd._out_like)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device).transpose(1, 2)  # the kernels' view
+    out = _bhnd(_out_like(q, seq_major), seq_major)  # an example output: its strides are the signature's
     lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
     if fa3_fwd.prefer_hopper(qb, kb, vb, causal=causal, window=window, plain=True):
         run = fa3_fwd.forward_plan(qb, kb, vb, out, lse, causal)
     else:
-        run = fa2_fwd.plain_forward(qb, kb, vb, out, lse, 1.0, *window)
+        run = fa2_fwd.plain_forward(qb, kb, vb, out, lse, *window)
         if run is None:
             return None
-    shape = out_shape if seq_major else (b, nq, hq, d)
-    return ForwardPlan(run, shape, seq_major, (b, hq, nq), q.dtype, q.device)
+    return ForwardPlan(run, seq_major, (b, hq, nq))
 
 
 def _bwd_key(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], seq_major: bool):
@@ -150,10 +142,10 @@ class BackwardPlan:
     """The plain backward of one signature: ``plan(dout, q, k, v, out, lse, softmax_scale)`` -> ``(dq, dk, dv)``
     contiguous in the op's layout."""
 
-    __slots__ = ("_run", "_seq_major")
+    __slots__ = ("_run",)
 
-    def __init__(self, run, seq_major: bool) -> None:
-        self._run, self._seq_major = run, seq_major
+    def __init__(self, run) -> None:
+        self._run = run
 
     def __call__(self, dout, q, k, v, out, lse, softmax_scale: float):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -164,15 +156,15 @@ class BackwardPlan:
 
 
 def backward_plan(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], deterministic: bool,
-                  seq_major: bool, softmax_scale: float, check):
+                  seq_major: bool, softmax_scale: float):
     """The :class:`BackwardPlan` of a plain backward's signature (the device current), or None (the generic
-    path); ``check`` as :func:`forward_plan`'s."""
+    path); the op's tensor checks as in :func:`forward_plan`."""
     if deterministic or not 0 < softmax_scale < float("inf") or not _own_hooks():
         return None
     key = _bwd_key(dout, q, k, v, out, lse, causal, window, seq_major)
     plan = _BWD.get(key)
     if plan is None:
-        check(q, k, v, seq_major)
+        _check_op_tensors(q, k, v, seq_major)
         plan = _make_backward(dout, q, k, v, out, lse, causal, window, seq_major)
         _remember(_BWD, key, _NONE if plan is None else plan)
     return None if plan is _NONE else plan
@@ -187,4 +179,4 @@ def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int
         return None
     dq, dk, dv = (_bhnd(torch.empty(x.shape, dtype=x.dtype, device=x.device), seq_major) for x in (q, k, v))
     run = fa3_gluon_bwd.backward_plan(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal)
-    return None if run is None else BackwardPlan(run, seq_major)
+    return None if run is None else BackwardPlan(run)

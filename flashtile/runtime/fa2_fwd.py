@@ -335,25 +335,13 @@ def _launch_args(q, k, v, out, left: int, right: int, softcap: float, alibi_slop
     return fwd_grid(b, hq, nq, block_m), ints + constexprs, options, per_call
 
 
-class PlainForward:
-    """A fixed-length forward without softcap, ALiBi, bias, dropout or block mask, prepared for one problem
-    signature (shapes, strides, dtype, device, window): ``plan(q, k, v, out, lse, softmax_scale)`` launches the
-    kernel bound once (:func:`flashtile.runtime.launch.launcher`) on tensors with the signature's strides (any
-    views of them: only addresses are passed), ``softmax_scale > 0``.  :func:`plain_forward` makes one."""
-
-    __slots__ = ("_run", "_per_call")
-
-    def __init__(self, run, per_call: tuple) -> None:
-        self._run, self._per_call = run, per_call
-
-    def __call__(self, q, k, v, out, lse, softmax_scale: float) -> None:
-        self._run(*_dynamic(q, k, v, out, lse, softmax_scale, self._per_call))
-
-
-def plain_forward(q, k, v, out, lse, softmax_scale: float, left: int, right: int) -> PlainForward | None:
-    """:class:`PlainForward` for these (B, H, N, d) views (``out`` (B, Hq, Nq, d), ``lse`` (B, Hq, Nq) float32),
-    or None where :func:`fa2_forward` would do more than one launch of the bound kernel (no rows or keys, a
-    non-unit stride on d, K / V rows too far apart for 32-bit tile offsets, autotuning)."""
+def plain_forward(q, k, v, out, lse, left: int, right: int):
+    """A fixed-length forward without softcap, ALiBi, bias, dropout or block mask, prepared for the signature of
+    these (B, H, N, d) views (``out`` (B, Hq, Nq, d), ``lse`` (B, Hq, Nq) float32, window ``left`` / ``right``):
+    ``run(q, k, v, out, lse, softmax_scale)`` launches the kernel bound once (``runtime.launch.launcher``) on
+    tensors of that signature (any views with their addresses) with ``softmax_scale > 0``.  None where
+    :func:`fa2_forward` would do more than that one launch (no rows or keys, a non-unit stride on d, K / V rows
+    too far apart for 32-bit tile offsets, autotuning)."""
     b, hq, nq, _ = q.shape
     if b * hq * nq == 0 or k.shape[2] == 0 or os.environ.get("FLASHTILE_AUTOTUNE") == "1":
         return None
@@ -362,8 +350,12 @@ def plain_forward(q, k, v, out, lse, softmax_scale: float, left: int, right: int
     grid, static, options, per_call = _launch_args(q, k, v, out, left, right, 0.0, None, None, (0, 0, 0, 0), None,
                                                    _sparse_args(None, b, hq, nq, k.shape[2], q.device, None), 0.0,
                                                    q.device)
-    dynamic = _dynamic(q, k, v, out, lse, softmax_scale, per_call)
-    return PlainForward(launcher(_fa2_fwd_kernel.fn, grid, dynamic, static, **options), per_call)
+    bound = launcher(_fa2_fwd_kernel.fn, grid, _dynamic(q, k, v, out, lse, 1.0, per_call), static, **options)
+
+    def run(q, k, v, out, lse, softmax_scale: float) -> None:
+        bound(*_dynamic(q, k, v, out, lse, softmax_scale, per_call))
+
+    return run
 
 
 def _positive_scale(q: torch.Tensor, softmax_scale: float, plain: bool) -> tuple[torch.Tensor, float]:

@@ -25,7 +25,7 @@ from flashtile.runtime.common import check_descriptor_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch", "host_descriptors",
+__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch",
            "GLUON_HEAD_DIMS", "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
@@ -336,15 +336,6 @@ def _descriptors(entries: tuple, xs: tuple) -> list:
     return descs
 
 
-def host_descriptors(q, k, v, out, cfg: GluonConfig):
-    """The kernel's ``q_desc0`` ... ``o_desc1``: Gluon host ``TensorDescriptor`` s over the (B, H, N, d) views
-    with their strides, boxes [1, 1, 64 | block_n, BLOCK_D0 | BLOCK_D1] (a box's part past a head's N or past
-    d reads 0 and is dropped when stored; it never reaches another batch or head); None for the second part
-    when unsplit and for O unless ``o_tma``.  None where a stride rules them out (``_desc_strides``)."""
-    entries = _desc_entries(q, k, v, out, cfg)
-    return None if entries is None else _descriptors(entries, (q, k, v, out))
-
-
 class GluonArgs(NamedTuple):
     """What one Gluon forward launch takes besides the tensors and the scale, fixed by the problem's signature
     (shapes, strides, dtype, config): grid, the static arguments, the host descriptors' plan (``_desc_entries``;
@@ -416,7 +407,7 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     old value, one atomic add per claim).  Invariant: the counter is a fresh ``torch.zeros`` per launch on
     the launch's stream (a memset kernel ordered before it: no host sync; each launch, each stream and
     each CUDA-graph replay, which replays the memset, counts from 0; the caching allocator keeps it alive
-    until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``host_descriptors``), or, where a
+    until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``_desc_entries``), or, where a
     stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
     of the packed grid with device descriptors."""

@@ -296,14 +296,13 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
     """:func:`fa3_gluon_backward` for ``ops.autograd._bwd_impl`` after :func:`prefer_gluon_bwd`, without its
     checks: q, k, v, out, lse as the forward checked and produced them, dout with q's shape, dtype and device,
     dq, dk, dv fresh tensors with unit stride on d; q's device current."""
-    b, hq, nq, d = q.shape
+    b, hq, nq, _ = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if b * hq * nq == 0 or nk == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
         return
-    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
-                           group_loop_wins(causal, b, hk, nk, q.device.index))
+    cfg = _config_for(q, k, causal)
     if hq == hk or cfg.group_loop:
         _launch_all(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cfg)
         return
@@ -312,6 +311,15 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
     bufs = grad_buffers((dq, dk, dv), q, k, v, True)
     _launch_all(dout, q, k, v, out, lse, *bufs, softmax_scale, causal, cfg)
     write_back((dq, dk, dv), bufs, True)
+
+
+def _config_for(q, k, causal: bool) -> GluonBwdConfig:
+    """:func:`gluon_bwd_config` of a backward on these (B, H, N, d) views: the group loop under GQA up to d = 128
+    where :func:`group_loop_wins`."""
+    b, hq, _, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    return gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
+                            group_loop_wins(causal, b, hk, nk, q.device.index))
 
 
 def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
@@ -328,8 +336,7 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     hk, nk = k.shape[1], k.shape[2]
     if b * hq * nq == 0 or nk == 0:
         return None
-    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
-                           group_loop_wins(causal, b, hk, nk, q.device.index))
+    cfg = _config_for(q, k, causal)
     if not (hq == hk or cfg.group_loop) or not cfg.stats_smem:
         return None
     s_grid, s_static, stats_shape, acc_shape = stats_args(out, dout, lse, True)
