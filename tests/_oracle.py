@@ -328,6 +328,21 @@ def attention_varlen_ref_grads(
     return out.detach(), lse.detach(), dq, dk, dv
 
 
+def score_slack(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
+                scale: float | None = None) -> float:
+    """Bound on the LSE error the score GEMM's rounding causes: ``tol * |scale| * max_ij sum_c |q_ic k_jc|``
+    (tol: the table's entry for ``dtype`` on ``device``).  An LSE is a softmax-weighted mean of its row's
+    scores plus a term the scores' shifts do not change, so it moves by at most the largest score error; it
+    matters where a score cancels to far below its terms (one key with q . k ~ 0).  q, k (B, H, N, d) float64,
+    Hq a multiple of Hk."""
+    if not q.numel() or not k.numel():
+        return 0.0
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
+    group = q.shape[1] // k.shape[1]
+    ka = k.abs().repeat_interleave(group, dim=1)
+    return tolerance(dtype, device) * scale * float((q.abs() @ ka.transpose(-1, -2)).max())
+
+
 def rounding_slack(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dtype: torch.dtype, **kwargs
 ) -> tuple[float, float, float]:

@@ -27,7 +27,7 @@ import flashtile
 from flashtile import BlockMask
 from flashtile.runtime.common import dropout_keep_mask
 from flashtile.ops import next_philox_state
-from tests._oracle import assert_close, attention_ref, attention_ref_grads, rounding_slack
+from tests._oracle import assert_close, attention_ref, attention_ref_grads, rounding_slack, score_slack
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -132,7 +132,7 @@ def test_flash_attn_func(c):
     slack = rounding_slack(*inputs, dtype, **mods)
     assert out.dtype == dtype and out.shape == (b, nq, hq, d) and torch.isfinite(out).all()
     assert_close(out.transpose(1, 2), ref_out, dtype, DEVICE, "out")
-    assert_close(lse, ref_lse, dtype, DEVICE, "lse")
+    assert_close(lse, ref_lse, dtype, DEVICE, "lse", slack=score_slack(inputs[0], inputs[1], dtype, DEVICE, c["scale"]))
     size = grad_magnitude(dq, dk, dv)
     for name, x, want, extra in zip(("dq", "dk", "dv"), (q, k, v), (dq, dk, dv), slack):
         assert x.grad.dtype == dtype and torch.isfinite(x.grad).all(), f"{name} is not finite"
@@ -295,4 +295,5 @@ def test_flash_attn_with_kvcache(c):
     )
     assert out.dtype == dtype and out.shape == (b, nq, hq, d) and torch.isfinite(out).all()
     assert_close(out.transpose(1, 2), ref_out, dtype, DEVICE, "out")
-    assert_close(lse, ref_lse, dtype, DEVICE, "lse")
+    slack = score_slack(f64_bhnd(q), f64_bhnd(expect_k.nan_to_num(0.0)), dtype, DEVICE, c["scale"])
+    assert_close(lse, ref_lse, dtype, DEVICE, "lse", slack=slack)

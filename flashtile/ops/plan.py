@@ -10,7 +10,8 @@ At 1k tokens the generic path's host time per fwd+bwd was about the kernels' tim
 Invariants: a plan is used only while every dispatch hook below is the package's own (a test or tool that
 patches one takes the generic path on every call) and the switches' values are part of the key; a plan is
 made only where the generic path would make exactly the plan's launches with the plan's arguments (the
-runtime modules' ``*_args`` helpers are shared by both paths); the scale is checked per call (positive and
+runtime modules' ``*_args`` helpers are shared by both paths); a plan's launches take only the addresses of its
+tensors (shapes and strides are static), so it runs on the op's tensors in the op's layout; the scale is checked per call (positive and
 finite: the kernels' fast path).
 """
 
@@ -21,7 +22,7 @@ import threading
 import torch
 
 from flashtile.ops.autograd import _bhnd, _check_op_tensors, _out_like
-from flashtile.runtime import fa2_fwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
+from flashtile.runtime import fa2_bwd, fa2_fwd, fa3_bwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
 
 __all__ = ["forward_plan", "backward_plan", "clear"]
 
@@ -37,6 +38,9 @@ _HOOK_NAMES = (
     (fa3_gluon_bwd, "prefer_gluon_bwd"), (fa3_gluon_bwd, "backward_into"), (fa3_gluon_bwd, "_launch_all"),
     (fa3_gluon_bwd, "gluon_bwd_config"), (fa3_gluon_bwd, "group_loop_wins"), (fa3_gluon_bwd, "gluon_bwd_wins"),
     (fa3_gluon_bwd, "descriptor_grid_fits"), (fa3_gluon_bwd, "_check"), (fa3_gluon_bwd, "backward_plan"),
+    (fa3_bwd, "prefer_hopper_bwd"), (fa3_bwd, "fa3_backward"),
+    (fa2_bwd, "fa2_backward"), (fa2_bwd, "bwd_config"), (fa2_bwd, "plain_backward"), (fa2_bwd, "_bwd_launches"),
+    (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"),
 )
 _OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
 
@@ -64,7 +68,7 @@ def _switches() -> tuple:
     """The module switches the generic path reads (benchmarks flip them): part of every key."""
     return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
             fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon_bwd.ENABLED,
-            fa3_gluon_bwd.BIND_LAUNCH)
+            fa3_gluon_bwd.BIND_LAUNCH, fa3_bwd.ENABLED)
 
 
 def _remember(table: dict, key, plan) -> None:
@@ -174,9 +178,13 @@ def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int
     if dout.shape != out.shape or dout.dtype != out.dtype or dout.device != out.device or dout.stride(-1) != 1:
         return None  # the generic path raises or copies
     dob, qb, kb, vb, ob = (_bhnd(x, seq_major) for x in (dout, q, k, v, out))
-    if not (fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, vb, dob, causal=causal, window=window,
-                                                                     plain=True, deterministic=False)):
-        return None
     dq, dk, dv = (_bhnd(torch.empty(x.shape, dtype=x.dtype, device=x.device), seq_major) for x in (q, k, v))
-    run = fa3_gluon_bwd.backward_plan(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal)
+    if fa3_gluon_bwd.ENABLED and fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, vb, dob, causal=causal, window=window,
+                                                                plain=True, deterministic=False):
+        run = fa3_gluon_bwd.backward_plan(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal)
+        return None if run is None else BackwardPlan(run)
+    if fa3_bwd.prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=window, plain=True):
+        return None  # the Triton Hopper backward: unplanned
+    left, right = window[0], 0 if causal else window[1]
+    run = fa2_bwd.plain_backward(dob, qb, kb, vb, ob, lse, dq, dk, dv, left, right)
     return None if run is None else BackwardPlan(run)

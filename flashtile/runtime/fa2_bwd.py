@@ -18,9 +18,9 @@ from flashtile.kernels.fa2_bwd import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_pre
 from flashtile.reference.masks import BlockMask
 from flashtile.runtime.blocksparse import BlockLists, kv_block_lists, q_block_lists
 from flashtile.runtime.common import check_rng_state, fold_grid, pdl_supported, unit_last_stride
-from flashtile.runtime.launch import launch
+from flashtile.runtime.launch import launch, launcher
 
-__all__ = ["BwdConfig", "BwdGrids", "bwd_config", "bwd_grids", "fa2_backward"]
+__all__ = ["BwdConfig", "BwdGrids", "BwdLaunches", "bwd_config", "bwd_grids", "fa2_backward", "plain_backward"]
 
 
 # ---------------------------------------------------------------------------
@@ -154,14 +154,16 @@ def _wide(nq: int, q_side: tuple, nk: int, kv_side: tuple, bias: torch.Tensor | 
     return far >= 2**31
 
 
-def _list_args(lists: BlockLists | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Block-list tensors and strides; a broadcast (size 1) leading dim gets stride 0."""
+def _list_strides(lists: BlockLists | None) -> list[int]:
+    """Block-list strides; a broadcast (size 1) leading dim gets stride 0."""
     if lists is None:
-        return dummy, dummy, [0] * 6
+        return [0] * 6
     c, i = lists.counts, lists.indices
+
     def st(t, dim):
         return 0 if t.shape[dim] == 1 else t.stride(dim)
-    return c, i, [st(c, 0), st(c, 1), c.stride(2), st(i, 0), st(i, 1), i.stride(2)]
+
+    return [st(c, 0), st(c, 1), c.stride(2), st(i, 0), st(i, 1), i.stride(2)]
 
 
 def fa2_backward(
@@ -234,7 +236,6 @@ def fa2_backward(
         hk, nk = k.shape[1], k.shape[2]
         empty = b * hq * nq == 0 or nk == 0
     dev = q.device
-    slopes, stride_alibi_b, stride_alibi_h = _slopes(alibi_slopes, b, hq)
     bias_x = bias.expand(b, hq, nq, nk) if bias is not None else None  # stride 0 on broadcast dims
 
     if empty:
@@ -246,81 +247,166 @@ def fa2_backward(
     q, k, v, dout, out = (unit_last_stride(x) for x in (q, k, v, dout, out))
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     cfg = _fit_block_mask(bwd_config(d, q.dtype, bool(causal), nq, nk, dev), block_mask)
-    block_d = max(16, triton.next_power_of_2(d))
-    on_gpu = dev.type == "cuda"
-
-    # every int argument is fixed for the problem's signature (the Philox state is read from a
-    # tensor): the kernels are bound once and launched from Triton's compiled objects
-    # preprocess -> dK/dV -> dQ run back to back: each later kernel is launched as a programmatic
-    # dependent of the one before (Hopper), so its programs start while that one drains
-    pdl = pdl_supported(dev)
-    delta = torch.empty((hq, total_q) if varlen else (b, hq, nq), dtype=torch.float32, device=dev)
     atomic = not deterministic and cfg.atomic_dq
     qlists = q_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None else None
     klists = kv_block_lists(block_mask, b, hq, nq, nk, dev) if block_mask is not None and not atomic else None
-    # zeroed before the preprocess kernel, so that nothing runs between it and its dependent
-    if not atomic:
-        dq_acc = delta
-    elif varlen:
-        dq_acc = torch.zeros(total_q, hq, d, dtype=torch.float32, device=dev).transpose(0, 1).unsqueeze(0)
-    else:
-        dq_acc = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev)
-    dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
-    grids = bwd_grids(b, hq, hk, nq, nk, cfg)
-    # some row index x row stride reaches 2^31: the kernels form row offsets in 64 bits (WIDE)
-    wide = _wide(nq, (q, dout, out, dq_buf) + ((dq_acc,) if atomic else ()), nk, (k, v, dk_buf, dv_buf), bias_x)
+    delta, dq_acc = _scratch(atomic, varlen, b, hq, nq, d, total_q, dev)
+    launches = _bwd_launches(
+        q, k, v, dout, out, dq_buf, dk_buf, dv_buf, dq_acc if atomic else None, cfg,
+        b=b, hq=hq, hk=hk, nq=nq, nk=nk, d=d, total_q=total_q, total_k=total_k, varlen=varlen, left=left,
+        right=right, softcap=softcap, alibi_slopes=alibi_slopes, bias_x=bias_x, dropout_p=dropout_p,
+        block_mask=block_mask, qlists=qlists, klists=klists,
+    )
     cu_q = cu_seqlens_q if varlen else delta  # not read without IS_VARLEN
     cu_k = cu_seqlens_k if varlen else delta
-    launch(
-        _bwd_preprocess, grids.preprocess, (out, dout, delta, cu_q),
-        (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-         hq, b * hq, nq, total_q, d, block_d, cfg.dq_block_m, pdl, wide, varlen), num_warps=4, num_stages=1,
-    )
+    kernel, grid, static, options = launches.preprocess
+    launch(kernel, grid, (out, dout, delta, cu_q), static, **options)
     rng = check_rng_state(rng_state, philox_seed, philox_offset, dev) if dropout_p > 0 else delta
-
-    slopes_t = slopes if slopes is not None else delta
+    slopes_t = alibi_slopes if alibi_slopes is not None else delta
     bias_t = bias_x if bias_x is not None else delta
-    bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
-    features = (
-        left >= 0, right >= 0, softcap > 0, slopes is not None,
-        bias_x is not None, dropout_p > 0, block_mask is not None,
-    )  # HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, IS_BLOCK_SPARSE
-    precision = ("tf32", (not on_gpu) and q.dtype == torch.bfloat16)  # DOT_PRECISION, UPCAST_DOT
-    dropout_scale = 1.0 / (1.0 - dropout_p)  # dropout_p < 1 (ops.validate.check_dropout)
-    mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
-    floats = (scale, softcap, dropout_p, dropout_scale)
-    sizes = (hq, hk, nq, nk, total_q, total_k, mask_bm, mask_bn, left, right)
-    def even(n: int, tile: int) -> bool:  # no row of a tile past its sequence (packed lengths vary: never)
-        return not varlen and n % tile == 0
-
+    floats = (scale, softcap, dropout_p, 1.0 / (1.0 - dropout_p))  # dropout_p < 1 (ops.validate.check_dropout)
     # without a block mask the list pointers are never read: delta stands in (no dummy allocation)
-    cnt, idx, list_strides = _list_args(qlists, delta)
-    launch(
-        _bwd_dkdv_kernel, grids.dkdv,
-        (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, cu_q, cu_k, *floats),
-        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-         *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
-         stride_alibi_b, stride_alibi_h, *bias_strides, *list_strides, *sizes[:2], b * hk, *sizes[2:],
-         d, block_d, cfg.block_m, cfg.block_n, even(nq, cfg.block_m), even(nk, cfg.block_n),
-         *features, atomic, *precision, pdl, wide, varlen),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
-    )
-
+    cnt, idx = (qlists.counts, qlists.indices) if qlists is not None else (delta, delta)
+    kernel, grid, static, options = launches.dkdv
+    launch(kernel, grid, (q, k, v, dout, lse, delta, dk_buf, dv_buf, dq_acc, slopes_t, bias_t, cnt, idx, rng, cu_q,
+                          cu_k, *floats), static, **options)
     if atomic:
         dq_buf.copy_(dq_acc)
     else:
-        cnt, idx, list_strides = _list_args(klists, delta)
-        launch(
-            _bwd_dq_kernel, grids.dq,
-            (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, cu_q, cu_k, *floats),
-            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
-             stride_alibi_b, stride_alibi_h, *bias_strides, *list_strides, *sizes[:2], b * hq, *sizes[2:],
-             d, block_d, cfg.dq_block_m, cfg.dq_block_n, even(nq, cfg.dq_block_m), even(nk, cfg.dq_block_n),
-             *features, *precision, pdl, wide, varlen),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl,
-        )
+        cnt, idx = (klists.counts, klists.indices) if klists is not None else (delta, delta)
+        kernel, grid, static, options = launches.dq
+        launch(kernel, grid, (q, k, v, dout, lse, delta, dq_buf, slopes_t, bias_t, cnt, idx, rng, cu_q, cu_k,
+                              *floats), static, **options)
 
     for buf, ret in zip(written, (dq_ret, dk_ret, dv_ret)):
         if buf is not ret:
             ret.copy_(buf)
     return dq_ret, dk_ret, dv_ret
+
+
+def _scratch(atomic: bool, varlen: bool, b: int, hq: int, nq: int, d: int, total_q: int, dev) -> tuple:
+    """(delta, dq_acc): D = rowsum(dO o O) per row, and the zeroed fp32 dQ accumulator with ``atomic`` (else
+    ``delta`` stands in, unread).  Zeroed before the preprocess kernel, so that nothing runs between it and its
+    dependent."""
+    delta = torch.empty((hq, total_q) if varlen else (b, hq, nq), dtype=torch.float32, device=dev)
+    if not atomic:
+        return delta, delta
+    if varlen:
+        return delta, torch.zeros(total_q, hq, d, dtype=torch.float32, device=dev).transpose(0, 1).unsqueeze(0)
+    return delta, torch.zeros(b, hq, nq, d, dtype=torch.float32, device=dev)
+
+
+class BwdLaunches(NamedTuple):
+    """(kernel, grid, static arguments, launch options) of each backward kernel for one problem signature;
+    ``dq`` None with dQ accumulated atomically in the dK/dV kernel."""
+
+    preprocess: tuple
+    dkdv: tuple
+    dq: tuple | None
+
+
+def _bwd_launches(q, k, v, dout, out, dq_buf, dk_buf, dv_buf, dq_acc, cfg: BwdConfig, *, b: int, hq: int, hk: int,
+                  nq: int, nk: int, d: int, total_q: int, total_k: int, varlen: bool, left: int, right: int,
+                  softcap: float, alibi_slopes, bias_x, dropout_p: float, block_mask, qlists, klists) -> BwdLaunches:
+    """Everything of the three launches that the problem's signature fixes (the kernels' (B, H, N, d) views with
+    unit stride on d; ``dq_acc`` the atomic accumulator or None): every int and constexpr is static, so each
+    launch is bound once (``runtime.launch``).  Preprocess -> dK/dV -> dQ run back to back: each later kernel is
+    launched as a programmatic dependent of the one before (Hopper), so its programs start while that one drains."""
+    dev = q.device
+    atomic = dq_acc is not None
+    pdl = pdl_supported(dev)
+    block_d = max(16, triton.next_power_of_2(d))
+    grids = bwd_grids(b, hq, hk, nq, nk, cfg)
+    # some row index x row stride reaches 2^31: the kernels form row offsets in 64 bits (WIDE)
+    wide = _wide(nq, (q, dout, out, dq_buf) + ((dq_acc,) if atomic else ()), nk, (k, v, dk_buf, dv_buf), bias_x)
+    preprocess = (
+        _bwd_preprocess, grids.preprocess,
+        (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+         hq, b * hq, nq, total_q, d, block_d, cfg.dq_block_m, pdl, wide, varlen),
+        dict(num_warps=4, num_stages=1),
+    )
+    _, stride_alibi_b, stride_alibi_h = _slopes(alibi_slopes, b, hq)
+    bias_strides = list(bias_x.stride()) if bias_x is not None else [0, 0, 0, 0]
+    features = (
+        left >= 0, right >= 0, softcap > 0, alibi_slopes is not None,
+        bias_x is not None, dropout_p > 0, block_mask is not None,
+    )  # HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS, HAS_DROPOUT, IS_BLOCK_SPARSE
+    precision = ("tf32", dev.type != "cuda" and q.dtype == torch.bfloat16)  # DOT_PRECISION, UPCAST_DOT
+    mask_bm, mask_bn = block_mask.block_size if block_mask is not None else (1, 1)
+    sizes = (hq, hk, nq, nk, total_q, total_k, mask_bm, mask_bn, left, right)
+    dq_acc_strides = list(dq_acc.stride()[:3]) if atomic else [0, 0, 0]
+
+    def even(n: int, tile: int) -> bool:  # no row of a tile past its sequence (packed lengths vary: never)
+        return not varlen and n % tile == 0
+
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, pdl=pdl)
+    dkdv = (
+        _bwd_dkdv_kernel, grids.dkdv,
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+         *dk_buf.stride()[:3], *dv_buf.stride()[:3], *dq_acc_strides,
+         stride_alibi_b, stride_alibi_h, *bias_strides, *_list_strides(qlists), *sizes[:2], b * hk, *sizes[2:],
+         d, block_d, cfg.block_m, cfg.block_n, even(nq, cfg.block_m), even(nk, cfg.block_n),
+         *features, atomic, *precision, pdl, wide, varlen),
+        options,
+    )
+    if atomic:
+        return BwdLaunches(preprocess, dkdv, None)
+    dq = (
+        _bwd_dq_kernel, grids.dq,
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq_buf.stride()[:3],
+         stride_alibi_b, stride_alibi_h, *bias_strides, *_list_strides(klists), *sizes[:2], b * hq, *sizes[2:],
+         d, block_d, cfg.dq_block_m, cfg.dq_block_n, even(nq, cfg.dq_block_m), even(nk, cfg.dq_block_n),
+         *features, *precision, pdl, wide, varlen),
+        options,
+    )
+    return BwdLaunches(preprocess, dkdv, dq)
+
+
+def plain_backward(dout, q, k, v, out, lse, dq, dk, dv, left: int, right: int):
+    """A fixed-length backward without softcap, ALiBi, bias, dropout, block mask or determinism, prepared for the
+    signature of these (B, H, N, d) views (``lse`` (B, Hq, Nq) float32 contiguous; ``dq``, ``dk``, ``dv`` the
+    gradients' views; window ``left`` / ``right``): ``run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)``
+    makes :func:`fa2_backward`'s launches, bound once (``runtime.launch.launcher``), on tensors of that
+    signature.  None where :func:`fa2_backward` would do more (no rows or keys, a non-unit stride on d, an lse
+    it would convert)."""
+    b, hq, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    if b * hq * nq == 0 or nk == 0:
+        return None
+    if any(x.stride(-1) != 1 for x in (dout, q, k, v, out, dq, dk, dv)):
+        return None
+    if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.shape != (b, hq, nq):
+        return None
+    dev = q.device
+    cfg = bwd_config(d, q.dtype, False, nq, nk, dev)
+    atomic = cfg.atomic_dq
+    delta, dq_acc = _scratch(atomic, False, b, hq, nq, d, 0, dev)
+    launches = _bwd_launches(
+        q, k, v, dout, out, dq, dk, dv, dq_acc if atomic else None, cfg, b=b, hq=hq, hk=hk, nq=nq, nk=nk, d=d,
+        total_q=0, total_k=0, varlen=False, left=left, right=right, softcap=0.0, alibi_slopes=None, bias_x=None,
+        dropout_p=0.0, block_mask=None, qlists=None, klists=None,
+    )
+
+    def bind(entry, dynamic):
+        kernel, grid, static, options = entry
+        return launcher(kernel, grid, dynamic, static, **options)
+
+    floats = (1.0, 0.0, 0.0, 1.0)
+    dq_view = (dq.shape, dq.stride())
+    pre = bind(launches.preprocess, (out, dout, delta, delta))
+    dkdv = bind(launches.dkdv, (q, k, v, dout, lse, delta, dk, dv, dq_acc, delta, delta, delta, delta, delta,
+                                delta, delta, *floats))
+    dq_kernel = None if atomic else bind(launches.dq, (q, k, v, dout, lse, delta, dq, delta, delta, delta, delta,
+                                                       delta, delta, delta, *floats))
+
+    def run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float) -> None:
+        delta, dq_acc = _scratch(atomic, False, b, hq, nq, d, 0, dev)
+        pre(out, dout, delta, delta)
+        floats = (softmax_scale, 0.0, 0.0, 1.0)
+        dkdv(q, k, v, dout, lse, delta, dk, dv, dq_acc, delta, delta, delta, delta, delta, delta, delta, *floats)
+        if atomic:  # dq may come in another layout of the same storage: the example's view of it
+            dq.as_strided(dq_view[0], dq_view[1]).copy_(dq_acc)
+        else:
+            dq_kernel(q, k, v, dout, lse, delta, dq, delta, delta, delta, delta, delta, delta, delta, *floats)
+
+    return run

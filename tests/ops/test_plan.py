@@ -67,6 +67,37 @@ def test_planned_forward_matches_oracle_and_generic_path(case, device, monkeypat
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_planned_backward_matches_oracle_and_generic_path(case, device, monkeypatch):
+    """The FA2 backward's plan (the interpreter's and any GPU's signatures without the Gluon backward): gradients
+    against the oracle on the first (planning) and a later call, and bitwise against the generic path."""
+    causal, window, hq, hk, nq, nk, d, layout = case
+    dtype = torch.float32
+    q, k, v = _inputs(2, nq, nk, hq, hk, d, dtype, device, 11, layout)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64).to(device, dtype)
+
+    def step():
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        out = flash_attn_func(qs, ks, vs, causal=causal, window_size=window)
+        return torch.autograd.grad(out, (qs, ks, vs), do)
+
+    planned = [step() for _ in range(2)]
+    assert [type(p).__name__ for p in plan._BWD.values()] == ["BackwardPlan"]
+    (ref, _), leaves = _oracle(q, k, v, causal=causal, window=window)
+    want = grads_ref(ref, leaves, do.cpu().double().transpose(1, 2))
+    size = max(float(g.abs().max()) for g in want)
+    for got in planned:
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert g.shape == w.transpose(1, 2).shape and g.is_contiguous()
+            assert_close(g.transpose(1, 2), w, dtype, device, name, magnitude=size)
+    plan.clear()
+    _generic(monkeypatch)
+    generic = step()
+    assert not plan._BWD
+    for name, g, p in zip(("dq", "dk", "dv"), generic, planned[1]):
+        assert torch.equal(g, p), name
+
+
 def test_sdpa_layout_plan(device):
     """The SDPA drop-in (B, H, N, d) layout: a plan of its own, out a (B, H, N, d) view of (B, N, H, d) storage."""
     q, k, v = (x.transpose(1, 2) for x in _inputs(1, 40, 40, 2, 2, 32, torch.float32, device, 4))
@@ -115,14 +146,15 @@ def test_no_work_signatures_are_left_to_the_generic_path(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,hq,hk,causal,layout", [
-    (128, 4, 4, False, "bnhd"), (128, 8, 2, False, "bnhd"), (64, 4, 4, True, "bhnd"), (192, 2, 2, True, "bnhd"),
-    (96, 4, 4, False, "bhnd"), (256, 2, 2, False, "bnhd"),
+@pytest.mark.parametrize("d,hq,hk,causal,layout,n", [
+    (128, 4, 4, False, "bnhd", 4096), (128, 8, 2, False, "bnhd", 4096), (64, 4, 4, True, "bhnd", 4096),
+    (192, 2, 2, True, "bnhd", 4096), (96, 4, 4, False, "bhnd", 4096), (256, 2, 2, False, "bnhd", 4096),
+    (64, 4, 4, True, "bnhd", 1024), (32, 2, 2, False, "bhnd", 8192),  # the FA2 backward: dQ kernel / atomics
 ])
-def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, layout, monkeypatch):
-    """Hopper forward and Gluon backward plans (GQA with the group loop, both layouts, the wide kernel): against
-    the oracle, and bitwise against the generic path."""
-    dtype, nq, nk = torch.bfloat16, 4096, 4096
+def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, layout, n, monkeypatch):
+    """Hopper forward and Gluon / FA2 backward plans (GQA with the group loop, both layouts, the wide kernel):
+    against the oracle, and bitwise against the generic path."""
+    dtype, nq, nk = torch.bfloat16, n, n
     q, k, v = _inputs(1, nq, nk, hq, hk, d, dtype, "cuda", 8, layout)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to("cuda", dtype)
 
