@@ -58,12 +58,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashtile.kernels._common import LN2
 # a @triton.jit helper of scalar ops: Gluon code generates it as its own (the same PTX as a Gluon copy)
-from flashtile.kernels.fa3_fwd import _packed_slot
+from flashtile.kernels.fa3_fwd import ERR_DESCALE, _packed_slot
 
 __all__ = ["fa3_gluon_kernel", "packed_range", "WG_M"]
 
 WG_M = 64  # query rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
 _LN2 = gl.constexpr(LN2)
+_P_OCTAVES = gl.constexpr(8.0)  # FP8: P~ = 2^8 exp(S - m), as kernels/fa3_fwd.py and reference/fp8.py
+_ERR_DESCALE = gl.constexpr(ERR_DESCALE)
 
 
 @gluon.jit
@@ -185,7 +187,14 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         dtype: gl.constexpr = Q.dtype.element_ty
         q_desc = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D0)
         k_desc = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D0)
-        v_desc = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D0)
+        if dtype.primitive_bitwidth == 8:
+            # FP8: V stored transposed, (HEAD_DIM, Nk rounded up to 32) rows of stride stride_vn, keys permuted
+            # per 32-key chunk (``_p_operand``) and zero past Nk; rows past d read 0
+            v_desc = tma.make_tensor_descriptor(V, [HEAD_DIM, gl.cdiv(seqlen_k, 32) * 32], [stride_vn, 1],
+                                                [BLOCK_D0, BLOCK_N],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N], dtype))
+        else:
+            v_desc = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D0)
         if BLOCK_D1 > 0:
             q_desc1 = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D1)
             k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
@@ -217,8 +226,11 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         _load(k_src, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
               HOST_DESC=HOST_DESC)
         mbarrier.expect(v_ready.index(slot), kv_bytes)
-        _load(v_src, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-              HOST_DESC=HOST_DESC)
+        if dtype.primitive_bitwidth == 8:  # FP8: the (BLOCK_D0, BLOCK_N) tile of V's transpose (unsplit)
+            tma.async_copy_global_to_shared(v_src[0], [0, j * BLOCK_N], v_ready.index(slot), v_tiles[0].index(slot))
+        else:
+            _load(v_src, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True, BLOCK_D0=BLOCK_D0,
+                  BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -369,8 +381,13 @@ def _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1: gl.constexpr):
 
 @gluon.jit
 def _pv(p, v_tiles, slot, acc0, acc1, BLOCK_D1: gl.constexpr):
-    """O_i += P V_i of ring slot ``slot``, async: one wgmma commit group per part."""
-    acc0 = warpgroup_mma(p, v_tiles[0].index(slot), acc0, is_async=True)
+    """O_i += P V_i of ring slot ``slot``, async: one wgmma commit group per part.  FP8 (8-bit tiles): ``p`` is
+    fp32 in the operand's layout, rounded here (``_p_operand``); the slot holds Vᵀ, (width, BLOCK_N), read as
+    the k-major B operand that fp8 wgmma needs (unsplit)."""
+    if v_tiles[0].dtype.primitive_bitwidth == 8:
+        acc0 = warpgroup_mma(p.to(v_tiles[0].dtype), v_tiles[0].index(slot).permute((1, 0)), acc0, is_async=True)
+    else:
+        acc0 = warpgroup_mma(p, v_tiles[0].index(slot), acc0, is_async=True)
     if BLOCK_D1 > 0:
         acc1 = warpgroup_mma(p, v_tiles[1].index(slot), acc1, is_async=True)
     return acc0, acc1
@@ -378,8 +395,16 @@ def _pv(p, v_tiles, slot, acc0, acc1, BLOCK_D1: gl.constexpr):
 
 @gluon.jit
 def _wait_pv(acc0, acc1, p, BLOCK_D1: gl.constexpr):
-    """Every wgmma retired; O and P (read by the P V GEMMs from registers, kept alive until here) back."""
-    if BLOCK_D1 > 0:
+    """Every wgmma retired; O and P (read by the P V GEMMs from registers, kept alive until here) back.  FP8
+    carries P in fp32 (``_p_operand``): its 8-bit operand could not pass through the wait (Triton 3.6 lowers
+    16- to 64-bit values only), and ptxas keeps a wgmma's input registers until its wait_group (none of the
+    kernel's compiles reports serialised wgmmas)."""
+    if p.dtype == gl.float32:
+        if BLOCK_D1 > 0:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=(acc0,))
+    elif BLOCK_D1 > 0:
         acc0, acc1, p = warpgroup_mma_wait(0, deps=(acc0, acc1, p))
     else:
         acc0, p = warpgroup_mma_wait(0, deps=(acc0, p))
@@ -389,12 +414,17 @@ def _wait_pv(acc0, acc1, p, BLOCK_D1: gl.constexpr):
 @gluon.jit
 def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
     """S back in registers: with ``INTRA`` only S (groups retire in order: the P V groups issued after it
-    may still run), otherwise every group."""
+    may still run), otherwise every group (FP8's fp32 P as in :func:`_wait_pv`)."""
     if INTRA:
         if BLOCK_D1 > 0:
             s = warpgroup_mma_wait(2, deps=(s,))
         else:
             s = warpgroup_mma_wait(1, deps=(s,))
+    elif p.dtype == gl.float32:
+        if BLOCK_D1 > 0:
+            s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
+        else:
+            s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
     else:
         if BLOCK_D1 > 0:
             s, acc0, acc1, p = warpgroup_mma_wait(0, deps=(s, acc0, acc1, p))
@@ -404,15 +434,38 @@ def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P (``p``, fp32 in S's wgmma layout) as the A operand of the P V GEMMs in ``dtype``, their input dtype.  16-bit: the same registers.  8-bit
+    (FP8): within every 32-key chunk a thread's accumulator holds keys 2q + {0, 1, 8, 9, 16, 17, 24, 25}
+    (q = lane % 4) where the k_width-4 operand wants k 4q + {0, 1, 2, 3, 16, ..., 19}; read in that order
+    the registers are the operand as they stand (no shuffles) if V's keys are permuted alike: operand
+    column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b (``runtime.fa3_gluon.fp8_v_operand``
+    stores V so).  The 8-bit operand stays fp32 until ``_pv`` rounds it: carried across the loop's iterations
+    as 8-bit values, each iteration unpacked and repacked its bytes (sm_90a SASS at d = 128: 733 PRMTs vs 160)."""
+    if dtype.primitive_bitwidth == 8:
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        x = gl.reshape(p, [M, N // 32, 2, 2, 4, 2])  # key = 32c + 16h + 8e + 2q + b
+        x = gl.permute(x, (0, 1, 2, 4, 3, 5))  # (c, h, q, e, b)
+        operand = gl.convert_layout(gl.reshape(x, [M, N]), p_layout)  # a renaming of registers
+    else:
+        operand = gl.convert_layout(p.to(dtype), p_layout)
+    return operand
+
+
+@gluon.jit
 def _rows_times(acc, x):
     """acc * x[:, None] for a per-row vector ``x`` of any row layout."""
     return acc * gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout)), 1)
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
+                  FP8: gl.constexpr = False):
     """Online softmax of the raw scores ``s`` of kv tile ``start_n``: (p, m, l, alpha).  Unmasked scores
-    stay unscaled: ``rowmax(s) * qk_scale`` is the scaled max because ``qk_scale > 0`` (host-checked)."""
+    stay unscaled: ``rowmax(s) * qk_scale`` is the scaled max because ``qk_scale > 0`` (host-checked, and
+    with FP8 made so per tile).  FP8: P~ = 2^8 exp(S - m) spans e4m3's [0, 256] (FA3's Max_offset; l carries
+    the 2^8 too)."""
     if MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1), s, float("-inf"))
@@ -422,7 +475,10 @@ def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexp
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    if FP8:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - _P_OCTAVES, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -447,13 +503,13 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
-                                       MASKED=MASKED)
+                                       MASKED=MASKED, FP8=k_tiles[0].dtype.primitive_bitwidth == 8)
     acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
     mbarrier.arrive(kv_empty.index(prev))
     acc0 = _rows_times(acc0, alpha)
     if BLOCK_D1 > 0:
         acc1 = _rows_times(acc1, alpha)
-    p_next = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
+    p_next = _p_operand(p, dtype=k_tiles[0].dtype, p_layout=gl.constexpr(p_prev.type.layout))
     return acc0, acc1, p_next, m_i, l_i, turn
 
 
@@ -463,6 +519,7 @@ def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s
               BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
     """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: masked unless ``SKIP_MASK0``
     and every row sees all of tile 0."""
+    FP8: gl.constexpr = k_tiles[0].dtype.primitive_bitwidth == 8
     slot = it0 % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (it0 // NUM_STAGES) & 1)
     turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
@@ -471,11 +528,14 @@ def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s
     s = warpgroup_mma_wait(0, deps=(s,))
     if SKIP_MASK0:
         if full_tiles > 0:
-            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=False)
+            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=False,
+                                               FP8=FP8)
         else:
-            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True)
+            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True,
+                                               FP8=FP8)
     else:
-        p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True)
+        p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True,
+                                           FP8=FP8)
     return p, m_i, l_i, turn
 
 
@@ -579,8 +639,24 @@ def _out_ptr(Out, HOST_DESC: gl.constexpr, O_STORE: gl.constexpr):
 
 
 @gluon.jit
+def _fp8_scales(ds, off_b, off_hk, qk_scale):
+    """FP8: (the tile's score scale, v descale, whether the descales are valid) of (batch, kv head)
+    ``(off_b, off_hk)``; ``ds`` = (QDescale, KDescale, VDescale, Err, their (batch, head) strides, ...).  The
+    row-max shortcut needs a positive finite score scale ``qk_scale * q_ds * k_ds`` (``qk_scale`` > 0) and v's
+    descale must be finite; otherwise the tile runs at scale 1 and its outputs are replaced (``_consumer_tile``)."""
+    q_ds = gl.load(ds[0] + off_b * ds[4] + off_hk * ds[5])
+    k_ds = gl.load(ds[1] + off_b * ds[6] + off_hk * ds[7])
+    v_ds = gl.load(ds[2] + off_b * ds[8] + off_hk * ds[9])
+    qk_ds = q_ds * k_ds
+    ok = (qk_ds > 0.0) & (qk_ds < float("inf") / qk_scale) & (gl.abs(v_ds) < float("inf"))
+    scale = qk_scale * qk_ds
+    scale = gl.where(scale > 0.0, gl.minimum(scale, 1e30), 1.0)
+    return scale, v_ds, ok
+
+
+@gluon.jit
 def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
-                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, it0, q_phase,
+                   qk_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, it0, q_phase,
                    turn0, WG: gl.constexpr, NUM_WG: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -590,17 +666,23 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
     staged in this warpgroup's Q rows.  ``PERSISTENT``: arrive on ``q_empty`` once done with Q and with
-    every K / V load of a tile with work.  ``Out``: an ``_out_target``."""
+    every K / V load of a tile with work.  ``Out``: an ``_out_target``.  FP8 (e4m3 tiles; O bf16):
+    ``qk_scale`` is the tile's (times the q and k descales), ``fp8s`` = (v descale, whether the descales are
+    valid, the error word); otherwise ``fp8s`` is unread."""
     gl.static_assert(gl.num_warps() == 4)
     M: gl.constexpr = 64
     o_ptr = _out_ptr(Out, HOST_DESC=HOST_DESC, O_STORE=O_STORE)
     dtype: gl.constexpr = o_ptr.dtype.element_ty
+    in_dtype: gl.constexpr = k_tiles[0].dtype  # P's too: the second GEMM runs in the inputs' precision
+    FP8: gl.constexpr = in_dtype.primitive_bitwidth == 8
+    KI: gl.constexpr = 256 // in_dtype.primitive_bitwidth  # wgmma K step: 16 (16-bit), 32 (8-bit)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, KI])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_D0, 16])
+                                                       instr_shape=[16, BLOCK_D0, KI])
     # P is the A operand of both P V GEMMs: its register layout depends on M and K only, not on O's width
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // in_dtype.primitive_bitwidth)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     row0 = start_m + WG * M
@@ -614,7 +696,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     acc0 = gl.zeros([M, BLOCK_D0], gl.float32, layout=o_layout)
     if BLOCK_D1 > 0:
         o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_D1, 16])
+                                                            instr_shape=[16, BLOCK_D1, KI])
         acc1 = gl.zeros([M, BLOCK_D1], gl.float32, layout=o1_layout)
         q_wg = (q_tiles[0].index(WG), q_tiles[1].index(WG))
     else:
@@ -627,7 +709,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                                       full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                                       NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
                                       SKIP_MASK0=SKIP_MASK0)
-        p_prev = gl.convert_layout(p.to(dtype), p_layout)
+        p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout)
         for j in range(1, full_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
@@ -654,11 +736,23 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
-    gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
-    out0 = _rows_times(acc0, 1.0 / l_safe).to(dtype)
+    if FP8:
+        v_ds, scale_ok, err = fp8s
+        lse = gl.where(empty | (not scale_ok), float("-inf"), (m_i + gl.log2(l_safe) - _P_OCTAVES) * _LN2)
+        gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
+        # descales that break the kernel's contract: output 0, LSE -inf, the error word's bit (every writer
+        # ORs the same bit)
+        out_scale = gl.where(scale_ok, v_ds, 0.0) / l_safe
+        if not scale_ok:
+            gl.atomic_or(err, _ERR_DESCALE)
+        out0 = _rows_times(acc0, out_scale).to(dtype)
+    else:
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+        gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
+        out_scale = 1.0 / l_safe
+        out0 = _rows_times(acc0, out_scale).to(dtype)
     if BLOCK_D1 > 0:
-        out1 = _rows_times(acc1, 1.0 / l_safe).to(dtype)
+        out1 = _rows_times(acc1, out_scale).to(dtype)
     else:
         out1 = out0  # unread
     if O_STORE == 2:
@@ -677,15 +771,15 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
 
 @gluon.jit
 def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-              qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
+              qk_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles,
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
               HOST_DESC: gl.constexpr):
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
-    ``_out_target``."""
+    ``_out_target``; ``qk_scale``, ``fp8s``: the tile's, as ``_consumer_tile`` takes them."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                   qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, 0, 0,
+                   qk_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, 0, 0,
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
@@ -694,24 +788,31 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
 
 @gluon.jit
 def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                              turn_bars, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                              turn_bars, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                               num_m_tiles, total_tiles, tile_id, kv_it, turn, WG: gl.constexpr,
                               NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
                               HOST_DESC: gl.constexpr):
-    """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it."""
+    """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
+    ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
         tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
         BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+    if k_tiles[0].dtype.primitive_bitwidth == 8:
+        tile_scale, v_ds, scale_ok = _fp8_scales(ds, off_b, off_h // ds[10], qk_scale)
+        fp8s = (v_ds, scale_ok, ds[3])
+    else:
+        tile_scale = qk_scale
+        fp8s = ds
     if HOST_DESC and O_STORE == 2:
         o_dst = _out_target(Out[0] + off_b * stride_ob + off_h * stride_oh, (Out[1], Out[2]), off_b, off_h,
                             HOST_DESC=HOST_DESC, O_STORE=O_STORE)
     else:
         o_dst = Out + off_b * stride_ob + off_h * stride_oh
     _consumer_tile(o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty,
-                   k_ready, v_ready, kv_empty, turn_bars, qk_scale, stride_om, bh.to(gl.int64) * seqlen_q,
+                   k_ready, v_ready, kv_empty, turn_bars, tile_scale, fp8s, stride_om, bh.to(gl.int64) * seqlen_q,
                    seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, kv_it, (turn - kv_it) & 1, turn, WG=WG,
                    NUM_WG=NUM_WG,
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
@@ -725,8 +826,8 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
 
 @gluon.jit
 def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                         turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
-                         num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q,
+                         seqlen_k, num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                          BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
@@ -744,7 +845,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
         while tile_id < total_tiles:
             kv_it, turn = _consumer_persistent_tile(
                 Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
-                qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
+                qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
@@ -755,7 +856,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             kv_it, turn = _consumer_persistent_tile(
                 Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
-                qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
+                qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k, num_m_tiles, total_tiles,
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
@@ -768,6 +869,8 @@ def fa3_gluon_kernel(
     Q, K, V, Out, LSE,
     tile_counter,  # DYNAMIC: one int32 the caller zeroes per launch (claims past the first P tiles); else None
     CuQ, CuK,  # IS_VARLEN: the int32 (B + 1,) cu_seqlens; otherwise None
+    # FP8 (e4m3 Q, K, V): float32 descales per (batch, kv head) and the int32 error word; otherwise None
+    QDescale, KDescale, VDescale, Err,
     qk_scale,  # softmax_scale * log2(e), > 0
     # HOST_DESC: host TMA descriptors over the (B, H, N, d) views, boxes [1, 1, rows, BLOCK_D0 | BLOCK_D1]
     # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0; otherwise None
@@ -776,6 +879,7 @@ def fa3_gluon_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,  # FP8: the descales'; otherwise None
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     total_tiles,  # PERSISTENT: B * Hq * num_m_tiles; otherwise None (a constexpr: no parameter)
     # IS_VARLEN: the packed row counts, B, and _packed_slot's halvings bit_length(B - 1); otherwise None
@@ -816,6 +920,15 @@ def fa3_gluon_kernel(
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
     dtype: gl.constexpr = Q.dtype.element_ty
+    # FP8 (8-bit Q, K, V; O bf16): V comes transposed, (B, Hk, HEAD_DIM, Nk) rows of stride stride_vn, as
+    # (BLOCK_D0, BLOCK_N) tiles; one column part, device descriptors, O not staged in Q's (8-bit) tiles
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    gl.static_assert(not FP8 or (BLOCK_D1 == 0 and not HOST_DESC and not IS_VARLEN and O_STORE != 2))
+    if FP8:
+        ds = (QDescale, KDescale, VDescale, Err, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
+              stride_vsh, kv_group)
+    else:  # unread
+        ds = (QDescale,)
     if not PERSISTENT:
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
             gl.program_id(0), gl.num_programs(0), n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k,
@@ -837,8 +950,12 @@ def fa3_gluon_kernel(
                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
+    if FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_D0, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N], dtype))
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
     if BLOCK_D1 > 0:
         q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D1],
                                             gl.NVMMASharedLayout.get_default_for([64, BLOCK_D1], dtype))
@@ -913,11 +1030,11 @@ def fa3_gluon_kernel(
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
                  PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
                  PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
@@ -928,15 +1045,15 @@ def fa3_gluon_kernel(
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
                  PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
                  PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
-                 kv_empty, turn_bars, sched, qk_scale, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
+                 kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
                  PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
@@ -969,15 +1086,21 @@ def fa3_gluon_kernel(
             lse_row0 = off_h * total_q + q_start  # LSE (Hq, total_q)
         else:
             lse_row0 = bh.to(gl.int64) * seqlen_q
+        if FP8:
+            tile_scale, v_ds, scale_ok = _fp8_scales(ds, off_b, off_hk, qk_scale)
+            fp8s = (v_ds, scale_ok, Err)
+        else:
+            tile_scale = qk_scale
+            fp8s = ds
         # constexprs keep their kind only in tuples written in the call (a tuple bound to a name makes them
         # values): the consumers' argument tuples are spelled out, each with its WG
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
@@ -986,13 +1109,13 @@ def fa3_gluon_kernel(
         else:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 qk_scale, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,

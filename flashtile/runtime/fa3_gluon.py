@@ -25,7 +25,7 @@ from flashtile.runtime.common import check_descriptor_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "smem_bytes", "fa3_gluon_forward", "gluon_launch",
+__all__ = ["GluonConfig", "gluon_config", "gluon_fp8_config", "FP8_WIDTHS", "fp8_v_operand", "smem_bytes", "fa3_gluon_forward", "gluon_launch",
            "GLUON_HEAD_DIMS", "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
@@ -176,6 +176,53 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     return cfg
+
+
+# FP8 (e4m3) widths the Gluon kernel runs (one power-of-two column part, V transposed); others: the Triton kernel
+FP8_WIDTHS = (64, 128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int = 0,
+                     num_stages: int = 0) -> GluonConfig:
+    """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
+    width (consumer warpgroups, schedules, persistent / dynamic grid) with the column part unsplit, plain
+    stores (O is bf16, Q's tiles 8-bit: no staging there) and 1-byte tiles: ``block_n`` / ``num_stages`` (0: 128
+    keys at width 128, 64 elsewhere; as many stages as fit, at most 3).  sm_90a compiles with P carried in
+    fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B with three 160-register consumers (width 64)
+    and 80 B with serialised wgmmas at width 256, 64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8
+    forward"): width 64 causal 16k 447 vs 397 TFLOP/s for 128 keys."""
+    width = block_d(d)
+    if width not in FP8_WIDTHS:
+        raise NotImplementedError(f"the Gluon FP8 forward covers head dims of widths {FP8_WIDTHS}, got d = {d}")
+    cfg = replace(gluon_config(width, causal, many_keys=many_keys), split_d=False, o_tma=False, host_desc=False,
+                  block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3)
+    while smem_bytes(cfg, d, esize=1) > SMEM_LIMIT and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def fp8_v_operand(v: torch.Tensor) -> torch.Tensor:
+    """V (B, Hk, Nk, d) e4m3 as the Gluon FP8 kernel reads it: transposed, (B, Hk, d, Nk rounded up to 32),
+    zero past Nk, and within every 32-key chunk the keys in the order of P's registers (kernel
+    ``_p_operand``): column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b.  One copy for the
+    whole chunks, a padded one for a partial last chunk."""
+    b, hk, nk, d = v.shape
+    n32 = -(-nk // 32) * 32
+    vt = torch.empty((b, hk, d, n32), dtype=v.dtype, device=v.device)
+    src = v.transpose(2, 3)
+
+    def chunks(x, keys):  # (..., keys) as (..., chunk, h, e, q, b), then in the (chunk, h, q, e, b) order
+        return x.unflatten(3, (keys // 32, 2, 2, 4, 2)).permute(0, 1, 2, 3, 4, 6, 5, 7)
+
+    full = nk // 32 * 32
+    if full:
+        vt[..., :full].unflatten(3, (full // 32, 2, 4, 2, 2)).copy_(chunks(src[..., :full], full))
+    if full < nk:
+        tail = torch.zeros((b, hk, d, 32), dtype=v.dtype, device=v.device)
+        tail[..., :nk - full].copy_(src[..., full:])
+        vt[..., full:].unflatten(3, (1, 2, 4, 2, 2)).copy_(chunks(tail, 32))
+    return vt
 
 
 def _check_config(cfg) -> None:
@@ -347,9 +394,9 @@ class GluonArgs(NamedTuple):
     counter: bool
 
 
-def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None) -> GluonArgs:
+def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descales=None) -> GluonArgs:
     """:class:`GluonArgs` of :func:`gluon_launch` on these views (only their shapes, strides and dtype are read;
-    ``varlen`` as there, its tensors unread)."""
+    ``varlen`` as there, its tensors unread; ``descales`` FP8's (q, k, v) descales, their strides read)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
@@ -377,11 +424,19 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None) -> Glu
     descs = _desc_entries(q, k, v, out, cfg) if cfg.host_desc else None
     if descs is None:
         check_descriptor_grid(grid[0], "the Gluon forward")
+    if descales is not None:
+        if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
+            raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
+        qs, ks, vs = descales
+        scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
+    else:
+        scale_strides = (None,) * 6  # constexprs: no parameters
     static = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        *scale_strides,
         hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k, n_batch, search_steps,
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
@@ -391,15 +446,19 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None) -> Glu
     return GluonArgs(grid, static, descs, cfg.dynamic)
 
 
-def gluon_dynamic(args: GluonArgs, q, k, v, out, lse, softmax_scale: float, cu_q=None, cu_k=None) -> tuple:
+def gluon_dynamic(args: GluonArgs, q, k, v, out, lse, softmax_scale: float, cu_q=None, cu_k=None,
+                  fp8=None) -> tuple:
     """The per-call arguments of a launch with :class:`GluonArgs` ``args``: the tensors (any views with the
-    addresses of the ones ``args`` were made from), a fresh tile counter, the scale, the host descriptors."""
+    addresses of the ones ``args`` were made from), a fresh tile counter, FP8's ``((q, k, v) descales, error
+    word)``, the scale, the host descriptors."""
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if args.counter else None
     descs = _NO_DESCS if args.descs is None else _descriptors(args.descs, (q, k, v, out))
-    return (q, k, v, out, lse, counter, cu_q, cu_k, softmax_scale * LOG2E, *descs)
+    scales = (None,) * 4 if fp8 is None else (*fp8[0], fp8[1])
+    return (q, k, v, out, lse, counter, cu_q, cu_k, *scales, softmax_scale * LOG2E, *descs)
 
 
-def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig, varlen=None) -> None:
+def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: GluonConfig, varlen=None,
+                 fp8=None) -> None:
     """One launch on checked views with ``softmax_scale > 0`` and work to do (``fa3_fwd.outputs``);
     unless ``cfg.host_desc``, the descriptor allocator installed (``fa3_fwd.ensure_allocator``).
     ``cfg.persistent``: a grid of min(tiles, SMs) programs, program p running tiles p, p + grid, ... of the
@@ -410,15 +469,17 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     until the launch has run).  ``cfg.host_desc``: TMA descriptors built here (``_desc_entries``), or, where a
     stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
-    of the packed grid with device descriptors."""
+    of the packed grid with device descriptors.  ``fp8`` = ((q, k, v) float32 descales broadcast to (B, Hk), the
+    int32 error word): e4m3 q, k and ``v`` V's transpose (B, Hk, d, Nk rounded up to 16) with unit stride on Nk,
+    ``out`` bf16 (``fa3_fwd.fa3_forward_fp8``)."""
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
-    args = gluon_args(q, k, v, out, causal, cfg, varlen)
+    args = gluon_args(q, k, v, out, causal, cfg, varlen, None if fp8 is None else fp8[0])
     if cfg.host_desc and args.descs is None:
         ensure_allocator()
-    cu = varlen[:2] if varlen is not None else ()
-    dynamic = gluon_dynamic(args, q, k, v, out, lse, softmax_scale, *cu)
+    cu = varlen[:2] if varlen is not None else (None, None)
+    dynamic = gluon_dynamic(args, q, k, v, out, lse, softmax_scale, *cu, fp8=fp8)
     with on_device(q):
         # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
         run_kernel(fa3_gluon_kernel, args.grid, dynamic, args.static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)

@@ -815,3 +815,77 @@ def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
         k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
         fa3_fwd.forward_checked(q, k, k, 0.1, causal)
     assert [(cfg.num_wg, cfg.dynamic) for _, cfg in seen] == [(3, False), (2, True), (2, True), (3, False), (3, False)]
+
+
+def test_fp8_v_operand_permutes_keys_per_chunk():
+    """V's transpose with each 32-key chunk in the order of P's registers (kernel ``_p_operand``): column
+    32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b; zero past Nk, columns rounded up to 32."""
+    from flashtile.runtime.fa3_gluon import fp8_v_operand
+
+    b, hk, nk, d = 2, 3, 70, 16
+    v = (torch.randn(b, nk, hk, d) * 10).to(torch.float8_e4m3fn).transpose(1, 2)  # (B, Hk, Nk, d) view
+    vt = fp8_v_operand(v).float()
+    assert vt.shape == (b, hk, d, 96) and vt.is_contiguous()
+    want = torch.zeros(b, hk, d, 96)
+    for col in range(96):
+        c, r = divmod(col, 32)
+        h, r = divmod(r, 16)
+        q, r = divmod(r, 4)
+        e, bit = divmod(r, 2)
+        key = 32 * c + 16 * h + 8 * e + 2 * q + bit
+        if key < nk:
+            want[..., col] = v[:, :, key].float()
+    assert torch.equal(vt, want)
+    assert torch.equal(fp8_v_operand(v[:, :, :64]).float(), want[..., :64])  # whole chunks only: one copy
+
+
+def test_fp8_config_table():
+    from flashtile.runtime.fa3_gluon import FP8_WIDTHS, gluon_fp8_config
+
+    for d in range(48, 257, 16):
+        for causal in (False, True):
+            cfg = gluon_fp8_config(d, causal, causal)
+            assert smem_bytes(cfg, d, esize=1) <= SMEM_LIMIT and cfg.num_stages >= 2
+            assert not (cfg.split_d or cfg.o_tma or cfg.host_desc)  # one column part, plain stores, device descs
+            base = gluon_config(block_d(d), causal, many_keys=causal)
+            assert (cfg.num_wg, cfg.persistent, cfg.dynamic, cfg.intra, cfg.pingpong) == (
+                base.num_wg, base.persistent, base.dynamic, base.intra, base.pingpong)
+    assert gluon_fp8_config(128, False).block_n == 128 and gluon_fp8_config(256, False).block_n == 64
+    assert gluon_fp8_config(64, True).block_n == 64 and gluon_fp8_config(64, True).num_wg == 3
+    assert gluon_fp8_config(256, True, block_n=128, num_stages=4).num_stages == 3  # 32 KB K and V tiles
+    assert FP8_WIDTHS == (64, 128, 256)
+    with pytest.raises(NotImplementedError):
+        gluon_fp8_config(32, False)
+
+
+def test_fp8_forward_launches_gluon_with_descales(monkeypatch):
+    """fa3_forward_fp8 at a Gluon width: the Gluon kernel bound with e4m3 q / k, the permuted V operand, the
+    descales and their strides, the error word and the FP8 config; the Triton kernel where GLUON_FP8 is off."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, fp8_v_operand, gluon_fp8_config
+
+    calls, _ = _capture_launch(monkeypatch)
+    fp8 = torch.float8_e4m3fn
+    q = (torch.randn(2, 4, 300, 128) * 4).to(fp8)
+    k = (torch.randn(2, 2, 500, 128) * 4).to(fp8)
+    v = (torch.randn(2, 2, 500, 128) * 4).to(fp8)
+    qs, ks, vs = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5, torch.rand(1, 2).expand(2, 2)
+    out, lse = fa3_fwd.fa3_forward_fp8(q, k, v, (qs, ks, vs), softmax_scale=0.25, causal=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 300)
+    (grid, bound), = calls
+    cfg = gluon_fp8_config(128, True, 500 >= DYNAMIC_MIN_KEYS)
+    assert bound["Q"] is q and bound["K"] is k and torch.equal(bound["V"].float(), fp8_v_operand(v).float())
+    assert bound["QDescale"] is qs and bound["KDescale"] is ks and bound["VDescale"] is vs
+    assert bound["Err"].dtype == torch.int32 and bound["Err"].numel() >= 1
+    assert (bound["stride_qsb"], bound["stride_qsh"], bound["stride_vsb"], bound["stride_vsh"]) == (2, 1, 0, 1)
+    assert bound["stride_vn"] == 512  # a (d, Nk rounded up to 32) row of the operand
+    assert bound["qk_scale"] == pytest.approx(0.25 * 1.4426950408889634)
+    assert (bound["BLOCK_N"], bound["NUM_STAGES"], bound["NUM_WG"], bound["BLOCK_D1"]) == (
+        cfg.block_n, cfg.num_stages, cfg.num_wg, 0)
+    assert fa3_fwd.fp8_block_sizes(128, True, 500) == (cfg.block_m, cfg.block_n)
+    monkeypatch.setattr(fa3_fwd, "GLUON_FP8", False)
+    triton_calls = []
+    monkeypatch.setattr(fa3_fwd, "launch", lambda *a, **kw: triton_calls.append(kw))
+    fa3_fwd.fa3_forward_fp8(q, k, v, (qs, ks, vs), softmax_scale=0.25, causal=True)
+    assert len(calls) == 1 and len(triton_calls) == 1 and triton_calls[0]["descales"] == (qs, ks, vs)
+    assert fa3_fwd.fp8_block_sizes(128, True, 500) == (128, fa3_fwd.fa3_fp8_config(128, True).block_n)

@@ -206,13 +206,41 @@ def test_gpu_kernel_matches_twin(d, causal, monkeypatch):
         q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq + nk)
         out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
                                              v_descale=vs, return_lse=True)
-        cfg = fa3_fwd.fa3_fp8_config(d, causal)
-        ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=(cfg.block_m, cfg.block_n))
+        ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, nk))
         assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
         assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
         # scores move by the tensor cores' FP8 accumulation (module docstring): LSE within 2e-3
         assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
     assert len(calls) == 5, "every shape must run the FP8 kernel, not the dequantised fallback"
+
+
+def test_gluon_fp8_dispatch(monkeypatch):
+    """The Gluon FP8 kernel where it measured at least as fast (tile widths 64 and 128; 256 when causal), the
+    Triton one elsewhere and with GLUON_FP8 off."""
+    assert fa3_fwd.use_gluon_fp8(128, True, 1) and fa3_fwd.use_gluon_fp8(96, False, 300)
+    assert fa3_fwd.use_gluon_fp8(64, True, 4096) and fa3_fwd.use_gluon_fp8(48, False, 16384)
+    assert fa3_fwd.use_gluon_fp8(256, True, 16384) and fa3_fwd.use_gluon_fp8(160, True, 100)
+    assert not fa3_fwd.use_gluon_fp8(256, False, 16384) and not fa3_fwd.use_gluon_fp8(32, True, 16384)
+    monkeypatch.setattr(fa3_fwd, "GLUON_FP8", False)
+    assert not fa3_fwd.use_gluon_fp8(128, True, 4096)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [48, 64, 128, 160, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
+    """The Gluon FP8 kernel at every width it covers, dispatched or not (forced here), against the twin:
+    ragged and GQA shapes, the dynamic causal scheduler from 2k keys, a key count past a 32-key chunk."""
+    monkeypatch.setattr(fa3_fwd, "use_gluon_fp8", lambda d, causal, nk: True)
+    for nq, nk in ((1, 1), (333, 517), (517, 70), (2100, 2100)):
+        q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq)
+        out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
+                                             v_descale=vs, return_lse=True)
+        ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, nk))
+        assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
+        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
+        assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
 
 
 @pytest.mark.gpu
@@ -226,8 +254,7 @@ def test_gpu_long_rows_and_layouts():
     for causal in (False, True):
         out = flashtile.flash_attn_func(q_view, k8, v_view, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
         rows = slice(8192 - 512, 8192)
-        ref = twin(q8[:, rows], k8, v8, qs, ks, vs, causal,
-                   block_sizes=(128, fa3_fwd.fa3_fp8_config(128, causal).block_n))
+        ref = twin(q8[:, rows], k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(128, causal, 8192))
         assert_fp8_close(out[:, rows].transpose(1, 2), ref.out, f"causal={causal}")
 
 
