@@ -259,10 +259,11 @@ def fa3_forward_fp8(
             gluon_launch(q, k, fp8_v_operand(v), out, lse, float(softmax_scale), causal,
                          gluon_fp8_config(d, causal, nk >= DYNAMIC_MIN_KEYS), fp8=(descales, err))
         else:
+            from flashtile.runtime.fa3_gluon import fp8_v_operand
+
             # V as (B, Hk, d, Nk) rows (fp8 wgmma's B operand is k-major); rows padded to 16 bytes for the
             # descriptor
-            vt = torch.empty((b, hk, d, -(-nk // 16) * 16), dtype=v.dtype, device=v.device)
-            vt[..., :nk].copy_(v.transpose(2, 3))
+            vt = fp8_v_operand(v, permute=False, multiple=16)
             launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
                    descales=descales, err=err)
     return out, lse

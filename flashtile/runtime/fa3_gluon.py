@@ -21,7 +21,7 @@ import torch
 import triton
 
 from flashtile.kernels._common import LOG2E
-from flashtile.runtime.common import check_descriptor_grid, on_device
+from flashtile.runtime.common import check_descriptor_grid, fold_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
@@ -202,26 +202,30 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     return cfg
 
 
-def fp8_v_operand(v: torch.Tensor) -> torch.Tensor:
-    """V (B, Hk, Nk, d) e4m3 as the Gluon FP8 kernel reads it: transposed, (B, Hk, d, Nk rounded up to 32),
-    zero past Nk, and within every 32-key chunk the keys in the order of P's registers (kernel
-    ``_p_operand``): column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b.  One copy for the
-    whole chunks, a padded one for a partial last chunk."""
+def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = 32) -> torch.Tensor:
+    """V (B, Hk, Nk, d) e4m3 as an FP8 kernel reads it: transposed, (B, Hk, d, Nk rounded up to ``multiple``),
+    zero past Nk; with ``permute`` (the Gluon kernel's, ``multiple`` 32) the keys of every 32-key chunk in the
+    order of P's registers (kernel ``_p_operand``): column 32c + 16h + 4q + 2e + b holds key
+    32c + 16h + 8e + 2q + b.  One kernel (``kernels/fp8_v.py``) over byte views: H100, 32 MB of V, ~220 us
+    through torch's strided copy."""
+    from flashtile.kernels.fp8_v import fp8_v_transpose_kernel
+    from flashtile.runtime.launch import launch as run_kernel
+
+    if permute and multiple % 32:
+        raise ValueError(f"multiple must be a multiple of 32 with permute, got {multiple}")
     b, hk, nk, d = v.shape
-    n32 = -(-nk // 32) * 32
-    vt = torch.empty((b, hk, d, n32), dtype=v.dtype, device=v.device)
-    src = v.transpose(2, 3)
-
-    def chunks(x, keys):  # (..., keys) as (..., chunk, h, e, q, b), then in the (chunk, h, q, e, b) order
-        return x.unflatten(3, (keys // 32, 2, 2, 4, 2)).permute(0, 1, 2, 3, 4, 6, 5, 7)
-
-    full = nk // 32 * 32
-    if full:
-        vt[..., :full].unflatten(3, (full // 32, 2, 4, 2, 2)).copy_(chunks(src[..., :full], full))
-    if full < nk:
-        tail = torch.zeros((b, hk, d, 32), dtype=v.dtype, device=v.device)
-        tail[..., :nk - full].copy_(src[..., full:])
-        vt[..., full:].unflatten(3, (1, 2, 4, 2, 2)).copy_(chunks(tail, 32))
+    width = -(-nk // multiple) * multiple
+    vt = torch.empty((b, hk, d, width), dtype=v.dtype, device=v.device)
+    if vt.numel() == 0:
+        return vt
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    src, dst = v.view(torch.uint8), vt.view(torch.uint8)
+    block_k = 64
+    grid = fold_grid(triton.cdiv(width, block_k), b * hk)
+    run_kernel(fp8_v_transpose_kernel, grid, (src, dst),
+               (v.stride(0), v.stride(1), v.stride(2), vt.stride(0), vt.stride(1), vt.stride(2), hk, b * hk, nk, width,
+                d, block_d(d), block_k, permute), num_warps=4, num_stages=1)
     return vt
 
 

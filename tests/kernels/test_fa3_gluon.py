@@ -819,7 +819,8 @@ def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
 
 def test_fp8_v_operand_permutes_keys_per_chunk():
     """V's transpose with each 32-key chunk in the order of P's registers (kernel ``_p_operand``): column
-    32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b; zero past Nk, columns rounded up to 32."""
+    32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b; zero past Nk, columns rounded up to 32 (the
+    copy kernel interpreted, on a (B, N, H, d)-storage view)."""
     from flashtile.runtime.fa3_gluon import fp8_v_operand
 
     b, hk, nk, d = 2, 3, 70, 16
@@ -836,7 +837,11 @@ def test_fp8_v_operand_permutes_keys_per_chunk():
         if key < nk:
             want[..., col] = v[:, :, key].float()
     assert torch.equal(vt, want)
-    assert torch.equal(fp8_v_operand(v[:, :, :64]).float(), want[..., :64])  # whole chunks only: one copy
+    assert torch.equal(fp8_v_operand(v[:, :, :64]).float(), want[..., :64])  # whole chunks only
+    plain = fp8_v_operand(v, permute=False, multiple=16).float()  # the Triton FP8 kernel's operand
+    assert plain.shape == (b, hk, d, 80) and torch.equal(plain[..., :nk], v.float().transpose(2, 3))
+    assert (plain[..., nk:] == 0).all()
+    assert fp8_v_operand(v[:, :, :0]).shape == (b, hk, d, 0)
 
 
 def test_fp8_config_table():
@@ -864,7 +869,15 @@ def test_fp8_forward_launches_gluon_with_descales(monkeypatch):
     import flashtile.runtime.fa3_fwd as fa3_fwd
     from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, fp8_v_operand, gluon_fp8_config
 
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+
+    real_launch = launch_mod.launch
     calls, _ = _capture_launch(monkeypatch)
+    capture = launch_mod.launch
+    # the V operand's copy kernel runs (interpreted); the Gluon launch is captured
+    monkeypatch.setattr(launch_mod, "launch", lambda kernel, *a, **kw: (
+        capture if kernel is fa3_gluon_kernel else real_launch)(kernel, *a, **kw))
     fp8 = torch.float8_e4m3fn
     q = (torch.randn(2, 4, 300, 128) * 4).to(fp8)
     k = (torch.randn(2, 2, 500, 128) * 4).to(fp8)
