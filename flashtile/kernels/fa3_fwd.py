@@ -79,9 +79,9 @@ def _descales(QDescale, KDescale, VDescale, off_b, off_hk, stride_qsb, stride_qs
 
 @triton.jit
 def _descales_ok(qk_ds, qk_scale, v_ds):
-    """The row-max shortcut needs a positive finite score scale ``qk_scale * qk_ds`` (``qk_scale`` > 0);
-    v's descale only needs to be finite."""
-    return (qk_ds > 0.0) & (qk_ds < float("inf") / qk_scale) & (tl.abs(v_ds) < float("inf"))
+    """The row-max shortcut needs a positive finite score scale ``qk_scale * qk_ds`` (``qk_scale`` > 0; the
+    fp32 product overflows to inf where it is not finite); v's descale only needs to be finite."""
+    return (qk_ds > 0.0) & (qk_ds * qk_scale < float("inf")) & (tl.abs(v_ds) < float("inf"))
 
 
 @triton.jit

@@ -440,8 +440,8 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     (q = lane % 4) where the k_width-4 operand wants k 4q + {0, 1, 2, 3, 16, ..., 19}; read in that order
     the registers are the operand as they stand (no shuffles) if V's keys are permuted alike: operand
     column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b (``runtime.fa3_gluon.fp8_v_operand``
-    stores V so).  The 8-bit operand stays fp32 until ``_pv`` rounds it: carried across the loop's iterations
-    as 8-bit values, each iteration unpacked and repacked its bytes (sm_90a SASS at d = 128: 733 PRMTs vs 160)."""
+    stores V so).  The 8-bit operand stays fp32 until ``_pv`` rounds it: an 8-bit loop-carried value is unpacked
+    and repacked byte by byte every iteration (sm_90a SASS at d = 128: 733 PRMTs against 160)."""
     if dtype.primitive_bitwidth == 8:
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
@@ -648,8 +648,8 @@ def _fp8_scales(ds, off_b, off_hk, qk_scale):
     k_ds = gl.load(ds[1] + off_b * ds[6] + off_hk * ds[7])
     v_ds = gl.load(ds[2] + off_b * ds[8] + off_hk * ds[9])
     qk_ds = q_ds * k_ds
-    ok = (qk_ds > 0.0) & (qk_ds < float("inf") / qk_scale) & (gl.abs(v_ds) < float("inf"))
-    scale = qk_scale * qk_ds
+    scale = qk_scale * qk_ds  # fp32: inf where the score scale is not finite
+    ok = (qk_ds > 0.0) & (scale < float("inf")) & (gl.abs(v_ds) < float("inf"))
     scale = gl.where(scale > 0.0, gl.minimum(scale, 1e30), 1.0)
     return scale, v_ds, ok
 
@@ -742,10 +742,11 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
         gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
         # descales that break the kernel's contract: output 0, LSE -inf, the error word's bit (every writer
         # ORs the same bit)
-        out_scale = gl.where(scale_ok, v_ds, 0.0) / l_safe
+        out_scale = v_ds / l_safe
         if not scale_ok:
             gl.atomic_or(err, _ERR_DESCALE)
-        out0 = _rows_times(acc0, out_scale).to(dtype)
+        # a select, not a product with 0: the rows' accumulators may hold NaN under a bad descale
+        out0 = gl.where(scale_ok, _rows_times(acc0, out_scale), 0.0).to(dtype)
     else:
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
         gl.store(LSE + lse_row0 + rows, lse, mask=rows < seqlen_q)
@@ -920,7 +921,8 @@ def fa3_gluon_kernel(
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
     dtype: gl.constexpr = Q.dtype.element_ty
-    # FP8 (8-bit Q, K, V; O bf16): V comes transposed, (B, Hk, HEAD_DIM, Nk) rows of stride stride_vn, as
+    # FP8 (8-bit Q, K, V; O bf16): V comes transposed, (B, Hk, HEAD_DIM, Nk rounded up to 32) rows of stride
+    # stride_vn, keys permuted per 32-key chunk (``_p_operand``), as
     # (BLOCK_D0, BLOCK_N) tiles; one column part, device descriptors, O not staged in Q's (8-bit) tiles
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(not FP8 or (BLOCK_D1 == 0 and not HOST_DESC and not IS_VARLEN and O_STORE != 2))

@@ -38,9 +38,10 @@ _HOOK_NAMES = (
     (fa3_gluon_bwd, "prefer_gluon_bwd"), (fa3_gluon_bwd, "backward_into"), (fa3_gluon_bwd, "_launch_all"),
     (fa3_gluon_bwd, "gluon_bwd_config"), (fa3_gluon_bwd, "group_loop_wins"), (fa3_gluon_bwd, "gluon_bwd_wins"),
     (fa3_gluon_bwd, "descriptor_grid_fits"), (fa3_gluon_bwd, "_check"), (fa3_gluon_bwd, "backward_plan"),
-    (fa3_bwd, "prefer_hopper_bwd"), (fa3_bwd, "fa3_backward"),
+    (fa3_bwd, "prefer_hopper_bwd"), (fa3_bwd, "hopper_bwd_wins"), (fa3_bwd, "descriptor_grid_fits"),
+    (fa3_bwd, "fa3_backward"),
     (fa2_bwd, "fa2_backward"), (fa2_bwd, "bwd_config"), (fa2_bwd, "plain_backward"), (fa2_bwd, "_bwd_launches"),
-    (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"),
+    (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"), (fa2_bwd, "launch"), (fa2_bwd, "launcher"),
 )
 _OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
 
@@ -139,7 +140,8 @@ def _bwd_key(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], seq
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape, dout.stride(), out.shape,
             out.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, dout.dtype, out.dtype, lse.dtype,
             q.device, k.device, v.device, dout.device, out.device, lse.device, causal, window, seq_major,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr()) & 15, _switches())
+            (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr() | lse.data_ptr()) & 15,
+            _switches())
 
 
 class BackwardPlan:
@@ -186,5 +188,5 @@ def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int
     if fa3_bwd.prefer_hopper_bwd(qb, kb, vb, dob, causal=causal, window=window, plain=True):
         return None  # the Triton Hopper backward: unplanned
     left, right = window[0], 0 if causal else window[1]
-    run = fa2_bwd.plain_backward(dob, qb, kb, vb, ob, lse, dq, dk, dv, left, right)
+    run = fa2_bwd.plain_backward(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal, left, right)
     return None if run is None else BackwardPlan(run)

@@ -362,11 +362,11 @@ def _bwd_launches(q, k, v, dout, out, dq_buf, dk_buf, dv_buf, dq_acc, cfg: BwdCo
     return BwdLaunches(preprocess, dkdv, dq)
 
 
-def plain_backward(dout, q, k, v, out, lse, dq, dk, dv, left: int, right: int):
+def plain_backward(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, left: int, right: int):
     """A fixed-length backward without softcap, ALiBi, bias, dropout, block mask or determinism, prepared for the
     signature of these (B, H, N, d) views (``lse`` (B, Hq, Nq) float32 contiguous; ``dq``, ``dk``, ``dv`` the
-    gradients' views; window ``left`` / ``right``): ``run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)``
-    makes :func:`fa2_backward`'s launches, bound once (``runtime.launch.launcher``), on tensors of that
+    gradients' views; ``causal`` and the window ``left`` / ``right`` as :func:`fa2_backward` takes them):
+    ``run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)`` makes :func:`fa2_backward`'s launches, bound once (``runtime.launch.launcher``), on tensors of that
     signature.  None where :func:`fa2_backward` would do more (no rows or keys, a non-unit stride on d, an lse
     it would convert)."""
     b, hq, nq, d = q.shape
@@ -378,7 +378,7 @@ def plain_backward(dout, q, k, v, out, lse, dq, dk, dv, left: int, right: int):
     if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.shape != (b, hq, nq):
         return None
     dev = q.device
-    cfg = bwd_config(d, q.dtype, False, nq, nk, dev)
+    cfg = bwd_config(d, q.dtype, bool(causal), nq, nk, dev)
     atomic = cfg.atomic_dq
     delta, dq_acc = _scratch(atomic, False, b, hq, nq, d, 0, dev)
     launches = _bwd_launches(

@@ -252,20 +252,16 @@ def fa3_forward_fp8(
         return out, lse
     ensure_allocator()
     err = error_flags(q.device, "flash_attn_func")[1:]
+    from flashtile.runtime.fa3_gluon import fp8_v_operand, gluon_launch
+
     with on_device(q):
-        if use_gluon_fp8(d, causal, nk):
-            from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, fp8_v_operand, gluon_fp8_config, gluon_launch
-
-            gluon_launch(q, k, fp8_v_operand(v), out, lse, float(softmax_scale), causal,
-                         gluon_fp8_config(d, causal, nk >= DYNAMIC_MIN_KEYS), fp8=(descales, err))
-        else:
-            from flashtile.runtime.fa3_gluon import fp8_v_operand
-
-            # V as (B, Hk, d, Nk) rows (fp8 wgmma's B operand is k-major); rows padded to 16 bytes for the
-            # descriptor
-            vt = fp8_v_operand(v, permute=False, multiple=16)
-            launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, fa3_fp8_config(d, causal),
-                   descales=descales, err=err)
+        gluon_cfg = _gluon_fp8_cfg(d, causal, nk)
+        if gluon_cfg is not None:
+            gluon_launch(q, k, fp8_v_operand(v), out, lse, float(softmax_scale), causal, gluon_cfg,
+                         fp8=(descales, err))
+        else:  # V as (B, Hk, d, Nk) rows, padded to 16 bytes for the descriptor: the k-major B operand
+            launch(q, k, fp8_v_operand(v, permute=False, multiple=16), out, lse, float(softmax_scale) * LOG2E,
+                   causal, fa3_fp8_config(d, causal), descales=descales, err=err)
     return out, lse
 
 
@@ -273,29 +269,33 @@ def fa3_forward_fp8(
 GLUON_FP8 = True
 
 
+def _gluon_fp8_cfg(d: int, causal: bool, nk: int):
+    """The Gluon FP8 kernel's config for a call at head dim ``d`` with ``nk`` keys, or None: the Triton FP8
+    kernel runs it (:func:`use_gluon_fp8`)."""
+    if not use_gluon_fp8(d, causal):
+        return None
+    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, gluon_fp8_config
+
+    return gluon_fp8_config(d, causal, nk >= DYNAMIC_MIN_KEYS)
+
+
 def fp8_block_sizes(d: int, causal: bool, nk: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the FP8 kernel :func:`fa3_forward_fp8` runs at head dim ``d`` with ``nk``
     keys: P is rounded to e4m3 against each key tile's running max, so the float64 twin
     (``reference.fp8``) takes these to match it."""
-    if use_gluon_fp8(d, causal, nk):
-        from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, gluon_fp8_config
-
-        cfg = gluon_fp8_config(d, causal, nk >= DYNAMIC_MIN_KEYS)
-        return cfg.block_m, cfg.block_n
-    cfg = fa3_fp8_config(d, causal)
+    cfg = _gluon_fp8_cfg(d, causal, nk) or fa3_fp8_config(d, causal)
     return cfg.block_m, cfg.block_n
 
 
-def use_gluon_fp8(d: int, causal: bool, nk: int) -> bool:
+def use_gluon_fp8(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward_fp8` runs the Gluon kernel (its unmasked loop beside a masked diagonal one,
-    ping-pong, intra-warpgroup overlap, the dynamic causal scheduler, P's registers as the second GEMM's
-    operand without shuffles) rather than the Triton one (every tile masked when causal, 128 x 256 tiles
-    without a mask): head dims of tile width 64 or 128, and 256 when causal.  H100, B*N = 16k, H*d = 2048,
-    interleaved rounds (bench/NOTES.md "Gluon FP8 forward"), Gluon / Triton TFLOP/s: causal d = 128 422 / 362
-    at 4k, 690 / 552 at 16k; causal d = 64 245 / 243 and 447 / 344; without a mask 1.00-1.01x at d = 64 and 128;
-    d = 256 causal 474 / 458 and 783 / 785, without a mask 746 / 728 and 980 / 1001.  ``nk`` is not used yet
-    (the measured rows did not depend on it)."""
-    del nk
+    intra-warpgroup overlap, ping-pong below width 256, the dynamic causal scheduler, P's registers as the
+    second GEMM's operand without shuffles) rather than the Triton one (every tile masked when causal,
+    128 x 256 tiles without a mask): head dims of tile width 64 or 128, and 256 when causal.  H100,
+    B*N = 16k, H*d = 2048, interleaved rounds (bench/NOTES.md "Gluon FP8 forward" and its schedule ablation),
+    Gluon / Triton TFLOP/s: causal d = 128 601 / 479 at 4k, 789 / 619 at 16k; causal d = 64 359 / 291 and
+    487 / 369; without a mask 0.98-1.03x at d = 64 and 128 (within the rounds' spread); d = 256 causal 722 / 700
+    and 948 / 877 (no ping-pong), without a mask 914 / 1032 and 1034 / 1101."""
     from flashtile.runtime.fa3_gluon import block_d
 
     width = block_d(d)

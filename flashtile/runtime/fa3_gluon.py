@@ -186,9 +186,11 @@ FP8_WIDTHS = (64, 128, 256)
 def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int = 0,
                      num_stages: int = 0) -> GluonConfig:
     """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
-    width (consumer warpgroups, schedules, persistent / dynamic grid) with the column part unsplit, plain
-    stores (O is bf16, Q's tiles 8-bit: no staging there) and 1-byte tiles: ``block_n`` / ``num_stages`` (0: 128
-    keys at width 128, 64 elsewhere; as many stages as fit, at most 3).  sm_90a compiles with P carried in
+    width (consumer warpgroups, schedules, persistent / dynamic grid; not its two-warpgroup variant for 4k-8k
+    causal keys at width 64: 321 vs 359 TFLOP/s at 4k) with the column part unsplit, plain stores (O is bf16,
+    Q's tiles 8-bit: no staging there) and 1-byte tiles: ``block_n`` (0: 128 keys at width 128, 64
+    elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at least 2 (ValueError
+    otherwise).  sm_90a compiles with P carried in
     fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B with three 160-register consumers (width 64)
     and 80 B with serialised wgmmas at width 256, 64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8
     forward"): width 64 causal 16k 447 vs 397 TFLOP/s for 128 keys.  Width 256 without ping-pong: 1.01-1.06x
@@ -202,6 +204,9 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
                   pingpong=width != 256)
     while smem_bytes(cfg, d, esize=1) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    if smem_bytes(cfg, d, esize=1) > SMEM_LIMIT:
+        raise ValueError(f"block_n = {cfg.block_n} at d = {d} needs {smem_bytes(cfg, d, esize=1)} bytes of shared "
+                         f"memory at 2 stages, over {SMEM_LIMIT}")
     return cfg
 
 
@@ -434,6 +439,11 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
+        if tuple(v.shape) != (b, hk, d, -(-nk // 32) * 32) or v.stride(3) != 1:
+            # the kernel's V descriptor spans Nk rounded up to 32 columns of unit stride
+            raise ValueError(f"v must be fp8_v_operand of V, (B, Hk, d, Nk rounded up to 32) = "
+                             f"{(b, hk, d, -(-nk // 32) * 32)} with unit stride on its last dim, got "
+                             f"{tuple(v.shape)} strides {v.stride()}")
         qs, ks, vs = descales
         scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
     else:
@@ -477,8 +487,8 @@ def gluon_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: Glu
     stride rules them out, in the kernel as without it.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): a packed batch on (1, H, total, d) views, lse (Hq, total_q); ``cfg`` one program per slot
     of the packed grid with device descriptors.  ``fp8`` = ((q, k, v) float32 descales broadcast to (B, Hk), the
-    int32 error word): e4m3 q, k and ``v`` V's transpose (B, Hk, d, Nk rounded up to 16) with unit stride on Nk,
-    ``out`` bf16 (``fa3_fwd.fa3_forward_fp8``)."""
+    int32 error word): e4m3 q, k and ``v`` = :func:`fp8_v_operand` of V ((B, Hk, d, Nk rounded up to 32), keys
+    permuted per 32-key chunk; checked in :func:`gluon_args`), ``out`` bf16 (``fa3_fwd.fa3_forward_fp8``)."""
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
     from flashtile.runtime.launch import launch as run_kernel
 

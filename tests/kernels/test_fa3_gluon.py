@@ -842,6 +842,23 @@ def test_fp8_v_operand_permutes_keys_per_chunk():
     assert plain.shape == (b, hk, d, 80) and torch.equal(plain[..., :nk], v.float().transpose(2, 3))
     assert (plain[..., nk:] == 0).all()
     assert fp8_v_operand(v[:, :, :0]).shape == (b, hk, d, 0)
+    # the kernel's _p_operand: P's [N] keys as [N / 32, h, e, q, b], read in (h, q, e, b) order per chunk
+    held = torch.arange(96).reshape(3, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(96)
+    for col in range(96):
+        c, r = divmod(col, 32)
+        assert held[col] == 32 * c + 16 * (r // 16) + 8 * ((r % 4) // 2) + 2 * ((r % 16) // 4) + r % 2
+
+
+def test_fp8_v_operand_folds_many_heads(monkeypatch):
+    """More (batch, kv head) pairs than one grid row holds: the pairs fold onto grid axis z (the last row's
+    spare programs exit) and every pair is copied."""
+    from flashtile.runtime import common
+    from flashtile.runtime.fa3_gluon import fp8_v_operand
+
+    monkeypatch.setattr(common, "GRID_YZ_MAX", 4)
+    v = (torch.randn(3, 2, 40, 16) * 8).to(torch.float8_e4m3fn)  # 6 pairs: grid (2, 4, 2)
+    plain = fp8_v_operand(v, permute=False, multiple=16).float()
+    assert torch.equal(plain[..., :40], v.float().transpose(2, 3)) and (plain[..., 40:] == 0).all()
 
 
 def test_fp8_config_table():

@@ -217,12 +217,13 @@ def test_gpu_kernel_matches_twin(d, causal, monkeypatch):
 def test_gluon_fp8_dispatch(monkeypatch):
     """The Gluon FP8 kernel where it measured at least as fast (tile widths 64 and 128; 256 when causal), the
     Triton one elsewhere and with GLUON_FP8 off."""
-    assert fa3_fwd.use_gluon_fp8(128, True, 1) and fa3_fwd.use_gluon_fp8(96, False, 300)
-    assert fa3_fwd.use_gluon_fp8(64, True, 4096) and fa3_fwd.use_gluon_fp8(48, False, 16384)
-    assert fa3_fwd.use_gluon_fp8(256, True, 16384) and fa3_fwd.use_gluon_fp8(160, True, 100)
-    assert not fa3_fwd.use_gluon_fp8(256, False, 16384) and not fa3_fwd.use_gluon_fp8(32, True, 16384)
+    assert fa3_fwd.use_gluon_fp8(128, True) and fa3_fwd.use_gluon_fp8(96, False)
+    assert fa3_fwd.use_gluon_fp8(64, True) and fa3_fwd.use_gluon_fp8(48, False)
+    assert fa3_fwd.use_gluon_fp8(256, True) and fa3_fwd.use_gluon_fp8(160, True)
+    assert not fa3_fwd.use_gluon_fp8(256, False) and not fa3_fwd.use_gluon_fp8(32, True)
     monkeypatch.setattr(fa3_fwd, "GLUON_FP8", False)
-    assert not fa3_fwd.use_gluon_fp8(128, True, 4096)
+    assert not fa3_fwd.use_gluon_fp8(128, True)
+    assert fa3_fwd.fp8_block_sizes(128, True, 4096) == (128, fa3_fwd.fa3_fp8_config(128, True).block_n)
 
 
 @pytest.mark.gpu
@@ -232,7 +233,8 @@ def test_gluon_fp8_dispatch(monkeypatch):
 def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
     """The Gluon FP8 kernel at every width it covers, dispatched or not (forced here), against the twin:
     ragged and GQA shapes, the dynamic causal scheduler from 2k keys, a key count past a 32-key chunk."""
-    monkeypatch.setattr(fa3_fwd, "use_gluon_fp8", lambda d, causal, nk: True)
+    monkeypatch.setattr(fa3_fwd, "use_gluon_fp8", lambda d, causal: True)
+    flashtile.check_errors()  # clear the record
     for nq, nk in ((1, 1), (333, 517), (517, 70), (2100, 2100)):
         q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq)
         out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
@@ -241,6 +243,7 @@ def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
         assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
         assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
         assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+    flashtile.check_errors()  # valid descales: nothing recorded
 
 
 @pytest.mark.gpu
@@ -260,17 +263,27 @@ def test_gpu_long_rows_and_layouts():
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_bad_descale_is_reported_not_nan():
-    q8, k8, v8, qs, ks, vs = quantised(2, 2, 2, 300, 300, 128, "cuda", seed=11)
+@pytest.mark.parametrize("d,causal,n,which,value", [
+    (128, False, 300, 0, -2.0), (64, False, 300, 1, float("nan")), (128, True, 2100, 0, float("inf")),
+    (256, True, 300, 2, float("nan")), (32, True, 300, 1, 0.0), (256, False, 300, 2, float("-inf")),
+])
+def test_gpu_bad_descale_is_reported_not_nan(d, causal, n, which, value):
+    """A bad descale of one (batch, kv head) zeroes that head's rows (GQA: both of its q heads) and sets the
+    error word, in each kernel and grid: Gluon one program per tile (d = 64, three warpgroups), persistent
+    (128), dynamic causal (128 from 2k keys, 256), and the Triton kernel (32, 256 without a mask)."""
+    q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, n, n, d, "cuda", seed=11 + d)
     flashtile.check_errors()
-    qs_bad = qs.clone()
-    qs_bad[1, 0] = -2.0
-    out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qs_bad, k_descale=ks, v_descale=vs)
-    assert not out.isnan().any() and (out[1, :, 0] == 0).all()
-    with pytest.raises(ValueError, match="q_descale"):
+    descales = [qs, ks, vs]
+    bad = descales[which].clone()
+    bad[1, 0] = value
+    descales[which] = bad
+    names = ("q_descale", "k_descale", "v_descale")
+    out = flashtile.flash_attn_func(q8, k8, v8, causal=causal, **dict(zip(names, descales)))
+    assert not out.isnan().any() and (out[1, :, :2] == 0).all()  # kv head 0 of batch 1: q heads 0 and 1
+    with pytest.raises(ValueError, match="descale"):
         flashtile.check_errors()
-    good = flashtile.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)
-    assert torch.equal(out[0], good[0])
+    good = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert torch.equal(out[0], good[0]) and torch.equal(out[1, :, 2:], good[1, :, 2:])
     flashtile.check_errors()  # nothing recorded by the good call
 
 

@@ -98,6 +98,26 @@ def test_planned_backward_matches_oracle_and_generic_path(case, device, monkeypa
         assert torch.equal(g, p), name
 
 
+def test_plain_backward_both_dq_paths_bitwise(device, monkeypatch):
+    """``fa2_bwd.plain_backward``'s run makes ``fa2_backward``'s launches: with atomic dQ (the interpreter's
+    config) and with the separate dQ kernel, bitwise equal to the generic function's gradients."""
+    from flashtile.runtime import fa2_bwd
+    from flashtile.runtime.fa2_fwd import fa2_forward
+
+    q, k, v = (x.transpose(1, 2) for x in _inputs(2, 40, 56, 4, 2, 32, torch.float32, device, 13))
+    out, lse = fa2_forward(q, k, v, softmax_scale=0.3, causal=True)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(14)).to(device)
+    own = fa2_bwd.bwd_config
+    for atomic in (True, False):
+        monkeypatch.setattr(fa2_bwd, "bwd_config", lambda *a: own(*a)._replace(atomic_dq=atomic))
+        want = fa2_bwd.fa2_backward(do, q, k, v, out, lse, softmax_scale=0.3, causal=True)
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        run = fa2_bwd.plain_backward(do, q, k, v, out, lse, *grads, True, -1, 0)
+        run(do, q, k, v, out, lse, *grads, 0.3)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+            assert torch.equal(g, w), (atomic, name)
+
+
 def test_sdpa_layout_plan(device):
     """The SDPA drop-in (B, H, N, d) layout: a plan of its own, out a (B, H, N, d) view of (B, N, H, d) storage."""
     q, k, v = (x.transpose(1, 2) for x in _inputs(1, 40, 40, 2, 2, 32, torch.float32, device, 4))
@@ -163,6 +183,14 @@ def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, 
         out = flash_attn_func(qs, ks, vs, causal=causal)
         return (out, *torch.autograd.grad(out, (qs, ks, vs), do))
 
+    from flashtile.runtime.fa2_bwd import bwd_config
+
+    qb, kb = q.transpose(1, 2), k.transpose(1, 2)
+    fa2 = not fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, kb, qb, causal=causal, window=(-1, 0 if causal else -1),
+                                             plain=True, deterministic=False)
+    assert fa2 == (d <= 64 and n < 4096)  # the cases meant for FA2's backward take it
+    if fa2:  # atomics from 8k keys: both dQ paths of the plan
+        assert bwd_config(d, dtype, causal, n, n, q.device).atomic_dq == (n >= 8192)
     planned = [step() for _ in range(2)]
     assert len(plan._FWD) == 1 and len(plan._BWD) == 1
     kinds = {type(p).__name__ for p in (*plan._FWD.values(), *plan._BWD.values())}
