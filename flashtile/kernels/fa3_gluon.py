@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.kernels._common import LN2
-# a @triton.jit helper of scalar ops: Gluon code generates it as its own (the same PTX as a Gluon copy)
-from flashtile.kernels.fa3_fwd import ERR_DESCALE, _packed_slot
+# @triton.jit helpers of scalar ops: Gluon code generates them as its own (the same PTX as a Gluon copy)
+from flashtile.kernels.fa3_fwd import ERR_DESCALE, _descales, _descales_ok, _packed_slot
 
 __all__ = ["fa3_gluon_kernel", "packed_range", "WG_M"]
 
@@ -642,14 +642,11 @@ def _out_ptr(Out, HOST_DESC: gl.constexpr, O_STORE: gl.constexpr):
 def _fp8_scales(ds, off_b, off_hk, qk_scale):
     """FP8: (the tile's score scale, v descale, whether the descales are valid) of (batch, kv head)
     ``(off_b, off_hk)``; ``ds`` = (QDescale, KDescale, VDescale, Err, their (batch, head) strides, ...).  The
-    row-max shortcut needs a positive finite score scale ``qk_scale * q_ds * k_ds`` (``qk_scale`` > 0) and v's
-    descale must be finite; otherwise the tile runs at scale 1 and its outputs are replaced (``_consumer_tile``)."""
-    q_ds = gl.load(ds[0] + off_b * ds[4] + off_hk * ds[5])
-    k_ds = gl.load(ds[1] + off_b * ds[6] + off_hk * ds[7])
-    v_ds = gl.load(ds[2] + off_b * ds[8] + off_hk * ds[9])
-    qk_ds = q_ds * k_ds
-    scale = qk_scale * qk_ds  # fp32: inf where the score scale is not finite
-    ok = (qk_ds > 0.0) & (scale < float("inf")) & (gl.abs(v_ds) < float("inf"))
+    Triton FP8 kernel's loads and validity rule (``kernels.fa3_fwd._descales`` / ``_descales_ok``); an invalid
+    tile runs at scale 1 and its outputs are replaced (``_consumer_tile``)."""
+    qk_ds, v_ds = _descales(ds[0], ds[1], ds[2], off_b, off_hk, *ds[4:10])
+    ok = _descales_ok(qk_ds, qk_scale, v_ds)
+    scale = qk_scale * qk_ds
     scale = gl.where(scale > 0.0, gl.minimum(scale, 1e30), 1.0)
     return scale, v_ds, ok
 
