@@ -435,13 +435,14 @@ def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
 
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """P (``p``, fp32 in S's wgmma layout) as the A operand of the P V GEMMs in ``dtype``, their input dtype.  16-bit: the same registers.  8-bit
-    (FP8): within every 32-key chunk a thread's accumulator holds keys 2q + {0, 1, 8, 9, 16, 17, 24, 25}
-    (q = lane % 4) where the k_width-4 operand wants k 4q + {0, 1, 2, 3, 16, ..., 19}; read in that order
-    the registers are the operand as they stand (no shuffles) if V's keys are permuted alike: operand
-    column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b (``runtime.fa3_gluon.fp8_v_operand``
-    stores V so).  The 8-bit operand stays fp32 until ``_pv`` rounds it: an 8-bit loop-carried value is unpacked
-    and repacked byte by byte every iteration (sm_90a SASS at d = 128: 733 PRMTs against 160)."""
+    """P (``p``, fp32 in S's wgmma layout) as the A operand of the P V GEMMs in ``dtype``, their input dtype.
+    16-bit: the same registers.  8-bit (FP8): within every 32-key chunk a thread's accumulator holds keys
+    2q + {0, 1, 8, 9, 16, 17, 24, 25} (q = lane % 4) where the k_width-4 operand wants k 4q + {0, 1, 2, 3,
+    16, ..., 19}; read in that order the registers are the operand as they stand (no shuffles) if V's keys
+    are permuted alike: operand column 32c + 16h + 4q + 2e + b holds key 32c + 16h + 8e + 2q + b
+    (``runtime.fa3_gluon.fp8_v_operand`` stores V so).  The 8-bit operand stays fp32 until ``_pv`` rounds it:
+    an 8-bit loop-carried value is unpacked and repacked byte by byte every iteration (sm_90a SASS at
+    d = 128: 733 PRMTs against 160)."""
     if dtype.primitive_bitwidth == 8:
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
@@ -825,7 +826,8 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
 @gluon.jit
 def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty,
                          turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q,
-                         seqlen_k, num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         seqlen_k, num_m_tiles, total_tiles, WG: gl.constexpr, NUM_WG: gl.constexpr,
+                         HEAD_DIM: gl.constexpr,
                          BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
@@ -1096,11 +1098,13 @@ def fa3_gluon_kernel(
         if NUM_WG == 2:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
+                 HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
+                 HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
+                 HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
+                 HOST_DESC)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
@@ -1108,14 +1112,17 @@ def fa3_gluon_kernel(
         else:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
+                 HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
+                 HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
+                 HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
+                 HOST_DESC)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE, HOST_DESC)),
+                 tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG,
+                 HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
+                 HOST_DESC)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),

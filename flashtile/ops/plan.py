@@ -11,8 +11,8 @@ Invariants: a plan is used only while every dispatch hook below is the package's
 patches one takes the generic path on every call) and the switches' values are part of the key; a plan is
 made only where the generic path would make exactly the plan's launches with the plan's arguments (the
 runtime modules' ``*_args`` helpers are shared by both paths); a plan's launches take only the addresses of its
-tensors (shapes and strides are static), so it runs on the op's tensors in the op's layout; the scale is checked per call (positive and
-finite: the kernels' fast path).
+tensors (shapes and strides are static), so it runs on the op's tensors in the op's layout; the scale is checked
+per call (positive and finite: the kernels' fast path).
 """
 
 from __future__ import annotations

@@ -366,9 +366,9 @@ def plain_backward(dout, q, k, v, out, lse, dq, dk, dv, causal: bool, left: int,
     """A fixed-length backward without softcap, ALiBi, bias, dropout, block mask or determinism, prepared for the
     signature of these (B, H, N, d) views (``lse`` (B, Hq, Nq) float32 contiguous; ``dq``, ``dk``, ``dv`` the
     gradients' views; ``causal`` and the window ``left`` / ``right`` as :func:`fa2_backward` takes them):
-    ``run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)`` makes :func:`fa2_backward`'s launches, bound once (``runtime.launch.launcher``), on tensors of that
-    signature.  None where :func:`fa2_backward` would do more (no rows or keys, a non-unit stride on d, an lse
-    it would convert)."""
+    ``run(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)`` makes :func:`fa2_backward`'s launches, bound once
+    (``runtime.launch.launcher``), on tensors of that signature.  None where :func:`fa2_backward` would do
+    more (no rows or keys, a non-unit stride on d, an lse it would convert)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     if b * hq * nq == 0 or nk == 0:

@@ -25,7 +25,8 @@ from flashtile.runtime.common import check_descriptor_grid, fold_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "gluon_fp8_config", "FP8_WIDTHS", "fp8_v_operand", "smem_bytes", "fa3_gluon_forward", "gluon_launch",
+__all__ = ["GluonConfig", "gluon_config", "gluon_fp8_config", "FP8_WIDTHS", "fp8_v_operand",
+           "smem_bytes", "fa3_gluon_forward", "gluon_launch",
            "GLUON_HEAD_DIMS", "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
