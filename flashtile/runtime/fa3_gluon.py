@@ -181,6 +181,8 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
 
 # FP8 (e4m3) widths the Gluon kernel runs (one power-of-two column part, V transposed); others: the Triton kernel
 FP8_WIDTHS = (64, 128, 256)
+# keys per chunk of the FP8 V operand's permutation (the kernel's ``_p_operand``: fp8 wgmma's 32-deep k step)
+FP8_KEY_CHUNK = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,10 +193,9 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     causal keys at width 64: 321 vs 359 TFLOP/s at 4k) with the column part unsplit, plain stores (O is bf16,
     Q's tiles 8-bit: no staging there) and 1-byte tiles: ``block_n`` (0: 128 keys at width 128, 64
     elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at least 2 (ValueError
-    otherwise).  sm_90a compiles with P carried in
-    fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B with three 160-register consumers (width 64)
-    and 80 B with serialised wgmmas at width 256, 64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8
-    forward"): width 64 causal 16k 447 vs 397 TFLOP/s for 128 keys.  Width 256 without ping-pong: 1.01-1.06x
+    otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B
+    with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256, 64-key tiles
+    nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64 causal 16k 447 vs 397 TFLOP/s for 128 keys.  Width 256 without ping-pong: 1.01-1.06x
     with it (its 64-key GEMMs are short beside the softmax of a 256-wide O); narrower widths keep it (0.97-1.0x
     without)."""
     width = block_d(d)
@@ -211,7 +212,7 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     return cfg
 
 
-def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = 32) -> torch.Tensor:
+def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY_CHUNK) -> torch.Tensor:
     """V (B, Hk, Nk, d) e4m3 as an FP8 kernel reads it: transposed, (B, Hk, d, Nk rounded up to ``multiple``),
     zero past Nk; with ``permute`` (the Gluon kernel's, ``multiple`` 32) the keys of every 32-key chunk in the
     order of P's registers (kernel ``_p_operand``): column 32c + 16h + 4q + 2e + b holds key
@@ -220,8 +221,8 @@ def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = 32) -> 
     from flashtile.kernels.fp8_v import fp8_v_transpose_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
-    if permute and multiple % 32:
-        raise ValueError(f"multiple must be a multiple of 32 with permute, got {multiple}")
+    if permute and multiple % FP8_KEY_CHUNK:
+        raise ValueError(f"multiple must be a multiple of {FP8_KEY_CHUNK} with permute, got {multiple}")
     b, hk, nk, d = v.shape
     width = -(-nk // multiple) * multiple
     vt = torch.empty((b, hk, d, width), dtype=v.dtype, device=v.device)
@@ -440,11 +441,11 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
-        if tuple(v.shape) != (b, hk, d, -(-nk // 32) * 32) or v.stride(3) != 1:
-            # the kernel's V descriptor spans Nk rounded up to 32 columns of unit stride
-            raise ValueError(f"v must be fp8_v_operand of V, (B, Hk, d, Nk rounded up to 32) = "
-                             f"{(b, hk, d, -(-nk // 32) * 32)} with unit stride on its last dim, got "
-                             f"{tuple(v.shape)} strides {v.stride()}")
+        want = (b, hk, d, -(-nk // FP8_KEY_CHUNK) * FP8_KEY_CHUNK)
+        if tuple(v.shape) != want or v.stride(3) != 1:
+            # the kernel's V descriptor spans Nk rounded up to a whole chunk, columns of unit stride
+            raise ValueError(f"v must be fp8_v_operand of V, (B, Hk, d, Nk rounded up to {FP8_KEY_CHUNK}) = "
+                             f"{want} with unit stride on its last dim, got {tuple(v.shape)} strides {v.stride()}")
         qs, ks, vs = descales
         scale_strides = (qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1))
     else:

@@ -194,6 +194,18 @@ def test_api_fp8_is_forward_only():
 # --------------------------------------------------------------------------- #
 # GPU (sm_90): the FP8 kernel
 # --------------------------------------------------------------------------- #
+def assert_kernel_matches_twin(d, causal, nq, nk, seed):
+    """flash_attn_func on fresh e4m3 inputs (B 2, Hq 4, Hk 2) against the FP8 twin with the kernel's tiles."""
+    q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=seed)
+    out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                                         return_lse=True)
+    ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, nk))
+    assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
+    # scores move by the tensor cores' FP8 accumulation (module docstring): LSE within 2e-3
+    assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
@@ -203,14 +215,7 @@ def test_gpu_kernel_matches_twin(d, causal, monkeypatch):
     real = fa3_fwd.fa3_forward_fp8
     monkeypatch.setattr(fa3_fwd, "fa3_forward_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for nq, nk in ((1, 1), (1, 300), (333, 517), (517, 200), (1024, 1024)):
-        q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq + nk)
-        out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
-                                             v_descale=vs, return_lse=True)
-        ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, nk))
-        assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
-        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
-        # scores move by the tensor cores' FP8 accumulation (module docstring): LSE within 2e-3
-        assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+        assert_kernel_matches_twin(d, causal, nq, nk, seed=d + nq + nk)
     assert len(calls) == 5, "every shape must run the FP8 kernel, not the dequantised fallback"
 
 
@@ -236,13 +241,7 @@ def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
     monkeypatch.setattr(fa3_fwd, "use_gluon_fp8", lambda d, causal: True)
     flashtile.check_errors()  # clear the record
     for nq, nk in ((1, 1), (333, 517), (517, 70), (2100, 2100)):
-        q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=d + nq)
-        out, lse = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
-                                             v_descale=vs, return_lse=True)
-        ref = twin(q8, k8, v8, qs, ks, vs, causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, nk))
-        assert_fp8_close(out.transpose(1, 2), ref.out, f"d={d} causal={causal} {nq}x{nk}")
-        assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref.lse))
-        assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+        assert_kernel_matches_twin(d, causal, nq, nk, seed=d + nq)
     flashtile.check_errors()  # valid descales: nothing recorded
 
 
