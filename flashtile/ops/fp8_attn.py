@@ -93,10 +93,16 @@ def flash_attn_fp8_fwd(
 @on_tensor_device
 def _fp8_impl(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, softmax_scale, causal, window_left,
               window_right, softcap):
+    from flashtile.ops.plan import fp8_plan
     from flashtile.runtime.fa3_fwd import fa3_forward_fp8, prefer_hopper_fp8
 
-    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
     plain = alibi_slopes is None and softcap == 0
+    descales = (q_descale, k_descale, v_descale)
+    if plain:
+        plan = fp8_plan(q, k, v, descales, causal, (window_left, window_right), softmax_scale)
+        if plan is not None:  # the signature's launches, bound once (ops.plan)
+            return plan(q, k, v, descales, softmax_scale)
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
     if prefer_hopper_fp8(qb, kb, causal=causal, window=(window_left, window_right), plain=plain,
                          softmax_scale=softmax_scale):
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

@@ -1,4 +1,5 @@
-"""Per-signature plans of the plain attention forward and backward: the eager path's host time.
+"""Per-signature plans of the plain attention forward and backward, and of the FP8 forward: the eager path's host
+time.
 
 A call without softcap, ALiBi, bias, dropout or block mask is decided by its signature alone: the shapes,
 strides, dtypes and devices of its tensors, causal / window, the layout and whether the tensors are 16-byte
@@ -24,7 +25,7 @@ import torch
 from flashtile.ops.autograd import _bhnd, _check_op_tensors, _out_like
 from flashtile.runtime import fa2_bwd, fa2_fwd, fa3_bwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
 
-__all__ = ["forward_plan", "backward_plan", "clear"]
+__all__ = ["forward_plan", "backward_plan", "fp8_plan", "clear"]
 
 # (module, attribute) of every function the generic plain path dispatches or launches through
 _HOOK_NAMES = (
@@ -42,11 +43,15 @@ _HOOK_NAMES = (
     (fa3_bwd, "fa3_backward"),
     (fa2_bwd, "fa2_backward"), (fa2_bwd, "bwd_config"), (fa2_bwd, "plain_backward"), (fa2_bwd, "_bwd_launches"),
     (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"), (fa2_bwd, "launch"), (fa2_bwd, "launcher"),
+    (fa3_fwd, "prefer_hopper_fp8"), (fa3_fwd, "fa3_forward_fp8"), (fa3_fwd, "_gluon_fp8_cfg"),
+    (fa3_fwd, "use_gluon_fp8"), (fa3_fwd, "fa3_fp8_config"), (fa3_fwd, "fp8_forward_plan"),
+    (fa3_gluon, "fp8_v_operand"), (fa3_gluon, "fp8_v_args"), (fa3_gluon, "gluon_fp8_config"),
 )
 _OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
 
 _FWD: dict = {}
 _BWD: dict = {}
+_FP8: dict = {}
 _LOCK = threading.Lock()
 _MAX = 4096  # signatures kept per direction (a long-running server sees few; beyond this, start over)
 
@@ -56,6 +61,7 @@ def clear() -> None:
     with _LOCK:
         _FWD.clear()
         _BWD.clear()
+        _FP8.clear()
 
 
 def _own_hooks() -> bool:
@@ -67,7 +73,7 @@ def _own_hooks() -> bool:
 
 def _switches() -> tuple:
     """The module switches the generic path reads (benchmarks flip them): part of every key."""
-    return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
+    return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_fwd.GLUON_FP8, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
             fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon_bwd.ENABLED,
             fa3_gluon_bwd.BIND_LAUNCH, fa3_bwd.ENABLED)
 
@@ -190,3 +196,54 @@ def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int
     left, right = window[0], 0 if causal else window[1]
     run = fa2_bwd.plain_backward(dob, qb, kb, vb, ob, lse, dq, dk, dv, causal, left, right)
     return None if run is None else BackwardPlan(run)
+
+
+def _fp8_key(q, k, v, descales, causal: bool, window: tuple[int, int]):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, *((ds.shape, ds.stride(), ds.dtype, ds.device) for ds in descales), causal, window,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, _switches())
+
+
+class Fp8Plan:
+    """The FP8 Hopper forward of one signature: ``plan(q, k, v, descales, softmax_scale)`` -> ``(out, lse)``, out
+    (B, Nq, Hq, d) bfloat16, lse (B, Hq, Nq) float32, from e4m3 (B, N, H, d) q, k, v and (B, Hk) descales."""
+
+    __slots__ = ("_run", "_out_shape", "_lse_shape", "_vt_shape")
+
+    def __init__(self, run, out_shape: tuple, lse_shape: tuple, vt_shape: tuple) -> None:
+        self._run, self._out_shape, self._lse_shape, self._vt_shape = run, out_shape, lse_shape, vt_shape
+
+    def __call__(self, q, k, v, descales, softmax_scale: float):
+        out = torch.empty(self._out_shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(self._lse_shape, dtype=torch.float32, device=q.device)
+        vt = torch.empty(self._vt_shape, dtype=v.dtype, device=v.device)
+        self._run(q, k, v, vt, out, lse, descales, softmax_scale)
+        return out, lse
+
+
+def fp8_plan(q, k, v, descales, causal: bool, window: tuple[int, int], softmax_scale: float):
+    """The :class:`Fp8Plan` of an FP8 forward's signature without softcap or ALiBi (q, k, v e4m3 (B, N, H, d) and
+    the (B, Hk) float32 descales as ``ops.fp8_attn.check_fp8_inputs`` returns them, the device current), or None:
+    the generic path runs it (hooks patched, a scale the Hopper kernel does not take, no work, a kernel other than
+    the FP8 Hopper one, V without unit stride on d)."""
+    if not 0 < softmax_scale < float("inf") or not _own_hooks():
+        return None
+    key = _fp8_key(q, k, v, descales, causal, window)
+    plan = _FP8.get(key)
+    if plan is None:
+        plan = _make_fp8(q, k, v, descales, causal, window, softmax_scale)
+        _remember(_FP8, key, _NONE if plan is None else plan)
+    return None if plan is _NONE else plan
+
+
+def _make_fp8(q, k, v, descales, causal: bool, window: tuple[int, int], softmax_scale: float):
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
+    b, hq, nq, _ = qb.shape
+    if b * hq * nq == 0 or kb.shape[2] == 0 or vb.stride(3) != 1:
+        return None
+    if not fa3_fwd.prefer_hopper_fp8(qb, kb, causal=causal, window=window, plain=True, softmax_scale=softmax_scale):
+        return None
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, hq, nq), dtype=torch.float32, device=q.device)
+    run, vt_shape = fa3_fwd.fp8_forward_plan(qb, kb, vb, descales, out.transpose(1, 2), lse, causal)
+    return Fp8Plan(run, tuple(q.shape), (b, hq, nq), tuple(vt_shape))

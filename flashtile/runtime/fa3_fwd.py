@@ -25,7 +25,8 @@ from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
            "fa3_varlen_forward", "launch", "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
-           "GLUON", "GLUON_VARLEN", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins"]
+           "GLUON", "GLUON_VARLEN", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins",
+           "fp8_forward_plan"]
 
 HOPPER_DTYPES = (torch.float16, torch.bfloat16)  # the subset of ops.validate.SUPPORTED_DTYPES the kernel covers
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: each row stride a multiple of 16 bytes
@@ -264,6 +265,50 @@ def fa3_forward_fp8(
                    causal, fa3_fp8_config(d, causal), descales=descales, err=err)
     return out, lse
 
+
+
+def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
+    """The launches of :func:`fa3_forward_fp8` prepared for the signature of these e4m3 (B, H, N, d) views (work
+    to do, as :func:`prefer_hopper_fp8` accepts them, ``v`` with unit stride on d; ``descales`` broadcast to
+    (B, Hk); ``out`` / ``lse`` example outputs): ``(run, vt_shape)``, ``run(q, k, v, vt, out, lse, descales,
+    softmax_scale)`` for tensors of that signature (any views with their addresses; ``vt`` a fresh tensor of
+    ``vt_shape``, V's operand, which the first launch writes) and ``softmax_scale > 0``."""
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
+    from flashtile.kernels.fp8_v import fp8_v_transpose_kernel
+    from flashtile.runtime import fa3_gluon
+    from flashtile.runtime.decode import error_flags
+    from flashtile.runtime.launch import launcher
+
+    d, nk = q.shape[3], k.shape[2]
+    err = error_flags(q.device, "flash_attn_func")[1:]  # zeroed in place by take_errors: the view stays valid
+    gluon_cfg = _gluon_fp8_cfg(d, causal, nk)
+    multiple = fa3_gluon.FP8_KEY_CHUNK if gluon_cfg is not None else 16
+    vt = torch.empty(fa3_gluon.fp8_v_shape(v.shape, multiple), dtype=v.dtype, device=v.device)
+    grid, static = fa3_gluon.fp8_v_args(v, vt, gluon_cfg is not None)
+    copy = launcher(fp8_v_transpose_kernel, grid, (v.view(torch.uint8), vt.view(torch.uint8)), static, num_warps=4,
+                    num_stages=1)
+    if gluon_cfg is not None:
+        args = fa3_gluon.gluon_args(q, k, vt, out, causal, gluon_cfg, None, descales)
+        dynamic = fa3_gluon.gluon_dynamic
+        kernel = fa3_gluon.gluon_launcher(args, dynamic(args, q, k, vt, out, lse, 1.0, fp8=(descales, err)))
+
+        def fp8_run(q, k, v, vt, out, lse, descales, softmax_scale: float) -> None:
+            ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
+            copy(v.view(torch.uint8), vt.view(torch.uint8))
+            kernel(*dynamic(args, q, k, vt, out, lse, softmax_scale, fp8=(descales, err)))
+
+        return fp8_run, vt.shape
+    cfg = fa3_fp8_config(d, causal)
+    grid, static = launch_args(q, k, vt, out, causal, cfg, descales)
+    kernel = launcher(fa3_fwd_kernel, grid, launch_dynamic(q, k, vt, out, lse, 1.0, descales, err), static,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def triton_fp8_run(q, k, v, vt, out, lse, descales, softmax_scale: float) -> None:
+        ensure_allocator()
+        copy(v.view(torch.uint8), vt.view(torch.uint8))
+        kernel(*launch_dynamic(q, k, vt, out, lse, softmax_scale * LOG2E, descales, err))
+
+    return triton_fp8_run, vt.shape
 
 # False keeps the FP8 forward on the Triton kernel (benchmarks and tests compare the two)
 GLUON_FP8 = True

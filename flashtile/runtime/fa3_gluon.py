@@ -25,8 +25,8 @@ from flashtile.runtime.common import check_descriptor_grid, fold_grid, on_device
 from flashtile.runtime.fa3_fwd import _check as check_fa3
 from flashtile.runtime.fa3_fwd import ensure_allocator, outputs, positive_scale
 
-__all__ = ["GluonConfig", "gluon_config", "gluon_fp8_config", "FP8_WIDTHS", "fp8_v_operand",
-           "smem_bytes", "fa3_gluon_forward", "gluon_launch",
+__all__ = ["GluonConfig", "gluon_config", "gluon_fp8_config", "FP8_WIDTHS", "fp8_v_operand", "fp8_v_shape",
+           "fp8_v_args", "smem_bytes", "fa3_gluon_forward", "gluon_launch",
            "GLUON_HEAD_DIMS", "BLOCK_M", "block_d", "head_split", "sm_count"]
 
 GLUON_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA needs 16-byte rows: d a multiple of 8 (2-byte dtypes)
@@ -212,6 +212,26 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     return cfg
 
 
+def fp8_v_shape(v_shape, multiple: int = FP8_KEY_CHUNK) -> tuple[int, int, int, int]:
+    """Shape of :func:`fp8_v_operand` of a V of shape ``v_shape`` (B, Hk, Nk, d): (B, Hk, d, Nk rounded up to
+    ``multiple``)."""
+    b, hk, nk, d = v_shape
+    return b, hk, d, -(-nk // multiple) * multiple
+
+
+def fp8_v_args(v: torch.Tensor, vt: torch.Tensor, permute: bool) -> tuple[tuple, tuple]:
+    """(grid, static arguments) of the copy of V (B, Hk, Nk, d), unit stride on d, into ``vt`` =
+    :func:`fp8_v_shape` of it (``kernels/fp8_v.py``, launched on byte views of both); only shapes and strides
+    are read."""
+    b, hk, nk, d = v.shape
+    width = vt.shape[3]
+    block_k = 64
+    grid = fold_grid(triton.cdiv(width, block_k), b * hk)
+    static = (v.stride(0), v.stride(1), v.stride(2), vt.stride(0), vt.stride(1), vt.stride(2), hk, b * hk, nk, width,
+              d, block_d(d), block_k, permute)
+    return grid, static
+
+
 def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY_CHUNK) -> torch.Tensor:
     """V (B, Hk, Nk, d) e4m3 as an FP8 kernel reads it: transposed, (B, Hk, d, Nk rounded up to ``multiple``),
     zero past Nk; with ``permute`` (the Gluon kernel's, ``multiple`` 32) the keys of every 32-key chunk in the
@@ -223,21 +243,15 @@ def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY
 
     if permute and multiple % FP8_KEY_CHUNK:
         raise ValueError(f"multiple must be a multiple of {FP8_KEY_CHUNK} with permute, got {multiple}")
-    b, hk, nk, d = v.shape
-    width = -(-nk // multiple) * multiple
-    vt = torch.empty((b, hk, d, width), dtype=v.dtype, device=v.device)
+    vt = torch.empty(fp8_v_shape(v.shape, multiple), dtype=v.dtype, device=v.device)
     if vt.numel() == 0:
         return vt
     if v.stride(3) != 1:
         v = v.contiguous()
-    src, dst = v.view(torch.uint8), vt.view(torch.uint8)
-    block_k = 64
-    grid = fold_grid(triton.cdiv(width, block_k), b * hk)
-    run_kernel(fp8_v_transpose_kernel, grid, (src, dst),
-               (v.stride(0), v.stride(1), v.stride(2), vt.stride(0), vt.stride(1), vt.stride(2), hk, b * hk, nk, width,
-                d, block_d(d), block_k, permute), num_warps=4, num_stages=1)
+    grid, static = fp8_v_args(v, vt, permute)
+    run_kernel(fp8_v_transpose_kernel, grid, (v.view(torch.uint8), vt.view(torch.uint8)), static, num_warps=4,
+               num_stages=1)
     return vt
-
 
 def _check_config(cfg) -> None:
     if not isinstance(cfg, GluonConfig):
@@ -441,7 +455,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
-        want = (b, hk, d, -(-nk // FP8_KEY_CHUNK) * FP8_KEY_CHUNK)
+        want = fp8_v_shape((b, hk, nk, d))
         if tuple(v.shape) != want or v.stride(3) != 1:
             # the kernel's V descriptor spans Nk rounded up to a whole chunk, columns of unit stride
             raise ValueError(f"v must be fp8_v_operand of V, (B, Hk, d, Nk rounded up to {FP8_KEY_CHUNK}) = "

@@ -188,7 +188,7 @@ def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, 
     qb, kb = q.transpose(1, 2), k.transpose(1, 2)
     fa2 = not fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, kb, qb, causal=causal, window=(-1, 0 if causal else -1),
                                              plain=True, deterministic=False)
-    assert fa2 == (d <= 64 and n < 4096)  # the cases meant for FA2's backward take it
+    assert fa2 == (d <= 32 or (d <= 64 and n < 4096))  # the cases meant for FA2's backward take it
     if fa2:  # atomics from 8k keys: both dQ paths of the plan
         assert bwd_config(d, dtype, causal, n, n, q.device).atomic_dq == (n >= 8192)
     planned = [step() for _ in range(2)]
@@ -209,3 +209,59 @@ def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, 
     assert torch.equal(generic[0], planned[1][0]) and torch.equal(generic[2], planned[1][2])
     assert torch.equal(generic[3], planned[1][3])  # dK, dV: no atomics; dQ's fp32 reductions may reorder
     assert_close(generic[1], planned[1][1], dtype, "cuda", "dq vs generic", tol=1e-2)
+
+
+def _fp8_inputs(b, n, hq, hk, d, device, seed):
+    from flashtile.fp8 import quantize_per_head
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, h, d, generator=gen).to(device) for h in (hq, hk, hk))
+    q8, qs = quantize_per_head(q, layout="bnhd", kv_heads=hk)
+    k8, ks = quantize_per_head(k, layout="bnhd")
+    v8, vs = quantize_per_head(v, layout="bnhd")
+    return (q8, k8, v8), dict(q_descale=qs, k_descale=ks, v_descale=vs)
+
+
+def test_fp8_signature_without_hopper_kernel_keeps_the_generic_path(device):
+    """FP8 off Hopper (the dequantised fallback) records no plan for the signature: every call is generic,
+    and a patched hook bypasses the table."""
+    (q8, k8, v8), ds = _fp8_inputs(1, 24, 2, 1, 32, device, 5)
+    first = flash_attn_func(q8, k8, v8, causal=True, **ds)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        assert list(plan._FP8.values()) == [plan._NONE]
+    assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, **ds), first)
+    assert plan.fp8_plan(q8, k8, v8, tuple(ds.values()), True, (-1, 0), 0.0) is None  # scale: generic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,hk,causal,n", [
+    (128, 4, 4, True, 1024), (128, 8, 2, False, 1000), (64, 6, 2, True, 2100), (256, 4, 2, False, 777),
+    (256, 2, 2, True, 300), (96, 4, 4, False, 500),
+])
+def test_gpu_fp8_plan_matches_twin_and_generic_path(d, hq, hk, causal, n, monkeypatch):
+    """The FP8 plan (Gluon kernel at widths 64 / 128 and causal 256, the Triton FP8 kernel at 256 without a
+    mask): against the FP8 twin, bitwise against the generic path, per-call descales (broadcast ones and
+    other values on the same signature), V with non-unit row strides."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    from tests.ops.test_fp8_attn import assert_fp8_close, twin
+
+    (q8, k8, v8), ds = _fp8_inputs(2, n, hq, hk, d, "cuda", d + n)
+    v_wide = torch.empty(2, n, hk, d + 32, dtype=v8.dtype, device="cuda")[..., :d]  # rows of stride d + 32
+    v_wide.copy_(v8)
+    planned = [flash_attn_func(q8, k8, v_wide, causal=causal, return_lse=True, **ds) for _ in range(2)]
+    assert len(plan._FP8) == 1 and isinstance(next(iter(plan._FP8.values())), plan.Fp8Plan)
+    ref = twin(q8, k8, v8, *ds.values(), causal, block_sizes=fa3_fwd.fp8_block_sizes(d, causal, n))
+    assert_fp8_close(planned[0][0].transpose(1, 2), ref.out, f"d={d} causal={causal}")
+    assert torch.equal(planned[0][0], planned[1][0]) and torch.equal(planned[0][1], planned[1][1])
+    other = {name: x * 1.5 for name, x in ds.items()}  # same signature, other values
+    planned_other = flash_attn_func(q8, k8, v_wide, causal=causal, return_lse=True, **other)
+    assert len(plan._FP8) == 1
+    ones = flash_attn_func(q8, k8, v_wide, causal=causal, return_lse=True)  # descales of ones
+    plan.clear()
+    own = fa3_fwd.prefer_hopper_fp8
+    monkeypatch.setattr(fa3_fwd, "prefer_hopper_fp8", lambda *a, **kw: own(*a, **kw))
+    for kw, want in ((ds, planned[0]), (other, planned_other), ({}, ones)):
+        generic = flash_attn_func(q8, k8, v_wide, causal=causal, return_lse=True, **kw)
+        assert not plan._FP8
+        assert torch.equal(generic[0], want[0]) and torch.equal(generic[1], want[1])
