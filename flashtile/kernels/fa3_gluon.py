@@ -5,8 +5,9 @@ One program owns a query tile of ``NUM_WG * WG_M`` rows (NUM_WG = 2 or 3) of one
 ``NUM_WG + 1`` partitions (``gl.warp_specialize``):
 
 * a producer (1 warp) issuing the TMA loads: Q once, then K_j and V_j into a ``NUM_STAGES``-deep ring,
-  each slot guarded by ``k_ready`` / ``v_ready`` (tx-count mbarriers) and ``kv_empty`` (both consumers
-  release it after their P V GEMM);
+  each slot guarded by ``k_ready`` / ``v_ready`` (tx-count mbarriers) and ``kv_empty`` (2 * NUM_STAGES
+  barriers: entry ``slot`` frees the slot's K tile, every consumer arriving once its S GEMM has retired, entry
+  ``NUM_STAGES + slot`` its V tile, after the P V GEMM; so K_{j+2} loads while V_j is still read);
 * ``NUM_WG`` consumer warpgroups (the default partition and 4-warp workers), each owning ``WG_M`` = 64 rows of
   the tile, running the online softmax (base 2, ``scale * log2 e`` folded into the exp2 argument, the
   division deferred to the end, LSE in natural log; rows that see no key: output 0, LSE -inf).
@@ -221,10 +222,12 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         it = it0 + j
         slot = it % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
-        mbarrier.wait(kv_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
+        phase = ((it // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(kv_empty.index(slot), phase)  # K_{j - NUM_STAGES}'s S GEMMs retired
         mbarrier.expect(k_ready.index(slot), kv_bytes)
         _load(k_src, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
               HOST_DESC=HOST_DESC)
+        mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase)  # V_{j - NUM_STAGES}'s P V GEMMs retired
         mbarrier.expect(v_ready.index(slot), kv_bytes)
         if dtype.primitive_bitwidth == 8:  # FP8: the (BLOCK_D0, BLOCK_N) tile of V's transpose (unsplit)
             tma.async_copy_global_to_shared(v_src[0], [0, j * BLOCK_N], v_ready.index(slot), v_tiles[0].index(slot))
@@ -491,7 +494,7 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
              BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
-    P V GEMM (``INTRA``) or after it, then O rescaled and the slot of j - 1 released.  Ring slots and
+    P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.  Ring slots and
     parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets from j."""
     it = it0 + j
     slot = it % NUM_STAGES
@@ -503,10 +506,11 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     acc0, acc1 = _pv(p_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
+    mbarrier.arrive(kv_empty.index(slot))
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
                                        MASKED=MASKED, FP8=k_tiles[0].dtype.primitive_bitwidth == 8)
     acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
-    mbarrier.arrive(kv_empty.index(prev))
+    mbarrier.arrive(kv_empty.index(NUM_STAGES + prev))
     acc0 = _rows_times(acc0, alpha)
     if BLOCK_D1 > 0:
         acc1 = _rows_times(acc1, alpha)
@@ -515,7 +519,8 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
 
 
 @gluon.jit
-def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles, it0, turn,
+def _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles, it0,
+              turn,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
               BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
     """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: masked unless ``SKIP_MASK0``
@@ -527,6 +532,7 @@ def _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s
     s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(kv_empty.index(slot))
     if SKIP_MASK0:
         if full_tiles > 0:
             p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=False,
@@ -703,7 +709,8 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, q_phase)
-        p, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, turn_bars, m_i, l_i, qk_scale, last_key, s_zero,
+        p, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key,
+                                      s_zero,
                                       full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                                       NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
                                       SKIP_MASK0=SKIP_MASK0)
@@ -730,7 +737,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
         acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
         acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
-        mbarrier.arrive(kv_empty.index(last % NUM_STAGES))
+        mbarrier.arrive(kv_empty.index(NUM_STAGES + last % NUM_STAGES))
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
@@ -974,13 +981,14 @@ def fa3_gluon_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
+        mbarrier.init(kv_empty.index(i), count=NUM_WG)  # K_i free: one arrival per consumer warpgroup
+        mbarrier.init(kv_empty.index(NUM_STAGES + i), count=NUM_WG)  # V_i free
     for i in gl.static_range(NUM_WG):
         mbarrier.init(turn_bars.index(i), count=1)
 

@@ -110,19 +110,21 @@ VARLEN_GRID = "auto"
 # False keeps packed forwards on the Triton Hopper kernel where the Gluon one would run (``use_gluon``; one program
 # per slot of the packed grid, the cu_seqlens reported by a kernel of their own)
 GLUON_VARLEN = True
+# the widest head dim whose packed forwards take the Gluon kernel (wider: the Triton Hopper kernel)
+VARLEN_GLUON_MAX_D = 192
 
 
 def use_gluon(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
     producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop, the
-    head dim split into two power-of-two tile parts) rather than the Triton one: for 32 < d <= 192.  H100,
-    bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Forward dispatch" and "two tile parts"), Gluon / Triton
-    TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 529 / 438 and 516 / 439, causal 484 / 342 and
-    388 / 355; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and 428 / 353; d = 192 664 / 522 and
-    604 / 505, causal 550 / 462 and 511 / 430.  Wider heads (tiles 256 wide) stay on the Triton kernel (its
-    128 x 64 tiles: 645 vs 523 at d = 256, 16k)."""
+    head dim split into two power-of-two tile parts) rather than the Triton one: for 32 < d <= 256.  H100,
+    bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Forward dispatch", "two tile parts", "K released before V"),
+    Gluon / Triton TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 529 / 438 and 516 / 439, causal
+    484 / 342 and 388 / 355; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and 428 / 353; d = 192 664 / 522
+    and 604 / 505, causal 550 / 462 and 511 / 430; d = 256 (two stages, K's slot freed before V's) 674 / 631 at
+    16k, 717 / 648 at 4k, causal 637 / 522 and 584 / 499."""
     del causal
-    return GLUON and 32 < d <= 192
+    return GLUON and 32 < d <= 256
 
 
 def _tma_ready(x: torch.Tensor) -> bool:
@@ -535,7 +537,8 @@ def fa3_varlen_forward(
     err = error_flags(q.device, caller="flash_attn_varlen_func")[1:]  # exists already under capture, or raises
     ensure_allocator()
     gluon_cfg = None
-    if GLUON_VARLEN and use_gluon(d, causal):
+    # packed: the Gluon kernel as measured and GPU-tested up to d = 192 (bench/NOTES.md "Gluon packed forward")
+    if GLUON_VARLEN and use_gluon(d, causal) and d <= VARLEN_GLUON_MAX_D:
         from flashtile.runtime.fa3_gluon import gluon_config
 
         gluon_cfg = replace(gluon_config(d, causal), persistent=False, dynamic=False, host_desc=False)

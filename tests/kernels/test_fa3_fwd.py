@@ -185,12 +185,12 @@ def test_hopper_wins_follows_the_measured_table():
     assert not hopper_wins(100, False, 4096)  # not a multiple of 8: no tensor descriptor
 
 
-def test_gluon_covers_head_dims_above_32_to_192(monkeypatch):
-    """The Gluon kernel's range (measured at 64, 96, 128 and 192; the dims between share those tile widths)."""
+def test_gluon_covers_head_dims_above_32_to_256(monkeypatch):
+    """The Gluon kernel's range (measured at 64, 96, 128, 192 and 256; the dims between share those tile widths)."""
     from flashtile.runtime.fa3_fwd import use_gluon
 
-    assert all(use_gluon(d, c) for d in (40, 64, 72, 96, 128, 136, 192) for c in (False, True))
-    assert not any(use_gluon(d, False) for d in (16, 32, 200, 248, 256))
+    assert all(use_gluon(d, c) for d in (40, 64, 72, 96, 128, 136, 192, 200, 248, 256) for c in (False, True))
+    assert not any(use_gluon(d, False) for d in (8, 16, 24, 32))
     monkeypatch.setattr(fa3_fwd, "GLUON", False)
     assert not use_gluon(128, False)
 
@@ -217,9 +217,12 @@ def test_gpu_public_op_dispatches_to_hopper_and_matches(monkeypatch):
     from flashtile.runtime import fa3_fwd
     from tests._oracle import assert_close, attention_ref_grads, rounding_slack
 
+    from flashtile.runtime import fa3_gluon
+
     calls = []
-    real = fa3_fwd.launch
-    monkeypatch.setattr(fa3_fwd, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for module, name in ((fa3_fwd, "launch"), (fa3_gluon, "gluon_launch")):  # the Triton and Gluon kernels
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: (calls.append(1), real(*a, **k)))
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v, dout = (torch.randn(2, 1000, 4, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
     f64 = [x.double().transpose(1, 2) for x in (q, k, v, dout)]
