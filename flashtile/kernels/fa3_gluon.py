@@ -494,8 +494,9 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
              BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
-    P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.  Ring slots and
-    parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets from j."""
+    P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.
+    Ring slots and parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets
+    from j."""
     it = it0 + j
     slot = it % NUM_STAGES
     prev = (it - 1) % NUM_STAGES
@@ -922,7 +923,7 @@ def fa3_gluon_kernel(
     gl.static_assert((BLOCK_D1 & (BLOCK_D1 - 1)) == 0)
     gl.static_assert(BLOCK_N % 16 == 0)
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
-    # a consumer frees slot j - 1 only after waiting for K_j: one slot would deadlock
+    # one slot would load K_{j+1} only after S_j and V_j only after P V_{j-1}: no overlap of loads and GEMMs
     gl.static_assert(NUM_STAGES >= 2)
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))

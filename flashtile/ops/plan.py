@@ -45,6 +45,7 @@ _HOOK_NAMES = (
     (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"), (fa2_bwd, "launch"), (fa2_bwd, "launcher"),
     (fa3_fwd, "prefer_hopper_fp8"), (fa3_fwd, "fa3_forward_fp8"), (fa3_fwd, "_gluon_fp8_cfg"),
     (fa3_fwd, "use_gluon_fp8"), (fa3_fwd, "fa3_fp8_config"), (fa3_fwd, "fp8_forward_plan"),
+    (fa3_fwd, "_fp8_route"),
     (fa3_gluon, "fp8_v_operand"), (fa3_gluon, "fp8_v_args"), (fa3_gluon, "gluon_fp8_config"),
 )
 _OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
@@ -201,7 +202,8 @@ def _make_backward(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int
 def _fp8_key(q, k, v, descales, causal: bool, window: tuple[int, int]):
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, *((ds.shape, ds.stride(), ds.dtype, ds.device) for ds in descales), causal, window,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, _switches())
+            # the Hopper kernel's descriptors need q and k 16-byte aligned (V is copied; its launch keys its own)
+            q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, _switches())
 
 
 class Fp8Plan:
@@ -240,7 +242,7 @@ def _make_fp8(q, k, v, descales, causal: bool, window: tuple[int, int], softmax_
     qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
     b, hq, nq, _ = qb.shape
     if b * hq * nq == 0 or kb.shape[2] == 0 or vb.stride(3) != 1:
-        return None
+        return None  # no work (fa3_fwd.outputs fills them) or a V that fp8_v_operand copies first: generic
     if not fa3_fwd.prefer_hopper_fp8(qb, kb, causal=causal, window=window, plain=True, softmax_scale=softmax_scale):
         return None
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

@@ -142,7 +142,7 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     causal or not, ``nk`` keys.
 
     Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; ``flashtile bench dispatch``,
-    bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192) against the FA2 kernel:
+    bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192 then) against the FA2 kernel:
     d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x; causal
     below 1k unmeasured: FA2);
     d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
@@ -258,15 +258,25 @@ def fa3_forward_fp8(
     from flashtile.runtime.fa3_gluon import fp8_v_operand, gluon_launch
 
     with on_device(q):
-        gluon_cfg = _gluon_fp8_cfg(d, causal, nk)
+        gluon_cfg, triton_cfg, multiple = _fp8_route(d, causal, nk)
+        vt = fp8_v_operand(v, permute=gluon_cfg is not None, multiple=multiple)
         if gluon_cfg is not None:
-            gluon_launch(q, k, fp8_v_operand(v), out, lse, float(softmax_scale), causal, gluon_cfg,
-                         fp8=(descales, err))
-        else:  # V as (B, Hk, d, Nk) rows, padded to 16 bytes for the descriptor: the k-major B operand
-            launch(q, k, fp8_v_operand(v, permute=False, multiple=16), out, lse, float(softmax_scale) * LOG2E,
-                   causal, fa3_fp8_config(d, causal), descales=descales, err=err)
+            gluon_launch(q, k, vt, out, lse, float(softmax_scale), causal, gluon_cfg, fp8=(descales, err))
+        else:
+            launch(q, k, vt, out, lse, float(softmax_scale) * LOG2E, causal, triton_cfg, descales=descales, err=err)
     return out, lse
 
+
+def _fp8_route(d: int, causal: bool, nk: int):
+    """``(gluon_cfg, triton_cfg, multiple)`` of an FP8 forward (the generic path's and the plan's): the Gluon
+    kernel's config and None, or None and the Triton kernel's; ``multiple``: V's operand (``fp8_v_operand``)
+    padded to whole 32-key chunks, permuted, for Gluon, to 16 bytes for the Triton kernel's descriptor."""
+    from flashtile.runtime.fa3_gluon import FP8_KEY_CHUNK
+
+    gluon_cfg = _gluon_fp8_cfg(d, causal, nk)
+    if gluon_cfg is not None:
+        return gluon_cfg, None, FP8_KEY_CHUNK
+    return None, fa3_fp8_config(d, causal), 16
 
 
 def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
@@ -283,8 +293,7 @@ def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
 
     d, nk = q.shape[3], k.shape[2]
     err = error_flags(q.device, "flash_attn_func")[1:]  # zeroed in place by take_errors: the view stays valid
-    gluon_cfg = _gluon_fp8_cfg(d, causal, nk)
-    multiple = fa3_gluon.FP8_KEY_CHUNK if gluon_cfg is not None else 16
+    gluon_cfg, cfg, multiple = _fp8_route(d, causal, nk)
     vt = torch.empty(fa3_gluon.fp8_v_shape(v.shape, multiple), dtype=v.dtype, device=v.device)
     grid, static = fa3_gluon.fp8_v_args(v, vt, gluon_cfg is not None)
     copy = launcher(fp8_v_transpose_kernel, grid, (v.view(torch.uint8), vt.view(torch.uint8)), static, num_warps=4,
@@ -300,7 +309,6 @@ def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
             kernel(*dynamic(args, q, k, vt, out, lse, softmax_scale, fp8=(descales, err)))
 
         return fp8_run, vt.shape
-    cfg = fa3_fp8_config(d, causal)
     grid, static = launch_args(q, k, vt, out, causal, cfg, descales)
     kernel = launcher(fa3_fwd_kernel, grid, launch_dynamic(q, k, vt, out, lse, 1.0, descales, err), static,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -311,6 +319,7 @@ def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
         kernel(*launch_dynamic(q, k, vt, out, lse, softmax_scale * LOG2E, descales, err))
 
     return triton_fp8_run, vt.shape
+
 
 # False keeps the FP8 forward on the Triton kernel (benchmarks and tests compare the two)
 GLUON_FP8 = True
@@ -330,7 +339,8 @@ def fp8_block_sizes(d: int, causal: bool, nk: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the FP8 kernel :func:`fa3_forward_fp8` runs at head dim ``d`` with ``nk``
     keys: P is rounded to e4m3 against each key tile's running max, so the float64 twin
     (``reference.fp8``) takes these to match it."""
-    cfg = _gluon_fp8_cfg(d, causal, nk) or fa3_fp8_config(d, causal)
+    gluon_cfg, triton_cfg, _ = _fp8_route(d, causal, nk)
+    cfg = gluon_cfg or triton_cfg
     return cfg.block_m, cfg.block_n
 
 

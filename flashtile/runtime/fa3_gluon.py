@@ -254,12 +254,13 @@ def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY
                num_stages=1)
     return vt
 
+
 def _check_config(cfg) -> None:
     if not isinstance(cfg, GluonConfig):
         raise TypeError(f"config must be a GluonConfig, got {type(cfg).__name__}")
     if cfg.block_n not in (16, 32, 64, 128, 256) or cfg.num_stages < 2:
-        # a consumer frees ring slot j - 1 only after waiting for K_j: one slot would deadlock; the masks'
-        # aranges need a power of two
+        # one slot would serialise every load behind a GEMM (the kernel's static_assert); the masks' aranges need
+        # a power of two
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
     if not isinstance(cfg.split_d, bool):
         raise TypeError(f"config: split_d must be a bool, got {cfg}")

@@ -209,8 +209,8 @@ def test_prefer_hopper_gates():
 
 @pytest.mark.gpu
 def test_gpu_public_op_dispatches_to_hopper_and_matches(monkeypatch):
-    """flash_attn_func at d = 256 runs the Hopper forward on an sm_90 GPU (FA2's backward after it):
-    out, LSE and gradients match the float64 oracle."""
+    """flash_attn_func at d = 256 runs the Gluon Hopper forward on an sm_90 GPU (``use_gluon``), then the
+    backward: out, LSE and gradients match the float64 oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     from flashtile import flash_attn_func
@@ -222,7 +222,7 @@ def test_gpu_public_op_dispatches_to_hopper_and_matches(monkeypatch):
     calls = []
     for module, name in ((fa3_fwd, "launch"), (fa3_gluon, "gluon_launch")):  # the Triton and Gluon kernels
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, **k: (calls.append(1), real(*a, **k)))
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: (calls.append(name), real(*a, **k)))
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v, dout = (torch.randn(2, 1000, 4, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
     f64 = [x.double().transpose(1, 2) for x in (q, k, v, dout)]
@@ -230,7 +230,7 @@ def test_gpu_public_op_dispatches_to_hopper_and_matches(monkeypatch):
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         out, lse = flash_attn_func(qg, kg, vg, causal=causal, return_lse=True)
         out.backward(dout)
-        assert calls, "the Hopper forward was not used"
+        assert calls == ["gluon_launch"], f"the Gluon forward was not used: {calls}"
         calls.clear()
         ref, ref_lse, dq, dk, dv = attention_ref_grads(*f64, scale=256 ** -0.5, causal=causal)
         slack = rounding_slack(*f64, torch.bfloat16, scale=256 ** -0.5, causal=causal)

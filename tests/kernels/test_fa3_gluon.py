@@ -388,7 +388,7 @@ def test_gpu_matches_float64(d, causal, schedule, nq, nk):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [8, 40, 48, 56, 72, 96, 136, 192])
+@pytest.mark.parametrize("d", [8, 40, 48, 56, 72, 96, 136, 192, 248])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("store", ["plain", "coalesced", "tma"])
 def test_gpu_head_dims_not_a_power_of_two(d, causal, store):
@@ -553,7 +553,8 @@ def test_gpu_back_to_back_on_two_streams(d):
 # GPU (sm_90): persistent tile loop
 # --------------------------------------------------------------------------- #
 PERSISTENT_CASES = [(d, s) for d in (64, 128) for s in SCHEDULES] + [
-    (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")]
+    (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")] + [
+    (256, s) for s in ("table", "neither", "tma-store")]  # two stages: K and V halves of a slot freed apart
 
 
 @pytest.mark.gpu
@@ -580,7 +581,7 @@ def test_gpu_persistent_matches_float64(monkeypatch, d, schedule, causal):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_persistent_fp16_real_grid(d, causal):
     """fp16, the device's own SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles):
@@ -643,7 +644,7 @@ def _two_streams_bitwise(d, cfg):
 # --------------------------------------------------------------------------- #
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("store", ["plain", "tma"])
@@ -709,7 +710,7 @@ def _dynamic(d, causal, host_desc, **kw):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("host_desc", [False, True])
 def test_gpu_dynamic_matches_float64(monkeypatch, d, causal, host_desc):

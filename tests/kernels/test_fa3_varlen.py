@@ -352,6 +352,26 @@ def test_gluon_varlen_launch_and_report(monkeypatch):
     assert not calls and (out == 0).all() and torch.isneginf(lse).all()
 
 
+def test_packed_forward_above_varlen_gluon_max_d_runs_the_triton_kernel(monkeypatch):
+    """Packed forwards wider than ``VARLEN_GLUON_MAX_D`` (d = 256, where the dense forward runs Gluon) launch the
+    Triton Hopper kernel; at the limit, the Gluon kernel."""
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
+    from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
+
+    monkeypatch.setattr(fa3_fwd, "_check", lambda *a: None)  # no sm_90 device here
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    calls = []
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append(a[0]))
+    cu_q, cu_k = _cu(LENS_Q, "cpu"), _cu(LENS_K, "cpu")
+    for d, want in ((256, fa3_fwd_kernel), (fa3_fwd.VARLEN_GLUON_MAX_D, fa3_gluon_kernel)):
+        assert fa3_fwd.use_gluon(d, True)
+        q, k, v = _packed(LENS_Q, LENS_K, 2, 1, d, "cpu", torch.bfloat16)
+        calls.clear()
+        fa3_varlen_forward(q, k, v, cu_q, cu_k, 70, 50, softmax_scale=0.1, causal=True)
+        assert calls[-1] is want, d
+
+
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #

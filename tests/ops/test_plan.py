@@ -222,21 +222,40 @@ def _fp8_inputs(b, n, hq, hk, d, device, seed):
     return (q8, k8, v8), dict(q_descale=qs, k_descale=ks, v_descale=vs)
 
 
-def test_fp8_signature_without_hopper_kernel_keeps_the_generic_path(device):
-    """FP8 off Hopper (the dequantised fallback) records no plan for the signature: every call is generic,
-    and a patched hook bypasses the table."""
+def test_fp8_signature_without_hopper_kernel_keeps_the_generic_path(device, monkeypatch):
+    """FP8 off Hopper (the dequantised fallback) records its signature as unplanned (on Hopper: planned), the
+    same output on every call; a patched dispatch hook bypasses the table; a non-positive scale gets no plan."""
     (q8, k8, v8), ds = _fp8_inputs(1, 24, 2, 1, 32, device, 5)
     first = flash_attn_func(q8, k8, v8, causal=True, **ds)
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        assert list(plan._FP8.values()) == [plan._NONE]
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    assert len(plan._FP8) == 1
+    assert isinstance(next(iter(plan._FP8.values())), plan.Fp8Plan) == hopper  # off Hopper: plan._NONE
     assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, **ds), first)
-    assert plan.fp8_plan(q8, k8, v8, tuple(ds.values()), True, (-1, 0), 0.0) is None  # scale: generic
+    plan.clear()
+    own = fa3_fwd.prefer_hopper_fp8
+    monkeypatch.setattr(fa3_fwd, "prefer_hopper_fp8", lambda *a, **kw: own(*a, **kw))
+    assert torch.equal(flash_attn_func(q8, k8, v8, causal=True, **ds), first)
+    assert not plan._FP8
+    monkeypatch.undo()
+    assert plan.fp8_plan(q8, k8, v8, tuple(ds.values()), True, (-1, 0), 0.0) is None and not plan._FP8
+
+
+def test_fp8_key_tells_which_tensor_is_misaligned():
+    """The Hopper kernel's descriptors need q and k 16-byte aligned, V is copied: a misaligned q and a
+    misaligned v are different signatures."""
+    buf = torch.zeros(2 * 40 * 2 * 32 + 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    shape = (2, 40, 2, 32)
+    aligned, shifted = buf[: buf.numel() - 8].view(shape), buf[8:].view(shape)
+    ds = tuple(torch.ones(2, 2) for _ in range(3))
+    q_off = plan._fp8_key(shifted, aligned, aligned, ds, False, (-1, -1))
+    v_off = plan._fp8_key(aligned, aligned, shifted, ds, False, (-1, -1))
+    assert q_off != v_off and plan._fp8_key(aligned, aligned, aligned, ds, False, (-1, -1)) == v_off
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,hq,hk,causal,n", [
     (128, 4, 4, True, 1024), (128, 8, 2, False, 1000), (64, 6, 2, True, 2100), (256, 4, 2, False, 777),
-    (256, 2, 2, True, 300), (96, 4, 4, False, 500),
+    (256, 2, 2, True, 300), (96, 4, 4, False, 500), (128, 4, 2, True, 2500),  # the last: dynamic tile counter
 ])
 def test_gpu_fp8_plan_matches_twin_and_generic_path(d, hq, hk, causal, n, monkeypatch):
     """The FP8 plan (Gluon kernel at widths 64 / 128 and causal 256, the Triton FP8 kernel at 256 without a
