@@ -117,14 +117,15 @@ VARLEN_GLUON_MAX_D = 192
 def use_gluon(d: int, causal: bool) -> bool:
     """Whether :func:`fa3_forward` runs the Gluon kernel (:mod:`flashtile.runtime.fa3_gluon`: explicit
     producer/consumer partitions, ping-pong, intra-warpgroup overlap, a separate masked diagonal loop, the
-    head dim split into two power-of-two tile parts) rather than the Triton one: for 32 < d <= 256.  H100,
+    head dim split into two power-of-two tile parts) rather than the Triton one: for 32 < d <= 192 and d = 256
+    (d = 200-248, 256-wide tiles with zero columns, stay on the Triton kernel until measured).  H100,
     bf16, B*N = 16k, H*d = 2048 (bench/NOTES.md, "Forward dispatch", "two tile parts", "K released before V"),
     Gluon / Triton TFLOP/s: d = 64 501 / 461 at 16k, 414 / 391 at 4k; d = 96 529 / 438 and 516 / 439, causal
     484 / 342 and 388 / 355; d = 128 595 / 574 and 566 / 475, causal 578 / 502 and 428 / 353; d = 192 664 / 522
     and 604 / 505, causal 550 / 462 and 511 / 430; d = 256 (two stages, K's slot freed before V's) 674 / 631 at
     16k, 717 / 648 at 4k, causal 637 / 522 and 584 / 499."""
     del causal
-    return GLUON and 32 < d <= 256
+    return GLUON and (32 < d <= 192 or d == 256)
 
 
 def _tma_ready(x: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Host side of the Gluon Hopper forward (:mod:`flashtile.kernels.fa3_gluon`), beside the Triton one in
-:mod:`flashtile.runtime.fa3_fwd`, whose ``fa3_forward`` runs it where ``use_gluon`` says (32 < d <= 256;
-packed batches up to d = 192).
+:mod:`flashtile.runtime.fa3_fwd`, whose ``fa3_forward`` runs it where ``use_gluon`` says (32 < d <= 192 and
+d = 256; packed batches up to d = 192).
 
 ``fa3_gluon_forward`` has :func:`flashtile.runtime.fa3_fwd.fa3_forward`'s contract on what it covers:
 bf16 / fp16 (B, H, N, d) views, GQA / MQA, causal (bottom-right) or not, ragged Nq / Nk, ``(out, lse)``
