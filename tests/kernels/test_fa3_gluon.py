@@ -516,7 +516,7 @@ def test_gpu_fp16_negative_scale_and_empty_keys():
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [48, 64, 96, 128, 192])
+@pytest.mark.parametrize("d", [48, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fp16_table_configs(d, causal):
     """fp16 through each head-dim row of the table (three consumer warpgroups at d <= 64, split tiles at 48 / 96 /
@@ -747,7 +747,7 @@ def test_gpu_dynamic_schedules(monkeypatch, schedule):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_dynamic_fp16_real_grid(d, causal):
     """fp16, the device's SM count and more tiles than SMs (2 x 8 heads x 4k queries: 352-512 tiles, so
