@@ -373,7 +373,12 @@ def attention(
     mask, (mask_block_q, mask_block_k) = (None, (0, 0)) if block_mask is None else (
         block_mask.mask.to(q.device), block_mask.block_size
     )
-    op = flash_attn_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
+    if torch.compiler.is_compiling():
+        op = flash_attn_fwd
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        op = _EagerAttention.apply
+    else:  # nothing to differentiate (bias, ALiBi, masks never do): the forward without autograd's bookkeeping
+        op = _fwd_impl
     return op(
         q, k, v, bias, alibi_slopes, mask, mask_block_q, mask_block_k,
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]),
@@ -567,7 +572,12 @@ def varlen_attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Differentiable packed attention on already-validated arguments: ``(out, lse, rng_state)``."""
-    op = flash_attn_varlen_fwd if torch.compiler.is_compiling() else _EagerVarlenAttention.apply
+    if torch.compiler.is_compiling():
+        op = flash_attn_varlen_fwd
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        op = _EagerVarlenAttention.apply
+    else:  # nothing to differentiate: the forward without autograd's bookkeeping
+        op = _varlen_fwd_impl
     return op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, int(max_seqlen_q), int(max_seqlen_k),
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]), float(softcap), float(dropout_p),

@@ -43,12 +43,24 @@ _HOOK_NAMES = (
     (fa3_bwd, "fa3_backward"),
     (fa2_bwd, "fa2_backward"), (fa2_bwd, "bwd_config"), (fa2_bwd, "plain_backward"), (fa2_bwd, "_bwd_launches"),
     (fa2_bwd, "pdl_supported"), (fa2_bwd, "_wide"), (fa2_bwd, "launch"), (fa2_bwd, "launcher"),
+)
+# and those the FP8 forward's generic path adds (checked for FP8 plans only: plain calls do not pay for them)
+_FP8_HOOK_NAMES = _HOOK_NAMES + (
     (fa3_fwd, "prefer_hopper_fp8"), (fa3_fwd, "fa3_forward_fp8"), (fa3_fwd, "_gluon_fp8_cfg"),
     (fa3_fwd, "use_gluon_fp8"), (fa3_fwd, "fa3_fp8_config"), (fa3_fwd, "fp8_forward_plan"),
-    (fa3_fwd, "_fp8_route"),
+    (fa3_fwd, "_fp8_route"), (fa3_fwd, "launch_args"), (fa3_fwd, "launch_dynamic"),
     (fa3_gluon, "fp8_v_operand"), (fa3_gluon, "fp8_v_args"), (fa3_gluon, "gluon_fp8_config"),
+    (fa3_gluon, "gluon_args"), (fa3_gluon, "gluon_dynamic"), (fa3_gluon, "gluon_launcher"),
 )
-_OWN = tuple(getattr(m, name) for m, name in _HOOK_NAMES)
+
+
+def _owned(names) -> tuple:
+    """(module namespace, attribute, the package's own object) of each hook: a dict lookup per check."""
+    return tuple((vars(m), name, getattr(m, name)) for m, name in names)
+
+
+_OWN = _owned(_HOOK_NAMES)
+_FP8_OWN = _owned(_FP8_HOOK_NAMES)
 
 _FWD: dict = {}
 _BWD: dict = {}
@@ -65,9 +77,9 @@ def clear() -> None:
         _FP8.clear()
 
 
-def _own_hooks() -> bool:
-    for (module, name), own in zip(_HOOK_NAMES, _OWN):
-        if getattr(module, name) is not own:
+def _own_hooks(owned: tuple = _OWN) -> bool:
+    for namespace, name, own in owned:
+        if namespace.get(name) is not own:
             return False
     return True
 
@@ -228,7 +240,7 @@ def fp8_plan(q, k, v, descales, causal: bool, window: tuple[int, int], softmax_s
     the (B, Hk) float32 descales as ``ops.fp8_attn.check_fp8_inputs`` returns them, the device current), or None:
     the generic path runs it (hooks patched, a scale the Hopper kernel does not take, no work, a kernel other than
     the FP8 Hopper one, V without unit stride on d)."""
-    if not 0 < softmax_scale < float("inf") or not _own_hooks():
+    if not 0 < softmax_scale < float("inf") or not _own_hooks(_FP8_OWN):
         return None
     key = _fp8_key(q, k, v, descales, causal, window)
     plan = _FP8.get(key)

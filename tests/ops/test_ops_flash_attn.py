@@ -283,3 +283,33 @@ def test_backward_with_an_undefined_output_gradient(device):
     y = DropGrad.apply(out).sum() + q.sum()  # q also reached directly: backward runs
     y.backward()
     assert k.grad is None and v.grad is None and torch.equal(q.grad, torch.ones_like(q))
+
+
+def test_forward_without_gradients_skips_autograd_function(device, monkeypatch):
+    """Under no_grad, inference_mode, or with inputs that do not require grad, the eager forward (fixed-length
+    and packed) runs without autograd.Function's bookkeeping and gives the same output; inputs that require
+    grad still go through it and get gradients."""
+    from flashtile.ops import autograd, flash_attn_varlen_func
+
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=gen).to(device) for _ in range(3))
+    want = flash_attn_func(q, k, v, causal=True)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+    packed = [x[0] for x in (q, k, v)]
+    want_packed = flash_attn_varlen_func(*packed, cu, cu, 23, 23, causal=True)
+
+    def refuse(*a):
+        raise AssertionError("autograd.Function used without gradients to track")
+
+    monkeypatch.setattr(autograd._EagerAttention, "apply", refuse)
+    monkeypatch.setattr(autograd._EagerVarlenAttention, "apply", refuse)
+    for ctx in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with ctx():
+            assert torch.equal(flash_attn_func(q, k, v, causal=True), want)
+            assert torch.equal(flash_attn_varlen_func(*packed, cu, cu, 23, 23, causal=True), want_packed)
+    monkeypatch.undo()
+    qg = q.clone().requires_grad_()
+    out = flash_attn_func(qg, k, v, causal=True)
+    assert out.grad_fn is not None and torch.equal(out.detach(), want)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
