@@ -55,8 +55,8 @@ _FP8_HOOK_NAMES = _HOOK_NAMES + (
 
 
 def _owned(names) -> tuple:
-    """(module namespace, attribute, the package's own object) of each hook: a dict lookup per check."""
-    return tuple((vars(m), name, getattr(m, name)) for m, name in names)
+    """(module namespaces, attributes, the package's own objects) of the hooks: one C-level map per check."""
+    return (tuple(vars(m) for m, _ in names), tuple(name for _, name in names), [getattr(m, n) for m, n in names])
 
 
 _OWN = _owned(_HOOK_NAMES)
@@ -78,10 +78,8 @@ def clear() -> None:
 
 
 def _own_hooks(owned: tuple = _OWN) -> bool:
-    for namespace, name, own in owned:
-        if namespace.get(name) is not own:
-            return False
-    return True
+    namespaces, names, own = owned
+    return list(map(dict.get, namespaces, names)) == own  # functions compare by identity
 
 
 def _switches() -> tuple:
