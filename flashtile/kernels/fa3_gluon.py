@@ -16,7 +16,10 @@ Schedules, each a constexpr so an ablation can switch it off:
 
 * ``INTRA`` (intra-warpgroup overlap): iteration j issues S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} as async
   wgmma, waits for S_j only, runs the softmax of S_j while the P V GEMM runs, then waits for it and
-  rescales O; off, both GEMMs are waited for before the softmax;
+  rescales O; 0, both GEMMs are waited for before the softmax.  1 leaves the wait's place to ptxas, which
+  hoists it above straight-line code up to S's wait (sm_90a SASS: no exp2 before it at d = 64-256, bf16 and
+  FP8: no overlap in fact); 2 runs the softmax as a block of its own (a branch on ``qk_scale > 0``, never
+  false), which keeps the wait after the softmax's last exp2;
 * ``PINGPONG``: the consumers take turns issuing their GEMMs, round robin (one count-1 mbarrier each,
   a consumer arrives on the next one's after issuing), so one warpgroup's softmax runs while another's
   GEMMs occupy the tensor cores.
@@ -42,7 +45,8 @@ order (static round robin; causal: over the last-first / ``LPT_GROUP`` order), s
 Ring slots and parities follow a running kv-iteration count, the Q barrier's parity a running count of
 tiles with work, the ping-pong turns run on; a ``q_empty`` barrier (one arrival per consumer: done with Q
 and with the tile's last K / V load; with ``O_STORE`` 2 after its O store) gates the next tile's Q load and
-(without ``HOST_DESC``) descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0, LSE = -inf.
+(without ``HOST_DESC``) descriptor rebuild.  Tiles that see no key (causal, Nq > Nk) load nothing and store O = 0,
+LSE = -inf.
 ``DYNAMIC`` (persistent only): program p runs tile p, then the tiles its producer claims (``P +
 atomic_add(tile_counter, 1)``, the counter zeroed by the caller per launch) in the same order, each claim
 handed to the consumers through a two-slot shared-memory ring (``_ring_put`` / ``_ring_get``); a claim past
@@ -508,8 +512,18 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
     mbarrier.arrive(kv_empty.index(slot))
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
-                                       MASKED=MASKED, FP8=k_tiles[0].dtype.primitive_bitwidth == 8)
+    FP8: gl.constexpr = k_tiles[0].dtype.primitive_bitwidth == 8
+    if INTRA == 2:
+        # a block boundary: ptxas hoists the P V wait above straight-line code, not into a branch
+        if qk_scale > 0:
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
+                                               MASKED=MASKED, FP8=FP8)
+        else:  # never taken: qk_scale > 0 (host-checked; FP8 makes each tile's so)
+            p = s
+            alpha = m_i
+    else:
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
+                                           MASKED=MASKED, FP8=FP8)
     acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
     mbarrier.arrive(kv_empty.index(NUM_STAGES + prev))
     acc0 = _rows_times(acc0, alpha)

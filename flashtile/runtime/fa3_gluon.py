@@ -62,6 +62,9 @@ class GluonConfig:
     num_stages: int
     intra: bool = True
     pingpong: bool = True
+    # intra only: the softmax as a block of its own, so that ptxas keeps the P V GEMM's wait after it (without,
+    # sm_90a SASS waits before the first exp2: no overlap; H100: 0.87-1.22x, geomean 1.0, bench/NOTES.md)
+    fence: bool = False
     consumer_regs: int = 0  # setmaxnreg of the worker consumers (the default one gets the rest); 0: regs()
     producer_regs: int = 0  # setmaxnreg of the producer; 0: producer()
     o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
@@ -91,6 +94,10 @@ class GluonConfig:
         warpgroups (sm_90a compiles: its tile loop spills 28 B under 24 at d = 192 causal, nothing under 32;
         with 3 warpgroups 3 x 160 + 32 would leave the default consumer 160, which spills more)."""
         return self.producer_regs or (32 if self.persistent and self.num_wg == 2 else 24)
+
+    def intra_mode(self) -> int:
+        """The kernel's INTRA: 0 off, 1 on, 2 on with the softmax fenced (``fence``)."""
+        return 2 if self.intra and self.fence else int(self.intra)
 
     def o_store(self) -> int:
         """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
@@ -270,6 +277,10 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.dynamic, bool):
         raise TypeError(f"config: dynamic must be a bool, got {cfg}")
+    if not isinstance(cfg.intra, bool) or not isinstance(cfg.fence, bool):
+        raise TypeError(f"config: intra and fence must be bools, got {cfg}")
+    if cfg.fence and not cfg.intra:
+        raise ValueError(f"config: fence places the wait of the intra-warpgroup overlap, got it without intra: {cfg}")
     if cfg.dynamic and not cfg.persistent:
         raise ValueError(f"config: dynamic needs persistent (it schedules the persistent tile loop), got {cfg}")
     if not isinstance(cfg.lpt_group, int) or not 0 <= cfg.lpt_group <= 1024:
@@ -474,7 +485,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         *scale_strides,
         hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k, n_batch, search_steps,
         # constexprs, in the kernel's order
-        d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra, cfg.pingpong,
+        d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(), cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
         descs is not None, cfg.dynamic, varlen is not None,
     )

@@ -143,6 +143,10 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=True, dynamic=1))
     with pytest.raises(ValueError, match="dynamic needs persistent"):  # it schedules the persistent loop only
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
+    with pytest.raises(ValueError, match="fence"):  # it places the overlap's wait: nothing to place without it
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, intra=False, fence=True))
+    with pytest.raises(TypeError, match="fence"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, fence=1))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
     for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
@@ -157,7 +161,8 @@ def test_refusals_name_the_argument(monkeypatch):
     (40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None), (128, None),
     (96, GluonConfig(64, 4, num_wg=3)), (96, GluonConfig(128, 3, split_d=False)),
     (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
-    (128, GluonConfig(128, 3, persistent=True, dynamic=True)),
+    (128, GluonConfig(128, 3, persistent=True, dynamic=True)), (128, GluonConfig(128, 3, fence=True)),
+    (96, GluonConfig(128, 4, intra=False, pingpong=False)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
@@ -200,7 +205,8 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
         (40, True): (32, 16), (192, True): (128, 64), (128, True): (128, 0), (96, True): (64, 32),
         (96, False): (128, 0)}[d, cfg.split_d]
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
-        True, cfg.intra, cfg.pingpong, cfg.skip_mask0)
+        True, 2 if cfg.fence else int(cfg.intra), cfg.pingpong, cfg.skip_mask0)
+    assert bound["INTRA"] == cfg.intra_mode() and type(bound["INTRA"]) is int  # 0 off, 1 on, 2 fenced
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
         cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
@@ -552,6 +558,27 @@ def test_gpu_back_to_back_on_two_streams(d):
 # --------------------------------------------------------------------------- #
 # GPU (sm_90): persistent tile loop
 # --------------------------------------------------------------------------- #
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
+def test_gpu_softmax_fence_is_bitwise_the_same(monkeypatch, d, causal, grid):
+    """``fence`` moves only the P V GEMM's wait (after the softmax): outputs and LSE bit for bit those of the
+    unfenced kernel, and both against the float64 oracle; fp16 and bf16, GQA 4:2, ragged, one query; the
+    persistent grids on 3 programs (ring slots and turns across tiles)."""
+    from flashtile.runtime import fa3_gluon
+
+    extra = {"tile": {}, "persistent": dict(persistent=True), "dynamic": dict(persistent=True, dynamic=True)}[grid]
+    cfg = replace(gluon_config(d, causal), **extra)
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
+    for dtype in (torch.bfloat16, torch.float16):
+        for nq, nk in [(517, 333), (333, 517), (1, 300)]:
+            o_on, lse_on = _gpu_case(d, causal, replace(cfg, fence=True), nq, nk, dtype=dtype)
+            o_off, lse_off = _gpu_case(d, causal, cfg, nq, nk, dtype=dtype)
+            assert torch.equal(o_on, o_off) and torch.equal(lse_on, lse_off), (dtype, nq, nk)
+
+
 PERSISTENT_CASES = [(d, s) for d in (64, 128) for s in SCHEDULES] + [
     (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")] + [
     (256, s) for s in ("table", "neither", "tma-store")]  # two stages: K and V halves of a slot freed apart
