@@ -62,9 +62,6 @@ class GluonConfig:
     num_stages: int
     intra: bool = True
     pingpong: bool = True
-    # intra only: the softmax as a block of its own, so that ptxas keeps the P V GEMM's wait after it (without,
-    # sm_90a SASS waits before the first exp2: no overlap; H100: 0.87-1.22x, geomean 1.0, bench/NOTES.md)
-    fence: bool = False
     consumer_regs: int = 0  # setmaxnreg of the worker consumers (the default one gets the rest); 0: regs()
     producer_regs: int = 0  # setmaxnreg of the producer; 0: producer()
     o_tma: bool = False  # O through a TMA store staged in shared memory, or masked plain stores
@@ -79,6 +76,8 @@ class GluonConfig:
     # persistent only: each program's tiles after its first claimed from a global counter in the tile order
     # (dynamic scheduling, FA3's for causal), not the static round robin pid, pid + P, ...
     dynamic: bool = False
+    # intra only: the softmax as a block of its own, ptxas's P V wait after it (docs/gluon_fa3.md; H100 geomean 1.0)
+    fence: bool = False
 
     @property
     def block_m(self) -> int:

@@ -24,6 +24,22 @@ def test_each_variant_changes_one_switch():
     assert set(ha.NOT_EXPRESSIBLE) == {"ping-pong scheduling", "intra-warpgroup overlap"}
 
 
+def test_gluon_rows_switch_the_schedules(monkeypatch):
+    """Each Gluon row runs the kernel with its (pingpong, intra, fence) switches; a fenced row keeps intra."""
+    import flashtile.runtime.fa3_gluon as rg
+
+    seen = {}
+    monkeypatch.setattr(rg, "fa3_gluon_forward", lambda *a, config, **kw: seen.setdefault(len(seen), config))
+    monkeypatch.setattr(ha, "median_ms", lambda fn: 1.0)
+    q = torch.zeros(1, 2, 8, 128)
+    rows = ha._gluon_rows(128, 8, 1, 2, True, q, q, q, q, 1.0)
+    assert [r["variant"] for r in rows] == list(ha.GLUON_VARIANTS)
+    for (name, (pingpong, intra, fence)), cfg in zip(ha.GLUON_VARIANTS.items(), seen.values()):
+        assert (cfg.pingpong, cfg.intra, cfg.fence, cfg.o_tma) == (pingpong, intra, fence, True), name
+        assert not fence or intra
+    assert sum(f for _, _, f in ha.GLUON_VARIANTS.values()) == 2
+
+
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
 def test_refuses_without_hopper(capsys):
     assert cli.main(["bench", "hopper-ablation", "--head-dims", "128"]) == 2

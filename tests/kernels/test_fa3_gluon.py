@@ -143,9 +143,9 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, persistent=True, dynamic=1))
     with pytest.raises(ValueError, match="dynamic needs persistent"):  # it schedules the persistent loop only
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
-    with pytest.raises(ValueError, match="fence"):  # it places the overlap's wait: nothing to place without it
+    with pytest.raises(ValueError, match="fence places"):  # the overlap's wait: nothing to place without it
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, intra=False, fence=True))
-    with pytest.raises(TypeError, match="fence"):
+    with pytest.raises(TypeError, match="intra and fence must be bools"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, fence=1))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
@@ -554,9 +554,8 @@ def test_gpu_back_to_back_on_two_streams(d):
     assert all(torch.equal(o, want) for o in outs)
 
 
-
 # --------------------------------------------------------------------------- #
-# GPU (sm_90): persistent tile loop
+# GPU (sm_90): the softmax fence (GluonConfig.fence)
 # --------------------------------------------------------------------------- #
 @pytest.mark.gpu
 @hopper
@@ -569,7 +568,8 @@ def test_gpu_softmax_fence_is_bitwise_the_same(monkeypatch, d, causal, grid):
     persistent grids on 3 programs (ring slots and turns across tiles)."""
     from flashtile.runtime import fa3_gluon
 
-    extra = {"tile": {}, "persistent": dict(persistent=True), "dynamic": dict(persistent=True, dynamic=True)}[grid]
+    extra = {"tile": dict(persistent=False, dynamic=False), "persistent": dict(persistent=True, dynamic=False),
+             "dynamic": dict(persistent=True, dynamic=True)}[grid]
     cfg = replace(gluon_config(d, causal), **extra)
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
     for dtype in (torch.bfloat16, torch.float16):
@@ -579,6 +579,9 @@ def test_gpu_softmax_fence_is_bitwise_the_same(monkeypatch, d, causal, grid):
             assert torch.equal(o_on, o_off) and torch.equal(lse_on, lse_off), (dtype, nq, nk)
 
 
+# --------------------------------------------------------------------------- #
+# GPU (sm_90): persistent tile loop
+# --------------------------------------------------------------------------- #
 PERSISTENT_CASES = [(d, s) for d in (64, 128) for s in SCHEDULES] + [
     (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")] + [
     (256, s) for s in ("table", "neither", "tma-store")]  # two stages: K and V halves of a slot freed apart
@@ -663,7 +666,6 @@ def _two_streams_bitwise(d, cfg):
             outs.append(fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=True, config=cfg)[0])
     torch.cuda.synchronize()
     assert all(torch.equal(o, want) for o in outs)
-
 
 
 # --------------------------------------------------------------------------- #
