@@ -19,7 +19,8 @@ QKᵀ wgmma of tile j+1).  The JSON lists them under ``not_expressible`` for tha
 switches of the Gluon kernel (:mod:`flashtile.kernels.fa3_gluon`, d = 64, 128, 256), measured as
 ``gluon`` (both on), ``gluon no ping-pong``, ``gluon no intra-warpgroup overlap``, ``gluon neither``, and
 with the overlap as FA3 runs it (``GluonConfig.fence``: without it ptxas waits for the P V GEMM before the
-softmax) ``gluon, softmax fenced`` and ``gluon no ping-pong, softmax fenced``.
+softmax) ``gluon, softmax fenced`` and ``gluon no ping-pong, softmax fenced``, and with P carried in packed pairs
+(``GluonConfig.pack_p``) ``gluon, softmax fenced, P packed``.
 
 Every variant is checked against the FA2 kernel's output on the same inputs before it is timed (within
 2e-2 of max|out|; FP8 within 0.15, as far as e4m3 inputs put FA3's FP8 forward from bf16 on these inputs).
@@ -73,14 +74,15 @@ VARIANTS: dict[str, Callable] = {
     "fp8": _tuned,
 }
 # the Gluon kernel (flashtile/kernels/fa3_gluon.py), where FA3's two schedules are switches: (pingpong, intra,
-# fence); without the fence ptxas waits for the P V GEMM before the softmax (GluonConfig.fence)
+# fence, pack_p); without the fence ptxas waits for the P V GEMM near the softmax's start (GluonConfig.fence)
 GLUON_VARIANTS = {
-    "gluon": (True, True, False),
-    "gluon no ping-pong": (False, True, False),
-    "gluon no intra-warpgroup overlap": (True, False, False),
-    "gluon neither": (False, False, False),
-    "gluon, softmax fenced": (True, True, True),
-    "gluon no ping-pong, softmax fenced": (False, True, True),
+    "gluon": (True, True, False, False),
+    "gluon no ping-pong": (False, True, False, False),
+    "gluon no intra-warpgroup overlap": (True, False, False, False),
+    "gluon neither": (False, False, False, False),
+    "gluon, softmax fenced": (True, True, True, False),
+    "gluon no ping-pong, softmax fenced": (False, True, True, False),
+    "gluon, softmax fenced, P packed": (True, True, True, True),
 }
 
 
@@ -153,8 +155,9 @@ def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None) -> list[
     if d not in GLUON_HEAD_DIMS:
         return []
     rows = []
-    for name, (pingpong, intra, fence) in GLUON_VARIANTS.items():
-        cfg = dataclasses.replace(gluon_config(d, causal), pingpong=pingpong, intra=intra, fence=fence, o_tma=True)
+    for name, (pingpong, intra, fence, pack_p) in GLUON_VARIANTS.items():
+        cfg = dataclasses.replace(gluon_config(d, causal), pingpong=pingpong, intra=intra, fence=fence, pack_p=pack_p,
+                                  o_tma=True)
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
         if progress:
             progress(f"d={d} N={n} causal={causal} {name}")

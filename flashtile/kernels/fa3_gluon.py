@@ -24,6 +24,9 @@ Schedules, each a constexpr so an ablation can switch it off:
   a consumer arrives on the next one's after issuing), so one warpgroup's softmax runs while another's
   GEMMs occupy the tensor cores.
 * ``SKIP_MASK0``: tile 0 (the pipeline's prologue) runs unmasked when every row of the program sees it all.
+* ``PACK_P`` (16-bit): P rounded in pairs by one opaque ``cvt.rn.bf16x2.f32`` / ``f16x2`` each, the same rounding
+  as ``p.to``; LLVM folds ``p.to`` through the loop's phi, carrying P in fp32 and rounding and re-pairing it
+  (PRMT) between the S and the P V GEMM issues.
 
 Head-dim split: the head dim is tiled as ``BLOCK_D0`` columns and, when ``BLOCK_D1 > 0``, a second part of
 ``BLOCK_D1`` columns starting at ``BLOCK_D0`` (both powers of two, e.g. d = 96 as 64 + 32), so a head dim
@@ -441,7 +444,7 @@ def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK: gl.constexpr = False):
     """P (``p``, fp32 in S's wgmma layout) as the A operand of the P V GEMMs in ``dtype``, their input dtype.
     16-bit: the same registers.  8-bit (FP8): within every 32-key chunk a thread's accumulator holds keys
     2q + {0, 1, 8, 9, 16, 17, 24, 25} (q = lane % 4) where the k_width-4 operand wants k 4q + {0, 1, 2, 3,
@@ -456,6 +459,16 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
         x = gl.reshape(p, [M, N // 32, 2, 2, 4, 2])  # key = 32c + 16h + 8e + 2q + b
         x = gl.permute(x, (0, 1, 2, 4, 3, 5))  # (c, h, q, e, b)
         operand = gl.convert_layout(gl.reshape(x, [M, N]), p_layout)  # a renaming of registers
+    elif PACK:
+        # pairs rounded by one cvt each (the same RN rounding), opaque to LLVM: P stays packed across the loop's
+        # phi; ``p.to`` is folded through it (P carried in fp32, rounded and re-paired by PRMT at the next GEMM)
+        if dtype == gl.bfloat16:
+            packed = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                               is_pure=True, pack=2)
+        else:
+            packed = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                               is_pure=True, pack=2)
+        operand = gl.convert_layout(packed, p_layout)
     else:
         operand = gl.convert_layout(p.to(dtype), p_layout)
     return operand
@@ -496,7 +509,8 @@ def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexp
 def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
              turn_bars, qk_scale, last_key, s_zero,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
-             BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr):
+             BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
+             PACK_P: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
     P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.
     Ring slots and parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets
@@ -529,7 +543,7 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     acc0 = _rows_times(acc0, alpha)
     if BLOCK_D1 > 0:
         acc1 = _rows_times(acc1, alpha)
-    p_next = _p_operand(p, dtype=k_tiles[0].dtype, p_layout=gl.constexpr(p_prev.type.layout))
+    p_next = _p_operand(p, dtype=k_tiles[0].dtype, p_layout=gl.constexpr(p_prev.type.layout), PACK=PACK_P)
     return acc0, acc1, p_next, m_i, l_i, turn
 
 
@@ -680,7 +694,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr):
+                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
@@ -729,17 +743,19 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                                       full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                                       NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
                                       SKIP_MASK0=SKIP_MASK0)
-        p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout)
+        p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout, PACK=PACK_P)
         for j in range(1, full_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
-                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG)
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG,
+                PACK_P=PACK_P)
         for j in range(gl.maximum(full_tiles, 1), n_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
-                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG)
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG,
+                PACK_P=PACK_P)
         # epilogue: O += P_{n-1} V_{n-1}
         last = it0 + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
@@ -796,7 +812,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-              HOST_DESC: gl.constexpr):
+              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
     ``_out_target``; ``qk_scale``, ``fp8s``: the tile's, as ``_consumer_tile`` takes them."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
@@ -804,7 +820,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P)
 
 
 @gluon.jit
@@ -815,7 +831,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr):
+                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
     """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
     ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
@@ -839,7 +855,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                    PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
-                   HOST_DESC=HOST_DESC)
+                   HOST_DESC=HOST_DESC, PACK_P=PACK_P)
     kv_it += n_tiles
     turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
     return kv_it, turn
@@ -853,7 +869,8 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                         LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr):
+                         LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr,
+                         PACK_P: gl.constexpr):
     """Tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` pid and then the tiles the producer hands
     over (``_ring_get``, read after each tile; a value >= total_tiles stops), as the producer walks them: the
     ring index, the Q barrier's parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile
@@ -871,7 +888,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P)
             tile_id = _ring_get(sched, n)
             n += 1
     else:
@@ -882,7 +899,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
@@ -910,7 +927,7 @@ def fa3_gluon_kernel(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
-    DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr,
+    DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr, PACK_P: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -1056,11 +1073,11 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
@@ -1071,15 +1088,15 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
@@ -1123,11 +1140,11 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC)),
+                 HOST_DESC, PACK_P)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC)),
+                 HOST_DESC, PACK_P)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
@@ -1137,15 +1154,15 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC)),
+                 HOST_DESC, PACK_P)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC)),
+                 HOST_DESC, PACK_P)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC)),
+                 HOST_DESC, PACK_P)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),

@@ -78,6 +78,9 @@ class GluonConfig:
     dynamic: bool = False
     # intra only: the softmax as a block of its own, ptxas's P V wait after it (docs/gluon_fa3.md; H100 geomean 1.0)
     fence: bool = False
+    # 16-bit: P rounded in pairs by one opaque cvt each, carried packed (sm_90a: 477 vs 502 instructions per
+    # d = 128 iteration, no PRMT; the same rounding); not yet measured on a GPU
+    pack_p: bool = False
 
     @property
     def block_m(self) -> int:
@@ -276,8 +279,8 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.dynamic, bool):
         raise TypeError(f"config: dynamic must be a bool, got {cfg}")
-    if not isinstance(cfg.intra, bool) or not isinstance(cfg.fence, bool):
-        raise TypeError(f"config: intra and fence must be bools, got {cfg}")
+    if not isinstance(cfg.intra, bool) or not isinstance(cfg.fence, bool) or not isinstance(cfg.pack_p, bool):
+        raise TypeError(f"config: intra, fence and pack_p must be bools, got {cfg}")
     if cfg.fence and not cfg.intra:
         raise ValueError(f"config: fence places the wait of the intra-warpgroup overlap, got it without intra: {cfg}")
     if cfg.dynamic and not cfg.persistent:
@@ -486,7 +489,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(), cfg.pingpong,
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not None, cfg.dynamic, varlen is not None,
+        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p,
     )
     return GluonArgs(grid, static, descs, cfg.dynamic)
 

@@ -25,7 +25,7 @@ def test_each_variant_changes_one_switch():
 
 
 def test_gluon_rows_switch_the_schedules(monkeypatch):
-    """Each Gluon row runs the kernel with its (pingpong, intra, fence) switches; a fenced row keeps intra."""
+    """Each Gluon row runs the kernel with its (pingpong, intra, fence, pack_p) switches; a fenced row keeps intra."""
     import flashtile.runtime.fa3_gluon as rg
 
     seen = {}
@@ -34,10 +34,10 @@ def test_gluon_rows_switch_the_schedules(monkeypatch):
     q = torch.zeros(1, 2, 8, 128)
     rows = ha._gluon_rows(128, 8, 1, 2, True, q, q, q, q, 1.0)
     assert [r["variant"] for r in rows] == list(ha.GLUON_VARIANTS)
-    for (name, (pingpong, intra, fence)), cfg in zip(ha.GLUON_VARIANTS.items(), seen.values()):
-        assert (cfg.pingpong, cfg.intra, cfg.fence, cfg.o_tma) == (pingpong, intra, fence, True), name
+    for (name, (pingpong, intra, fence, pack_p)), cfg in zip(ha.GLUON_VARIANTS.items(), seen.values()):
+        assert (cfg.pingpong, cfg.intra, cfg.fence, cfg.pack_p, cfg.o_tma) == (pingpong, intra, fence, pack_p, True)
         assert not fence or intra
-    assert sum(f for _, _, f in ha.GLUON_VARIANTS.values()) == 2
+    assert [sum(v[i] for v in ha.GLUON_VARIANTS.values()) for i in (2, 3)] == [3, 1]
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")

@@ -145,8 +145,10 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
     with pytest.raises(ValueError, match="fence places"):  # the overlap's wait: nothing to place without it
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, intra=False, fence=True))
-    with pytest.raises(TypeError, match="intra and fence must be bools"):
+    with pytest.raises(TypeError, match="intra, fence and pack_p must be bools"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, fence=1))
+    with pytest.raises(TypeError, match="intra, fence and pack_p must be bools"):
+        fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, pack_p=1))
     monkeypatch.setattr(fa3_gluon, "_check", lambda *a: None)  # past the device check
     # 3 consumers under 160 registers spill with 128-key tiles wider than 64 columns, and at 192 columns
     for d, block_n in [(128, 128), (96, 128), (80, 128), (192, 64)]:
@@ -161,7 +163,7 @@ def test_refusals_name_the_argument(monkeypatch):
     (40, GluonConfig(128, 3, num_wg=3, o_coalesced=True, lpt_group=3)), (192, None), (128, None),
     (96, GluonConfig(64, 4, num_wg=3)), (96, GluonConfig(128, 3, split_d=False)),
     (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
-    (128, GluonConfig(128, 3, persistent=True, dynamic=True)), (128, GluonConfig(128, 3, fence=True)),
+    (128, GluonConfig(128, 3, persistent=True, dynamic=True)), (128, GluonConfig(128, 3, fence=True, pack_p=True)),
     (96, GluonConfig(128, 4, intra=False, pingpong=False)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
@@ -207,6 +209,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
         True, 2 if cfg.fence else int(cfg.intra), cfg.pingpong, cfg.skip_mask0)
     assert bound["INTRA"] == cfg.intra_mode() and type(bound["INTRA"]) is int  # 0 off, 1 on, 2 fenced
+    assert bound["PACK_P"] is cfg.pack_p
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
         cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
@@ -555,17 +558,19 @@ def test_gpu_back_to_back_on_two_streams(d):
 
 
 # --------------------------------------------------------------------------- #
-# GPU (sm_90): the softmax fence (GluonConfig.fence)
+# GPU (sm_90): the softmax fence and P packed in pairs (GluonConfig.fence, pack_p)
 # --------------------------------------------------------------------------- #
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
-def test_gpu_softmax_fence_is_bitwise_the_same(monkeypatch, d, causal, grid):
-    """``fence`` moves only the P V GEMM's wait (after the softmax): outputs and LSE bit for bit those of the
-    unfenced kernel, and both against the float64 oracle; fp16 and bf16, GQA 4:2, ragged, one query; the
-    persistent grids on 3 programs (ring slots and turns across tiles)."""
+@pytest.mark.parametrize("switches", [dict(fence=True), dict(pack_p=True), dict(fence=True, pack_p=True)])
+def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid, switches):
+    """``fence`` moves only the P V GEMM's wait (after the softmax) and ``pack_p`` rounds P in pairs with the
+    same rounding: outputs and LSE bit for bit those of the kernel without them, and both against the float64
+    oracle; fp16 and bf16, GQA 4:2, ragged, one query; the persistent grids on 3 programs (ring slots and turns
+    across tiles)."""
     from flashtile.runtime import fa3_gluon
 
     extra = {"tile": dict(persistent=False, dynamic=False), "persistent": dict(persistent=True, dynamic=False),
@@ -574,7 +579,7 @@ def test_gpu_softmax_fence_is_bitwise_the_same(monkeypatch, d, causal, grid):
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
     for dtype in (torch.bfloat16, torch.float16):
         for nq, nk in [(517, 333), (333, 517), (1, 300)]:
-            o_on, lse_on = _gpu_case(d, causal, replace(cfg, fence=True), nq, nk, dtype=dtype)
+            o_on, lse_on = _gpu_case(d, causal, replace(cfg, **switches), nq, nk, dtype=dtype)
             o_off, lse_off = _gpu_case(d, causal, cfg, nq, nk, dtype=dtype)
             assert torch.equal(o_on, o_off) and torch.equal(lse_on, lse_off), (dtype, nq, nk)
 
