@@ -356,8 +356,9 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     grid = [g for g in ha.default_grid(head_dims=args.head_dims, seqlens=args.seqlens)]
     try:
         with console.status("Hopper ablation") as status:
-            payload = ha.run_ablation(grid, progress=lambda what: status.update(what))
-    except RuntimeError as e:
+            payload = ha.run_ablation(grid, variants=() if args.gluon_only else tuple(ha.VARIANTS),
+                                      progress=lambda what: status.update(what), rounds=args.rounds)
+    except (RuntimeError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
     table = Table(title=f"Hopper forward ablation on {payload['env']['device']}: TFLOP/s (% of dense peak)")
@@ -558,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "the TMA epilogue and FP8 switched one at a time (FA3's ablation)")
     abl.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     abl.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    abl.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds of the Gluon rows (median)")
+    abl.add_argument("--gluon-only", action="store_true", help="the Gluon kernel's schedule rows only")
     abl.add_argument("--out", default="bench/results")
     abl.set_defaults(func=_cmd_bench_hopper_ablation)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "

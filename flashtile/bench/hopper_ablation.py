@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Callable
 
 import torch
@@ -94,7 +95,7 @@ def default_grid(head_dims=(64, 128, 256), seqlens=(4096, 16384), total_tokens=1
                 yield d, n, max(1, total_tokens // n), 2048 // d, causal
 
 
-def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
+def _point(d, n, b, h, causal, variants, progress=None, rounds=1) -> list[dict]:
     from flashtile.fp8 import quantize_per_head
     from flashtile.runtime import fa3_fwd
     from flashtile.runtime.decode import error_flags
@@ -145,25 +146,29 @@ def _point(d, n, b, h, causal, variants, progress=None) -> list[dict]:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
         torch.cuda.empty_cache()
-    rows.extend(_gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress))
+    rows.extend(_gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress, rounds))
     return rows
 
 
-def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None) -> list[dict]:
+def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1) -> list[dict]:
+    """The Gluon kernel's schedule rows: each variant checked against FA2's output, then the ones that pass timed
+    in ``rounds`` interleaved rounds (every variant once per round; the row's ms is the median over rounds,
+    ``ms_rounds`` each round's), so that the run-to-run drift of the machine hits every variant alike."""
     from flashtile.runtime.fa3_gluon import GLUON_HEAD_DIMS, fa3_gluon_forward, gluon_config
 
     if d not in GLUON_HEAD_DIMS:
         return []
-    rows = []
+    rows, timed = [], []
     for name, (pingpong, intra, fence, pack_p) in GLUON_VARIANTS.items():
         cfg = dataclasses.replace(gluon_config(d, causal), pingpong=pingpong, intra=intra, fence=fence, pack_p=pack_p,
                                   o_tma=True)
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
+        rows.append(row)
         if progress:
             progress(f"d={d} N={n} causal={causal} {name}")
         out = torch.empty_like(q)
 
-        def call():
+        def call(cfg=cfg, out=out):
             fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
 
         try:
@@ -174,22 +179,29 @@ def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None) -> list[
             if err > 2e-2:
                 row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
             else:
-                ms = median_ms(call)
-                row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-                row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["bf16"]
+                timed.append((row, call))
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        rows.append(row)
+    for _ in range(rounds):
+        for row, call in timed:
+            row.setdefault("ms_rounds", []).append(median_ms(call))
+    for row, _ in timed:
+        ms = statistics.median(row["ms_rounds"])
+        row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["bf16"]
     return rows
 
 
-def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None) -> dict:
-    """The payload ``{env, peak_tflops, not_expressible, rows}``; needs an sm_90 GPU."""
+def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None, rounds: int = 1) -> dict:
+    """The payload ``{env, peak_tflops, not_expressible, rows}``; needs an sm_90 GPU.  ``variants``: the Triton
+    kernel's rows (empty: the Gluon rows alone); ``rounds``: interleaved timing rounds of the Gluon rows."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise RuntimeError("`flashtile bench hopper-ablation` needs an sm_90 (Hopper) GPU")
     rows = []
     for d, n, b, h, causal in grid if grid is not None else default_grid():
-        rows.extend(_point(d, n, b, h, causal, variants, progress))
+        rows.extend(_point(d, n, b, h, causal, variants, progress, rounds))
     return {
         "env": environment(),
         "peak_tflops": PEAK_TFLOPS,

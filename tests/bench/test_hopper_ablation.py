@@ -24,20 +24,56 @@ def test_each_variant_changes_one_switch():
     assert set(ha.NOT_EXPRESSIBLE) == {"ping-pong scheduling", "intra-warpgroup overlap"}
 
 
-def test_gluon_rows_switch_the_schedules(monkeypatch):
-    """Each Gluon row runs the kernel with its (pingpong, intra, fence, pack_p) switches; a fenced row keeps intra."""
+def _fake_gluon(monkeypatch, times):
+    """Gluon rows on the CPU: the kernel copies q into ``out`` (FA2's stand-in output is q: error 0) and records its
+    config; each timing returns the next of ``times``."""
     import flashtile.runtime.fa3_gluon as rg
 
-    seen = {}
-    monkeypatch.setattr(rg, "fa3_gluon_forward", lambda *a, config, **kw: seen.setdefault(len(seen), config))
-    monkeypatch.setattr(ha, "median_ms", lambda fn: 1.0)
-    q = torch.zeros(1, 2, 8, 128)
+    configs, timed = [], []
+
+    def forward(q, k, v, *, softmax_scale, causal, out, config):
+        out.copy_(q)
+        configs.append(config)
+
+    def median_ms(call):
+        call()
+        timed.append(configs[-1])
+        return times.pop(0)
+
+    monkeypatch.setattr(rg, "fa3_gluon_forward", forward)
+    monkeypatch.setattr(ha, "median_ms", median_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return configs, timed
+
+
+def test_gluon_rows_switch_the_schedules(monkeypatch):
+    """Each Gluon row runs the kernel with its (pingpong, intra, fence, pack_p) switches; a fenced row keeps intra."""
+    n = len(ha.GLUON_VARIANTS)
+    configs, _ = _fake_gluon(monkeypatch, [1.0] * n)
+    q = torch.randn(1, 2, 8, 128)
     rows = ha._gluon_rows(128, 8, 1, 2, True, q, q, q, q, 1.0)
     assert [r["variant"] for r in rows] == list(ha.GLUON_VARIANTS)
-    for (name, (pingpong, intra, fence, pack_p)), cfg in zip(ha.GLUON_VARIANTS.items(), seen.values()):
+    for (name, (pingpong, intra, fence, pack_p)), cfg in zip(ha.GLUON_VARIANTS.items(), configs[:n]):
         assert (cfg.pingpong, cfg.intra, cfg.fence, cfg.pack_p, cfg.o_tma) == (pingpong, intra, fence, pack_p, True)
         assert not fence or intra
     assert [sum(v[i] for v in ha.GLUON_VARIANTS.values()) for i in (2, 3)] == [3, 1]
+
+
+def test_gluon_rows_time_in_interleaved_rounds(monkeypatch):
+    """``rounds``: every variant once per round, in the same order each round; a row's ms is the median of its
+    rounds (``ms_rounds`` in round order) and its TFLOP/s follow from it."""
+    n = len(ha.GLUON_VARIANTS)
+    times = [float(10 * r + i + 1) for r in (0, 2, 1) for i in range(n)]  # round 2 slowest, round 1 fastest
+    _, timed = _fake_gluon(monkeypatch, list(times))
+    q = torch.randn(1, 2, 8, 128)
+    rows = ha._gluon_rows(128, 8, 1, 2, False, q, q, q, q, 4e9, rounds=3)
+    order = [(c.pingpong, c.intra, c.fence, c.pack_p) for c in timed]
+    assert order == list(ha.GLUON_VARIANTS.values()) * 3
+    for i, row in enumerate(rows):
+        assert row["ms_rounds"] == [i + 1.0, 21.0 + i, 11.0 + i] and row["ms"] == 11.0 + i
+        assert row["tflops"] == pytest.approx(4e9 / ((11.0 + i) * 1e-3) / 1e12)
+    with pytest.raises(ValueError, match="rounds"):
+        ha.run_ablation([], rounds=0)
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
