@@ -526,18 +526,18 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
     mbarrier.arrive(kv_empty.index(slot))
-    FP8: gl.constexpr = k_tiles[0].dtype.primitive_bitwidth == 8
     if INTRA == 2:
-        # a block boundary: ptxas hoists the P V wait above straight-line code, not into a branch
-        if qk_scale >= 0:
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
-                                               MASKED=MASKED, FP8=FP8)
-        else:  # never taken: qk_scale >= 0 (positive on the host, 0 if it underflows fp32; FP8 tiles' > 0)
-            p = s
-            alpha = m_i
+        # a block boundary: ptxas hoists the P V wait above straight-line code, not into a branch; always true
+        # (qk_scale positive on the host, 0 if it underflows fp32; FP8 tiles' > 0)
+        in_block = qk_scale >= 0
     else:
+        in_block: gl.constexpr = True
+    if in_block:
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
-                                           MASKED=MASKED, FP8=FP8)
+                                           MASKED=MASKED, FP8=k_tiles[0].dtype.primitive_bitwidth == 8)
+    else:  # never taken
+        p = s
+        alpha = m_i
     acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
     mbarrier.arrive(kv_empty.index(NUM_STAGES + prev))
     acc0 = _rows_times(acc0, alpha)

@@ -348,6 +348,17 @@ class _EagerAttention(torch.autograd.Function):
         return _grads(ctx, dout, _bwd_impl)
 
 
+def _pick_op(compiled, eager, direct, q, k, v):
+    """The op a call runs: ``compiled`` (the custom op) under torch.compile, ``eager`` (the autograd Function)
+    when q, k or v needs a gradient, else ``direct`` (the forward without autograd's bookkeeping; bias, ALiBi
+    and masks never take gradients)."""
+    if torch.compiler.is_compiling():
+        return compiled
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return eager
+    return direct
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -373,12 +384,7 @@ def attention(
     mask, (mask_block_q, mask_block_k) = (None, (0, 0)) if block_mask is None else (
         block_mask.mask.to(q.device), block_mask.block_size
     )
-    if torch.compiler.is_compiling():
-        op = flash_attn_fwd
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        op = _EagerAttention.apply
-    else:  # nothing to differentiate (bias, ALiBi, masks never do): the forward without autograd's bookkeeping
-        op = _fwd_impl
+    op = _pick_op(flash_attn_fwd, _EagerAttention.apply, _fwd_impl, q, k, v)
     return op(
         q, k, v, bias, alibi_slopes, mask, mask_block_q, mask_block_k,
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]),
@@ -572,12 +578,7 @@ def varlen_attention(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Differentiable packed attention on already-validated arguments: ``(out, lse, rng_state)``."""
-    if torch.compiler.is_compiling():
-        op = flash_attn_varlen_fwd
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        op = _EagerVarlenAttention.apply
-    else:  # nothing to differentiate: the forward without autograd's bookkeeping
-        op = _varlen_fwd_impl
+    op = _pick_op(flash_attn_varlen_fwd, _EagerVarlenAttention.apply, _varlen_fwd_impl, q, k, v)
     return op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, int(max_seqlen_q), int(max_seqlen_k),
         float(softmax_scale), bool(causal), int(window[0]), int(window[1]), float(softcap), float(dropout_p),

@@ -301,25 +301,25 @@ def fp8_forward_plan(q, k, v, descales, out, lse, causal: bool):
                     num_stages=1)
     if gluon_cfg is not None:
         args = fa3_gluon.gluon_args(q, k, vt, out, causal, gluon_cfg, None, descales)
-        dynamic = fa3_gluon.gluon_dynamic
-        kernel = fa3_gluon.gluon_launcher(args, dynamic(args, q, k, vt, out, lse, 1.0, fp8=(descales, err)))
 
-        def fp8_run(q, k, v, vt, out, lse, descales, softmax_scale: float) -> None:
-            ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
-            copy(v.view(torch.uint8), vt.view(torch.uint8))
-            kernel(*dynamic(args, q, k, vt, out, lse, softmax_scale, fp8=(descales, err)))
+        def dynamic(q, k, vt, out, lse, descales, softmax_scale):
+            return fa3_gluon.gluon_dynamic(args, q, k, vt, out, lse, softmax_scale, fp8=(descales, err))
 
-        return fp8_run, vt.shape
-    grid, static = launch_args(q, k, vt, out, causal, cfg, descales)
-    kernel = launcher(fa3_fwd_kernel, grid, launch_dynamic(q, k, vt, out, lse, 1.0, descales, err), static,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        kernel = fa3_gluon.gluon_launcher(args, dynamic(q, k, vt, out, lse, descales, 1.0))
+    else:
+        def dynamic(q, k, vt, out, lse, descales, softmax_scale):
+            return launch_dynamic(q, k, vt, out, lse, softmax_scale * LOG2E, descales, err)
 
-    def triton_fp8_run(q, k, v, vt, out, lse, descales, softmax_scale: float) -> None:
-        ensure_allocator()
+        grid, static = launch_args(q, k, vt, out, causal, cfg, descales)
+        kernel = launcher(fa3_fwd_kernel, grid, dynamic(q, k, vt, out, lse, descales, 1.0), static,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def fp8_run(q, k, v, vt, out, lse, descales, softmax_scale: float) -> None:
+        ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
         copy(v.view(torch.uint8), vt.view(torch.uint8))
-        kernel(*launch_dynamic(q, k, vt, out, lse, softmax_scale * LOG2E, descales, err))
+        kernel(*dynamic(q, k, vt, out, lse, descales, softmax_scale))
 
-    return triton_fp8_run, vt.shape
+    return fp8_run, vt.shape
 
 
 # False keeps the FP8 forward on the Triton kernel (benchmarks and tests compare the two)
