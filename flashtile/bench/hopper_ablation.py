@@ -20,7 +20,7 @@ switches of the Gluon kernel (:mod:`flashtile.kernels.fa3_gluon`, d = 64, 128, 2
 ``gluon`` (both on), ``gluon no ping-pong``, ``gluon no intra-warpgroup overlap``, ``gluon neither``, and
 with the overlap as FA3 runs it (``GluonConfig.fence``: without it ptxas waits for the P V GEMM before the
 softmax) ``gluon, softmax fenced`` and ``gluon no ping-pong, softmax fenced``, and with P carried in packed pairs
-(``GluonConfig.pack_p``) ``gluon, softmax fenced, P packed``.
+(``GluonConfig.pack_p``, the dispatch's at widths 33-128) ``gluon, P packed`` and ``gluon, softmax fenced, P packed``.
 
 Every variant is checked against the FA2 kernel's output on the same inputs before it is timed (within
 2e-2 of max|out|; FP8 within 0.15, as far as e4m3 inputs put FA3's FP8 forward from bf16 on these inputs).
@@ -83,6 +83,7 @@ GLUON_VARIANTS = {
     "gluon neither": (False, False, False, False),
     "gluon, softmax fenced": (True, True, True, False),
     "gluon no ping-pong, softmax fenced": (False, True, True, False),
+    "gluon, P packed": (True, True, False, True),
     "gluon, softmax fenced, P packed": (True, True, True, True),
 }
 

@@ -79,7 +79,7 @@ class GluonConfig:
     # intra only: the softmax as a block of its own, ptxas's P V wait after it (docs/gluon_fa3.md; H100 geomean 1.0)
     fence: bool = False
     # 16-bit: P rounded in pairs by one opaque cvt each, carried packed (the same rounding; sm_90a: 477 vs 502
-    # instructions per d = 128 iteration, no PRMT)
+    # instructions per d = 128 iteration, no PRMT); FP8 rounds its own operand
     pack_p: bool = False
 
     @property
@@ -158,7 +158,10 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     ``mid_keys`` (the caller's Nk in ``NARROW_TWO_WG_KEYS``) and tiles 33-64 wide: two consumer warpgroups over
     dynamically claimed tiles, 1.05-1.06x FA2 at 4k keys where the three-warpgroup row ran 0.93-1.0x (d = 64 and
     48, also GQA 32 / 8; bench/NOTES.md "d = 64 / 48 causal forward", ``results/g64gqa-fwd-probe_*.json``); from
-    8k that row wins (428 vs 400 TFLOP/s).  ``host_desc``: the caller's choice (``HOST_DESC_MIN_WORK``)."""
+    8k that row wins (428 vs 400 TFLOP/s).  Widths 33-128 carry P packed (``pack_p``; interleaved rounds, 4k-16k,
+    packed / not: d = 64 1.006-1.096 in 24 of 24 samples, d = 128 0.95-1.05, median 1.015, d = 96 median 1.003;
+    d = 192 / 256 medians 0.99-1.0: not there; bench/NOTES.md "P carried packed").  ``host_desc``: the caller's
+    choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -176,6 +179,8 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
         cfg = GluonConfig(block_n=64, num_stages=3, split_d=split)
     else:
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
+    if 32 < width <= 128:
+        cfg = replace(cfg, pack_p=True)
     if not causal and width >= 128:
         cfg = replace(cfg, persistent=True)
     elif causal and many_keys and width > 64:
@@ -201,7 +206,7 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
     width (consumer warpgroups, schedules, persistent / dynamic grid; not its two-warpgroup variant for 4k-8k
     causal keys at width 64: 321 vs 359 TFLOP/s at 4k) with the column part unsplit, plain stores (O is bf16,
-    Q's tiles 8-bit: no staging there) and 1-byte tiles: ``block_n`` (0: 128 keys at width 128, 64
+    Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0: 128 keys at width 128, 64
     elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at least 2 (ValueError
     otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B
     with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256, 64-key tiles
@@ -212,7 +217,7 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     if width not in FP8_WIDTHS:
         raise NotImplementedError(f"the Gluon FP8 forward covers head dims of widths {FP8_WIDTHS}, got d = {d}")
     cfg = replace(gluon_config(width, causal, many_keys=many_keys), split_d=False, o_tma=False, host_desc=False,
-                  block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3,
+                  pack_p=False, block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3,
                   pingpong=width != 256)
     while smem_bytes(cfg, d, esize=1) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)

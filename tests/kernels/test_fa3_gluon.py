@@ -30,18 +30,20 @@ def test_config_table_fits():
             assert smem_bytes(cfg, d) <= SMEM_LIMIT
             assert cfg.num_stages >= 2 and cfg.block_n % 16 == 0 and cfg.num_wg in (2, 3)
     assert GLUON_HEAD_DIMS == tuple(range(8, 257, 8))
-    assert gluon_config(128, True) == GluonConfig(block_n=128, num_stages=3)
-    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3, persistent=True)  # non-causal >= 128
-    assert gluon_config(96, False) == GluonConfig(block_n=128, num_stages=4)  # 64 + 32 columns: a 4th stage fits
+    pk = dict(pack_p=True)  # widths 33-128 carry P packed
+    assert gluon_config(128, True) == GluonConfig(block_n=128, num_stages=3, **pk)
+    assert gluon_config(128, False) == GluonConfig(block_n=128, num_stages=3, persistent=True, **pk)  # >= 128
+    assert gluon_config(96, False) == GluonConfig(block_n=128, num_stages=4, **pk)  # 64 + 32 columns: a 4th stage
     assert gluon_config(112, True) == replace(gluon_config(128, True), split_d=False)  # 64 + 64: nothing saved
     assert gluon_config(192, False) == GluonConfig(block_n=64, num_stages=3, persistent=True)
     assert gluon_config(192, True) == GluonConfig(block_n=64, num_stages=3)  # 128 + 64 columns: a 3rd stage fits
     assert gluon_config(256, True) == GluonConfig(block_n=64, num_stages=2)
-    assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3)
+    assert gluon_config(64, True) == gluon_config(40, False) == GluonConfig(block_n=128, num_stages=3, num_wg=3, **pk)
+    assert [gluon_config(d, False).pack_p for d in (24, 32, 40, 136, 256)] == [False, False, True, False, False]
     assert gluon_config(32, False).num_wg == 2
     # causal with many keys: persistent over dynamically claimed tiles, from tiles wider than 64
     assert gluon_config(128, True, many_keys=True) == GluonConfig(block_n=128, num_stages=3, persistent=True,
-                                                                  dynamic=True)
+                                                                  dynamic=True, **pk)
     assert gluon_config(96, True, many_keys=True).dynamic and gluon_config(192, True, False, True).dynamic
     assert not gluon_config(64, True, many_keys=True).dynamic and not gluon_config(40, True, many_keys=True).persistent
     assert gluon_config(128, False, many_keys=True) == gluon_config(128, False)  # non-causal: static persistent
@@ -575,7 +577,7 @@ def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid
 
     extra = {"tile": dict(persistent=False, dynamic=False), "persistent": dict(persistent=True, dynamic=False),
              "dynamic": dict(persistent=True, dynamic=True)}[grid]
-    cfg = replace(gluon_config(d, causal), **extra)
+    cfg = replace(gluon_config(d, causal), fence=False, pack_p=False, **extra)  # both off (the table packs P)
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
     for dtype in (torch.bfloat16, torch.float16):
         for nq, nk in [(517, 333), (333, 517), (1, 300)]:
