@@ -85,7 +85,8 @@ def _own_hooks(owned: tuple = _OWN) -> bool:
 def _switches() -> tuple:
     """The module switches the generic path reads (benchmarks flip them): part of every key."""
     return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_fwd.GLUON_FP8, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
-            fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon_bwd.ENABLED,
+            fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon.NARROW_PERSISTENT_MAX_KEYS,
+            fa3_gluon.FP8_DYNAMIC_MIN_KEYS, fa3_gluon_bwd.ENABLED,
             fa3_gluon_bwd.BIND_LAUNCH, fa3_bwd.ENABLED)
 
 

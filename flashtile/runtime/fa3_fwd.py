@@ -146,7 +146,7 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
     bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192 then) against the FA2 kernel:
     d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x; causal
     below 1k unmeasured: FA2);
-    d = 128 1.2x from 1k without a mask, causal 0.95x at 1k and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
+    d = 128 1.2x from 1k without a mask, causal 1.04x at 1k (dynamic tiles, 5 interleaved rounds) and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
     1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k, from 4k keys (two consumer warpgroups over
     dynamic tiles 1.05-1.06x at 4k, the three-warpgroup table 1.1-1.25x from 8k; bench/NOTES.md "d = 64 / 48 causal
     forward").  d <= 32 was not measured: FA2."""
@@ -154,7 +154,7 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
         return False
     if d <= 64:  # causal from 4k: two consumer warpgroups, dynamic tiles (fa3_gluon.NARROW_TWO_WG_KEYS)
         return nk >= (4096 if causal else 2048)
-    return d > 128 or not causal or nk >= (1024 if d < 128 else 2048)  # causal below 1k keys: unmeasured, FA2
+    return d > 128 or not causal or nk >= 1024  # causal below 1k keys: unmeasured, FA2
 
 
 def prefer_hopper(
@@ -331,9 +331,9 @@ def _gluon_fp8_cfg(d: int, causal: bool, nk: int):
     kernel runs it (:func:`use_gluon_fp8`)."""
     if not use_gluon_fp8(d, causal):
         return None
-    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, gluon_fp8_config
+    from flashtile.runtime.fa3_gluon import FP8_DYNAMIC_MIN_KEYS, gluon_fp8_config
 
-    return gluon_fp8_config(d, causal, nk >= DYNAMIC_MIN_KEYS)
+    return gluon_fp8_config(d, causal, nk >= FP8_DYNAMIC_MIN_KEYS)
 
 
 def fp8_block_sizes(d: int, causal: bool, nk: int) -> tuple[int, int]:
@@ -458,12 +458,13 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
 def _gluon_cfg(q, k, causal: bool):
     """The Gluon config of a forward on these (B, H, N, d) views (``fa3_gluon.gluon_config``'s row for the head
     dim, host descriptors from ``HOST_DESC_MIN_WORK``, the causal schedulers by key count)."""
-    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_TWO_WG_KEYS, gluon_config
+    from flashtile.runtime.fa3_gluon import (DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_PERSISTENT_MAX_KEYS,
+                                             NARROW_TWO_WG_KEYS, gluon_config)
 
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
     lo, hi = NARROW_TWO_WG_KEYS
-    return gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi)
+    return gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi, nk < NARROW_PERSISTENT_MAX_KEYS)
 
 
 def forward_plan(q, k, v, out, lse, causal: bool):

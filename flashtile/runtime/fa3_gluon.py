@@ -130,8 +130,14 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
 # +1-23 % device time, the most at 1k keys; about +35 us of host time per call, Triton's per-call tensor-map
 # encoding): from 2^32 (17 GFLOP, ~35 us of kernel time) the device time saved outweighs the host time
 HOST_DESC_MIN_WORK = 1 << 32
-# keys from which a causal call with tiles wider than 64 claims its tiles dynamically (gluon_config's ``many_keys``)
-DYNAMIC_MIN_KEYS = 2048
+# keys from which a causal call with tiles wider than 64 claims its tiles dynamically (gluon_config's ``many_keys``;
+# H100, 5 interleaved rounds at 1k: 1.05-1.11x one program per tile at d = 96 / 128 / 192, 1.03x at 256)
+DYNAMIC_MIN_KEYS = 1024
+# the FP8 forward's threshold (its own rows were measured from 2k keys)
+FP8_DYNAMIC_MIN_KEYS = 2048
+# keys below which a call without a mask and tiles narrower than 128 loops persistently over the tiles (gluon_config's
+# ``few_keys``; H100, 3 interleaved rounds, d = 40-112: 1.0-1.2x one program per tile at 1k-4k, 0.93-1.07x at 16k)
+NARROW_PERSISTENT_MAX_KEYS = 8192
 # keys [lo, hi) in which a causal call with tiles 33-64 wide runs two consumer warpgroups over dynamically claimed
 # tiles (gluon_config's ``mid_keys``): three warpgroups win from 8k, FA2 below 4k (hopper_wins)
 NARROW_TWO_WG_KEYS = (4096, 8192)
@@ -139,7 +145,7 @@ NARROW_TWO_WG_KEYS = (4096, 8192)
 
 @functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
 def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool = False,
-                 mid_keys: bool = False) -> GluonConfig:
+                 mid_keys: bool = False, few_keys: bool = False) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
@@ -151,10 +157,12 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
     rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
     Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); narrower
-    widths do not (d = 64 at 16k 0.93x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
+    widths do with ``few_keys`` (the caller's Nk < ``NARROW_PERSISTENT_MAX_KEYS``), not from 8k keys (d = 64 at 16k
+    0.93x, d = 40 / 80 0.93-0.99x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
     tiles wider than 64 loops persistently over dynamically claimed tiles (``dynamic``; static round robin lost,
     0.65-0.9x): dynamic / one program per tile 1.01-1.09x at 2k-16k for d = 96, 128, 192, 256 in interleaved
-    rounds; 0.86-0.87x at 1k, d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler").  Causal with
+    rounds, 1.03-1.11x at 1k (medians of 5 rounds), d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler",
+    "Short calls: persistent grids").  Causal with
     ``mid_keys`` (the caller's Nk in ``NARROW_TWO_WG_KEYS``) and tiles 33-64 wide: two consumer warpgroups over
     dynamically claimed tiles, 1.05-1.06x FA2 at 4k keys where the three-warpgroup row ran 0.93-1.0x (d = 64 and
     48, also GQA 32 / 8; bench/NOTES.md "d = 64 / 48 causal forward", ``results/g64gqa-fwd-probe_*.json``); from
@@ -181,7 +189,7 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
     if 32 < width <= 128:
         cfg = replace(cfg, pack_p=True)
-    if not causal and width >= 128:
+    if not causal and (width >= 128 or few_keys):
         cfg = replace(cfg, persistent=True)
     elif causal and many_keys and width > 64:
         cfg = replace(cfg, persistent=True, dynamic=True)

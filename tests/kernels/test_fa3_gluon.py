@@ -47,6 +47,12 @@ def test_config_table_fits():
     assert gluon_config(96, True, many_keys=True).dynamic and gluon_config(192, True, False, True).dynamic
     assert not gluon_config(64, True, many_keys=True).dynamic and not gluon_config(40, True, many_keys=True).persistent
     assert gluon_config(128, False, many_keys=True) == gluon_config(128, False)  # non-causal: static persistent
+    # without a mask, narrower than 128 below 8k keys: static persistent too; causal rows unchanged by few_keys
+    for d in (40, 64, 80, 96):  # d = 112: 128-wide tiles (64 + 64 saves nothing)
+        assert gluon_config(d, False, few_keys=True) == replace(gluon_config(d, False), persistent=True)
+        assert not gluon_config(d, False).persistent and gluon_config(d, True, few_keys=True) == gluon_config(d, True)
+    assert gluon_config(128, False, few_keys=True) == gluon_config(128, False)  # persistent from width 128 anyway
+    assert gluon_config(112, False, few_keys=True) == gluon_config(112, False)
     # 4k-8k causal keys at widths 33-64: two consumer warpgroups over dynamic tiles; not wider, not non-causal
     assert gluon_config(64, True, True, True, True) == replace(gluon_config(64, True, True), num_wg=2,
                                                                persistent=True, dynamic=True)
@@ -833,7 +839,8 @@ def test_gpu_dynamic_cuda_graph_replays(d):
 def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
     """fa3_fwd.forward_checked (the ops' entry) asks gluon_config for the dynamic causal grid from
     DYNAMIC_MIN_KEYS keys on, not below, and never without a mask; at d = 64 two warpgroups over dynamic tiles for
-    causal keys in NARROW_TWO_WG_KEYS only (the launch itself stubbed: no sm_90 here)."""
+    causal keys in NARROW_TWO_WG_KEYS only, and without a mask a persistent grid below NARROW_PERSISTENT_MAX_KEYS
+    (the launch itself stubbed: no sm_90 here)."""
     from flashtile.runtime import fa3_fwd, fa3_gluon
 
     seen = []
@@ -852,6 +859,11 @@ def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
         k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
         fa3_fwd.forward_checked(q, k, k, 0.1, causal)
     assert [(cfg.num_wg, cfg.dynamic) for _, cfg in seen] == [(3, False), (2, True), (2, True), (3, False), (3, False)]
+    seen.clear()  # without a mask below NARROW_PERSISTENT_MAX_KEYS keys: persistent (static) under width 128
+    for nk in (fa3_gluon.NARROW_PERSISTENT_MAX_KEYS - 1, fa3_gluon.NARROW_PERSISTENT_MAX_KEYS):
+        k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
+        fa3_fwd.forward_checked(q, k, k, 0.1, False)
+    assert [(cfg.persistent, cfg.dynamic) for _, cfg in seen] == [(True, False), (False, False)]
 
 
 def test_fp8_v_operand_permutes_keys_per_chunk():
