@@ -138,15 +138,17 @@ def _tma_ready(x: torch.Tensor) -> bool:
     )
 
 
-def hopper_wins(d: int, causal: bool, nk: int) -> bool:
+def hopper_wins(d: int, causal: bool, nk: int, packed: bool = False) -> bool:
     """The measured part of :func:`prefer_hopper`: head dim ``d`` (covered: multiples of 8 up to 256),
-    causal or not, ``nk`` keys.
+    causal or not, ``nk`` keys; ``packed``: a packed batch, whose grid has no dynamic scheduler (d = 128 causal
+    then from 2k keys, as measured with one program per tile).
 
     Through ``flash_attn_func`` on an H100 (bf16, B*N = 16k, H*d = 2048; ``flashtile bench dispatch``,
     bench/NOTES.md "Dispatch sweep"), the Hopper path (Gluon for 32 < d <= 192 then) against the FA2 kernel:
     d > 128 1.4-2.6x at every N; 64 < d < 128 1.1-1.5x at 1k-2k causal or not (d = 96 causal 1k 2.5x; causal
     below 1k unmeasured: FA2);
-    d = 128 1.2x from 1k without a mask, causal 1.04x at 1k (dynamic tiles, 5 interleaved rounds) and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
+    d = 128 1.2x from 1k without a mask, causal 1.04x at 1k (over dynamic tiles; one program per tile 0.95x)
+    and 1.22x at 2k; 32 < d <= 64 0.76-0.97x at 1k,
     1.03-1.17x from 2k without a mask, causal 0.72-0.75x at 2k, from 4k keys (two consumer warpgroups over
     dynamic tiles 1.05-1.06x at 4k, the three-warpgroup table 1.1-1.25x from 8k; bench/NOTES.md "d = 64 / 48 causal
     forward").  d <= 32 was not measured: FA2."""
@@ -154,7 +156,7 @@ def hopper_wins(d: int, causal: bool, nk: int) -> bool:
         return False
     if d <= 64:  # causal from 4k: two consumer warpgroups, dynamic tiles (fa3_gluon.NARROW_TWO_WG_KEYS)
         return nk >= (4096 if causal else 2048)
-    return d > 128 or not causal or nk >= 1024  # causal below 1k keys: unmeasured, FA2
+    return d > 128 or not causal or nk >= (2048 if packed and d == 128 else 1024)  # causal below 1k: unmeasured
 
 
 def prefer_hopper(
@@ -169,10 +171,11 @@ def prefer_hopper(
                    capability)
 
 
-def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, programs: int, capability) -> bool:
+def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int, programs: int, capability,
+            packed: bool = False) -> bool:
     """:func:`prefer_hopper` on (B, H, N, d) views with ``nk`` keys per sequence; ``programs`` a bound on the
     grid (its in-kernel descriptors' scratch: ``descriptor_grid_fits``; a bound also where the Gluon kernel would
-    build its descriptors on the host, so B * H * N from 2^27 rows runs FA2)."""
+    build its descriptors on the host, so B * H * N from 2^27 rows runs FA2); ``packed``: :func:`hopper_wins`'s."""
     if not descriptor_grid_fits(programs):
         return False
     if not (ENABLED and plain) or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
@@ -180,7 +183,7 @@ def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int
     left, right = window
     if left != -1 or right != (0 if causal else -1):
         return False
-    if not hopper_wins(q.shape[3], causal, nk):
+    if not hopper_wins(q.shape[3], causal, nk, packed):
         return False
     if capability is None:
         capability = device_capability(q.get_device())
@@ -208,7 +211,7 @@ def prefer_hopper_varlen(
         return False
     programs = 2 * q.shape[1] * (q.shape[0] // 64 + n_seqs)  # either grid of either kernel (launch, gluon_launch)
     return _prefer(packed_view(q), packed_view(k), packed_view(v), causal, window, plain, max_seqlen_k, programs,
-                   capability)
+                   capability, packed=True)
 
 
 def prefer_hopper_fp8(

@@ -135,7 +135,7 @@ HOST_DESC_MIN_WORK = 1 << 32
 DYNAMIC_MIN_KEYS = 1024
 # the FP8 forward's threshold (its own rows were measured from 2k keys)
 FP8_DYNAMIC_MIN_KEYS = 2048
-# keys below which a call without a mask and tiles narrower than 128 loops persistently over the tiles (gluon_config's
+# keys below which a call without a mask and tiles 33-127 wide loops persistently over the tiles (gluon_config's
 # ``few_keys``; H100, 3 interleaved rounds, d = 40-112: 1.0-1.2x one program per tile at 1k-4k, 0.93-1.07x at 16k)
 NARROW_PERSISTENT_MAX_KEYS = 8192
 # keys [lo, hi) in which a causal call with tiles 33-64 wide runs two consumer warpgroups over dynamically claimed
@@ -156,9 +156,9 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     144-192 (split) both schedules, 64-key tiles, 3 stages (197024 B at d = 192; 128-key tiles need 240 KB
     at 2 stages); 256 both schedules, 64-key tiles, 2 stages (Q alone is 64 KB).  Causal takes the same
     rows: the masked-tile-0 / TMA-store variants differed from them by less than the run-to-run spread.
-    Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); narrower
-    widths do with ``few_keys`` (the caller's Nk < ``NARROW_PERSISTENT_MAX_KEYS``), not from 8k keys (d = 64 at 16k
-    0.93x, d = 40 / 80 0.93-0.99x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
+    Non-causal from width 128 loops persistently over the tiles (+2 to +13 % at 1k-16k, d = 128 / 192); widths
+    33-127 do with ``few_keys`` (the caller's Nk < ``NARROW_PERSISTENT_MAX_KEYS``), not from 8k keys (d = 64 at
+    16k 0.93x, d = 40 / 80 0.93-0.99x).  Causal with ``many_keys`` (the caller's Nk >= ``DYNAMIC_MIN_KEYS``) and
     tiles wider than 64 loops persistently over dynamically claimed tiles (``dynamic``; static round robin lost,
     0.65-0.9x): dynamic / one program per tile 1.01-1.09x at 2k-16k for d = 96, 128, 192, 256 in interleaved
     rounds, 1.03-1.11x at 1k (medians of 5 rounds), d = 64 0.88-1.0x (bench/NOTES.md, "dynamic tile scheduler",
@@ -189,7 +189,7 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
         cfg = GluonConfig(block_n=64, num_stages=2, split_d=split)
     if 32 < width <= 128:
         cfg = replace(cfg, pack_p=True)
-    if not causal and (width >= 128 or few_keys):
+    if not causal and (width >= 128 or (few_keys and width > 32)):
         cfg = replace(cfg, persistent=True)
     elif causal and many_keys and width > 64:
         cfg = replace(cfg, persistent=True, dynamic=True)
@@ -212,11 +212,12 @@ FP8_KEY_CHUNK = 32
 def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int = 0,
                      num_stages: int = 0) -> GluonConfig:
     """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
-    width (consumer warpgroups, schedules, persistent / dynamic grid; not its two-warpgroup variant for 4k-8k
-    causal keys at width 64: 321 vs 359 TFLOP/s at 4k) with the column part unsplit, plain stores (O is bf16,
-    Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0: 128 keys at width 128, 64
-    elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at least 2 (ValueError
-    otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B
+    width (consumer warpgroups, schedules, persistent / dynamic grid, ``many_keys`` the caller's Nk >=
+    ``FP8_DYNAMIC_MIN_KEYS``; not its two-warpgroup variant for 4k-8k causal keys at width 64: 321 vs 359 TFLOP/s
+    at 4k, nor its short-call persistent grid ``few_keys``) with the column part unsplit, plain stores (O is bf16,
+    Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0:
+    128 keys at width 128, 64 elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at
+    least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles spill 148-348 B
     with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256, 64-key tiles
     nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64 causal 16k 447 vs 397 TFLOP/s for 128 keys.
     Width 256 without ping-pong: 1.01-1.06x with it (its 64-key GEMMs are short beside the softmax of a

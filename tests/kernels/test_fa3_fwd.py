@@ -180,6 +180,9 @@ def test_hopper_wins_follows_the_measured_table():
     assert hopper_wins(64, True, 8192) and hopper_wins(48, True, 4096) and not hopper_wins(64, True, 4095)
     assert hopper_wins(128, False, 1024) and hopper_wins(96, False, 4096)
     assert not hopper_wins(128, True, 1023) and hopper_wins(128, True, 1024) and hopper_wins(96, True, 1024)
+    # a packed batch's grid has no dynamic scheduler: d = 128 causal from 2k keys there, the rest unchanged
+    assert not hopper_wins(128, True, 2047, packed=True) and hopper_wins(128, True, 2048, packed=True)
+    assert hopper_wins(96, True, 1024, packed=True) and hopper_wins(128, False, 1024, packed=True)
     assert not hopper_wins(80, True, 1023) and hopper_wins(112, True, 1024) and hopper_wins(72, False, 1024)
     assert hopper_wins(256, True, 1024) and hopper_wins(192, False, 1024)
     assert not hopper_wins(100, False, 4096)  # not a multiple of 8: no tensor descriptor

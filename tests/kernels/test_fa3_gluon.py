@@ -53,6 +53,7 @@ def test_config_table_fits():
         assert not gluon_config(d, False).persistent and gluon_config(d, True, few_keys=True) == gluon_config(d, True)
     assert gluon_config(128, False, few_keys=True) == gluon_config(128, False)  # persistent from width 128 anyway
     assert gluon_config(112, False, few_keys=True) == gluon_config(112, False)
+    assert not gluon_config(32, False, few_keys=True).persistent  # no schedule at width <= 32: not measured there
     # 4k-8k causal keys at widths 33-64: two consumer warpgroups over dynamic tiles; not wider, not non-causal
     assert gluon_config(64, True, True, True, True) == replace(gluon_config(64, True, True), num_wg=2,
                                                                persistent=True, dynamic=True)
@@ -597,7 +598,8 @@ def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid
 # --------------------------------------------------------------------------- #
 PERSISTENT_CASES = [(d, s) for d in (64, 128) for s in SCHEDULES] + [
     (d, s) for d in (96, 192) for s in ("table", "neither", "tma-store", "coalesced-store", "3wg-64-keys")] + [
-    (256, s) for s in ("table", "neither", "tma-store")]  # two stages: K and V halves of a slot freed apart
+    (256, s) for s in ("table", "neither", "tma-store")] + [  # two stages: K and V halves of a slot freed apart
+    (40, "table"), (80, "table")]  # split narrow rows, persistent without a mask below 8k keys
 
 
 @pytest.mark.gpu
@@ -918,6 +920,7 @@ def test_fp8_config_table():
             cfg = gluon_fp8_config(d, causal, causal)
             assert smem_bytes(cfg, d, esize=1) <= SMEM_LIMIT and cfg.num_stages >= 2
             assert not (cfg.split_d or cfg.o_tma or cfg.host_desc)  # one column part, plain stores, device descs
+            assert not cfg.pack_p  # the 8-bit P is its own operand
             base = gluon_config(block_d(d), causal, many_keys=causal)
             assert (cfg.num_wg, cfg.persistent, cfg.dynamic, cfg.intra) == (
                 base.num_wg, base.persistent, base.dynamic, base.intra)
@@ -934,7 +937,7 @@ def test_fp8_forward_launches_gluon_with_descales(monkeypatch):
     """fa3_forward_fp8 at a Gluon width: the Gluon kernel bound with e4m3 q / k, the permuted V operand, the
     descales and their strides, the error word and the FP8 config; the Triton kernel where GLUON_FP8 is off."""
     import flashtile.runtime.fa3_fwd as fa3_fwd
-    from flashtile.runtime.fa3_gluon import DYNAMIC_MIN_KEYS, fp8_v_operand, gluon_fp8_config
+    from flashtile.runtime.fa3_gluon import FP8_DYNAMIC_MIN_KEYS, fp8_v_operand, gluon_fp8_config
 
     import flashtile.runtime.launch as launch_mod
     from flashtile.kernels.fa3_gluon import fa3_gluon_kernel
@@ -953,7 +956,7 @@ def test_fp8_forward_launches_gluon_with_descales(monkeypatch):
     out, lse = fa3_fwd.fa3_forward_fp8(q, k, v, (qs, ks, vs), softmax_scale=0.25, causal=True)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 300)
     (grid, bound), = calls
-    cfg = gluon_fp8_config(128, True, 500 >= DYNAMIC_MIN_KEYS)
+    cfg = gluon_fp8_config(128, True, 500 >= FP8_DYNAMIC_MIN_KEYS)
     assert bound["Q"] is q and bound["K"] is k and torch.equal(bound["V"].float(), fp8_v_operand(v).float())
     assert bound["QDescale"] is qs and bound["KDescale"] is ks and bound["VDescale"] is vs
     assert bound["Err"].dtype == torch.int32 and bound["Err"].numel() >= 1

@@ -238,15 +238,18 @@ def test_prefer_hopper_varlen_gates():
 
 
 def test_prefer_hopper_varlen_follows_the_fixed_rule(monkeypatch):
-    """A packed batch asks the fixed-length rule with the longest sequence's keys: causal or not, every head dim."""
+    """A packed batch asks the fixed-length rule with the longest sequence's keys (as a packed batch: d = 128 causal
+    from 2k keys), causal or not, every head dim."""
     q = torch.empty(4096, 2, 128, dtype=torch.bfloat16)
     asked = []
-    monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a: asked.append(a) or True)
+    packed = []
+    monkeypatch.setattr(fa3_fwd, "_prefer", lambda *a, **k: asked.append(a) or packed.append(k) or True)
     kw = dict(plain=True, max_seqlen_k=8192, n_seqs=3, capability=(9, 0))
     assert prefer_hopper_varlen(q, q, q, causal=False, window=(-1, -1), **kw)
     assert prefer_hopper_varlen(q, q, q, causal=True, window=(-1, 0), **kw)
     q64 = q[..., :64]
     assert prefer_hopper_varlen(q64, q64, q64, causal=False, window=(-1, -1), **kw)
+    assert packed == [dict(packed=True)] * 3  # hopper_wins's packed rule: no dynamic grid for packed batches
     assert [a[3] for a in asked] == [False, True, False] and {a[6] for a in asked} == {8192}
     assert {a[7] for a in asked} == {2 * 2 * (4096 // 64 + 3)}  # the grid bound: 2 Hq (total_q // 64 + B)
     assert asked[2][0].shape == (1, 2, 4096, 64)  # the kernel's packed view
