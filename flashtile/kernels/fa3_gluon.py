@@ -7,7 +7,8 @@ One program owns a query tile of ``NUM_WG * WG_M`` rows (NUM_WG = 2 or 3) of one
 * a producer (1 warp) issuing the TMA loads: Q once, then K_j and V_j into a ``NUM_STAGES``-deep ring,
   each slot guarded by ``k_ready`` / ``v_ready`` (tx-count mbarriers) and ``kv_empty`` (2 * NUM_STAGES
   barriers: entry ``slot`` frees the slot's K tile, every consumer arriving once its S GEMM has retired, entry
-  ``NUM_STAGES + slot`` its V tile, after the P V GEMM; so K_{j+2} loads while V_j is still read);
+  ``NUM_STAGES + slot`` its V tile, after the P V GEMM; so K_{j+2} loads while V_j is still read; with
+  ``NAMED_RELEASE`` hardware named barriers 4 + entry instead, ``_release`` / ``_acquire``);
 * ``NUM_WG`` consumer warpgroups (the default partition and 4-warp workers), each owning ``WG_M`` = 64 rows of
   the tile, running the online softmax (base 2, ``scale * log2 e`` folded into the exp2 argument, the
   division deferred to the end, LSE in natural log; rows that see no key: output 0, LSE -inf).
@@ -21,8 +22,8 @@ Schedules, each a constexpr so an ablation can switch it off:
   128 iteration, 0 of 34 at d = 192, 5-13 of 34 at d = 256; FP8 d = 128: 0); 2 runs the softmax as a block
   of its own (a branch on ``qk_scale >= 0``, never false), which keeps the wait after its last exp2;
 * ``PINGPONG``: the consumers take turns issuing their GEMMs, round robin (one count-1 mbarrier each,
-  a consumer arrives on the next one's after issuing), so one warpgroup's softmax runs while another's
-  GEMMs occupy the tensor cores.
+  a consumer arrives on the next one's after issuing; 2: a named barrier each, ``_named_bar``), so one
+  warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
 * ``SKIP_MASK0``: tile 0 (the pipeline's prologue) runs unmasked when every row of the program sees it all.
 * ``PACK_P`` (16-bit): P rounded in pairs by one opaque ``cvt.rn.bf16x2.f32`` / ``f16x2`` each, the same rounding
   as ``p.to``; LLVM folds ``p.to`` through the loop's phi, carrying P in fp32 and rounding and re-pairing it
@@ -181,7 +182,8 @@ def _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, it0,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr,
+                   NAMED_RELEASE: gl.constexpr):
     """TMA loads of one tile's Q (one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring
     slot (it0 + j) % NUM_STAGES (``it0``: kv iterations of the program's earlier tiles).  Columns past
     HEAD_DIM read 0, as rows past Nq / Nk do.  ``Q``, ``K``, ``V``: the head's base pointers (descriptors
@@ -230,11 +232,13 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         slot = it % NUM_STAGES
         # parity of the previous round of this slot; the first round passes on fresh barriers
         phase = ((it // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(kv_empty.index(slot), phase)  # K_{j - NUM_STAGES}'s S GEMMs retired
+        _acquire(kv_empty, slot, it, phase, NUM_WG=NUM_WG, NUM_STAGES=NUM_STAGES,
+                 NAMED_RELEASE=NAMED_RELEASE)  # K_{j - NUM_STAGES}'s S GEMMs retired
         mbarrier.expect(k_ready.index(slot), kv_bytes)
         _load(k_src, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
               HOST_DESC=HOST_DESC)
-        mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase)  # V_{j - NUM_STAGES}'s P V GEMMs retired
+        _acquire(kv_empty, NUM_STAGES + slot, it, phase, NUM_WG=NUM_WG, NUM_STAGES=NUM_STAGES,
+                 NAMED_RELEASE=NAMED_RELEASE)  # V_{j - NUM_STAGES}'s P V GEMMs retired
         mbarrier.expect(v_ready.index(slot), kv_bytes)
         if dtype.primitive_bitwidth == 8:  # FP8: the (BLOCK_D0, BLOCK_N) tile of V's transpose (unsplit)
             tma.async_copy_global_to_shared(v_src[0], [0, j * BLOCK_N], v_ready.index(slot), v_tiles[0].index(slot))
@@ -247,12 +251,13 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
 def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
               stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
               HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr,
+              NAMED_RELEASE: gl.constexpr):
     """One program, one tile: its loads from ring slot 0 on."""
     _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, 0,
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
-                   NUM_STAGES=NUM_STAGES, HOST_DESC=HOST_DESC)
+                   NUM_STAGES=NUM_STAGES, HOST_DESC=HOST_DESC, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit
@@ -262,7 +267,7 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                               total_tiles, tile_id, kv_it, q_count, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
                               BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr):
+                              HOST_DESC: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """The loads of tile ``tile_id`` after ``kv_it`` kv iterations and ``q_count`` tiles with work:
     (kv_it, q_count) after it."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
@@ -277,7 +282,8 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                            (V[0], V[1], b32, off_hk.to(gl.int32)), q_tiles, k_tiles, v_tiles, q_bar,
                            k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
                            start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True)
+                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True,
+                           NAMED_RELEASE=NAMED_RELEASE)
         else:
             # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
             # after q_empty, when every load issued with the previous ones has completed: each consumer
@@ -287,7 +293,8 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                            V + off_b * stride_vb + off_hk * stride_vh, q_tiles, k_tiles, v_tiles, q_bar,
                            k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
                            start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
-                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False)
+                           NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False,
+                           NAMED_RELEASE=NAMED_RELEASE)
     kv_it += n_tiles
     q_count += (n_tiles > 0).to(gl.int32)
     return kv_it, q_count
@@ -325,7 +332,7 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                          total_tiles, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                          NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr,
-                         DYNAMIC: gl.constexpr):
+                         DYNAMIC: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Loads of tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` of pid, then of the tiles the
     program claims (P + the global counter's old value, in claim order), each claim made once the previous
     tile's loads are issued and handed to the consumers (``_ring_put``; a value >= total_tiles stops both).
@@ -344,7 +351,8 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
                 HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
-                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC)
+                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC,
+                NAMED_RELEASE=NAMED_RELEASE)
             # the counter counts claims past the first P tiles; relaxed: only its atomicity matters
             tile_id = gl.num_programs(0) + gl.atomic_add(sched[0], 1, sem="relaxed")
             _ring_put(sched, n, tile_id)
@@ -356,15 +364,69 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
                 HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
-                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC)
+                NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC,
+                NAMED_RELEASE=NAMED_RELEASE)
+
+
+# hardware named barriers (``_named_bar``; Triton's partitions use ids 0-3): the ring slots' releases from 4 (K, then
+# V), the ping-pong turns from 12
+_RING_BAR0 = gl.constexpr(4)
+_TURN_BAR0 = gl.constexpr(12)
+
+
+@gluon.jit
+def _named_bar(ARRIVE: gl.constexpr, bar_id, threads):
+    """``bar.arrive`` (``ARRIVE``, no wait) or ``bar.sync`` on hardware barrier ``bar_id`` by every thread of the
+    calling partition, the barrier completing once ``threads`` threads have arrived (FA3's named barriers): no
+    shared memory, so none of the warpgroup ``bar.sync`` Triton puts before an mbarrier arrive."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    ids = gl.full([32 * gl.num_warps()], bar_id, gl.int32, layout)
+    counts = gl.full([32 * gl.num_warps()], threads, gl.int32, layout)
+    if ARRIVE:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\nbar.arrive $1, $2;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("mov.u32 $0, $1;\nbar.sync $1, $2;", "=r,r,r", [ids, counts], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release(kv_empty, index, NUM_WG: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+    """A consumer warpgroup done with ring entry ``index`` (slot s: K, NUM_STAGES + s: V): an mbarrier arrival, or
+    with ``NAMED_RELEASE`` a named-barrier arrival the producer's ``_acquire`` completes."""
+    if NAMED_RELEASE:
+        _named_bar(True, _RING_BAR0 + index, 32 + 128 * NUM_WG)
+    else:
+        mbarrier.arrive(kv_empty.index(index))
+
+
+@gluon.jit
+def _acquire(kv_empty, index, it, phase, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+             NAMED_RELEASE: gl.constexpr):
+    """The producer's wait for ring entry ``index`` of kv iteration ``it`` to be free (every consumer released the
+    previous round's; the first round passes): mbarrier parity ``phase``, or the named barrier of ``_release``
+    (the one warp of the producer plus the consumers' 128 threads each)."""
+    if NAMED_RELEASE:
+        if it >= NUM_STAGES:
+            _named_bar(False, _RING_BAR0 + index, 32 + 128 * NUM_WG)
+    else:
+        mbarrier.wait(kv_empty.index(index), phase)
 
 
 @gluon.jit
 def _turn_wait(turn_bars, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait until it is this warpgroup's turn to issue GEMMs (its ``turn``-th turn).  Turns go
     round the consumers in order; warpgroup 0 goes first: its turn 0 waits for parity 1, which a fresh
-    barrier reports complete, every other warpgroup's turn t for phase t of its barrier."""
-    if PINGPONG:
+    barrier reports complete, every other warpgroup's turn t for phase t of its barrier.  ``PINGPONG`` 2: the
+    turns on named barriers (``_named_bar``, the waiter's 128 threads and the passer's; warpgroup 0's turn 0
+    does not wait, and the last pass of a program is left unmatched at its exit)."""
+    if PINGPONG == 2:
+        if WG == 0:
+            if turn > 0:
+                _named_bar(False, _TURN_BAR0 + WG, 256)
+        else:
+            _named_bar(False, _TURN_BAR0 + WG, 256)
+    elif PINGPONG:
         if WG == 0:
             mbarrier.wait(turn_bars.index(WG), (turn + 1) & 1)
         else:
@@ -375,7 +437,9 @@ def _turn_wait(turn_bars, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _turn_pass(turn_bars, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: GEMMs issued, the next warpgroup's turn."""
-    if PINGPONG:
+    if PINGPONG == 2:
+        _named_bar(True, _TURN_BAR0 + (WG + 1) % NUM_WG, 256)
+    elif PINGPONG:
         mbarrier.arrive(turn_bars.index((WG + 1) % NUM_WG))
 
 
@@ -510,7 +574,7 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
              turn_bars, qk_scale, last_key, s_zero,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
              BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-             PACK_P: gl.constexpr):
+             PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
     P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.
     Ring slots and parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets
@@ -525,7 +589,7 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
     acc0, acc1 = _pv(p_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
-    mbarrier.arrive(kv_empty.index(slot))
+    _release(kv_empty, slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     if INTRA == 2:
         # a block boundary: ptxas hoists the P V wait above straight-line code, not into a branch; always true
         # (qk_scale positive on the host, 0 if it underflows fp32; FP8 tiles' > 0)
@@ -539,7 +603,7 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
         p = s
         alpha = m_i
     acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
-    mbarrier.arrive(kv_empty.index(NUM_STAGES + prev))
+    _release(kv_empty, NUM_STAGES + prev, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     acc0 = _rows_times(acc0, alpha)
     if BLOCK_D1 > 0:
         acc1 = _rows_times(acc1, alpha)
@@ -551,7 +615,8 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles,
 def _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles, it0,
               turn,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
-              BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr):
+              BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr,
+              NAMED_RELEASE: gl.constexpr):
     """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: masked unless ``SKIP_MASK0``
     and every row sees all of tile 0."""
     FP8: gl.constexpr = k_tiles[0].dtype.primitive_bitwidth == 8
@@ -561,7 +626,7 @@ def _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, l
     s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(kv_empty.index(slot))
+    _release(kv_empty, slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     if SKIP_MASK0:
         if full_tiles > 0:
             p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=False,
@@ -694,7 +759,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
+                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
@@ -742,20 +807,20 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                                       s_zero,
                                       full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                                       NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
-                                      SKIP_MASK0=SKIP_MASK0)
+                                      SKIP_MASK0=SKIP_MASK0, NAMED_RELEASE=NAMED_RELEASE)
         p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout, PACK=PACK_P)
         for j in range(1, full_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG,
-                PACK_P=PACK_P)
+                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
         for j in range(gl.maximum(full_tiles, 1), n_tiles):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG,
-                PACK_P=PACK_P)
+                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
         # epilogue: O += P_{n-1} V_{n-1}
         last = it0 + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
@@ -768,7 +833,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
         acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
         acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
-        mbarrier.arrive(kv_empty.index(NUM_STAGES + last % NUM_STAGES))
+        _release(kv_empty, NUM_STAGES + last % NUM_STAGES, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
@@ -812,7 +877,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
+              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
     ``_out_target``; ``qk_scale``, ``fp8s``: the tile's, as ``_consumer_tile`` takes them."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
@@ -820,7 +885,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit
@@ -831,7 +896,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr):
+                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
     ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
@@ -855,7 +920,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                    PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
-                   HOST_DESC=HOST_DESC, PACK_P=PACK_P)
+                   HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
     kv_it += n_tiles
     turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
     return kv_it, turn
@@ -870,7 +935,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                          LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr,
-                         PACK_P: gl.constexpr):
+                         PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` pid and then the tiles the producer hands
     over (``_ring_get``, read after each tile; a value >= total_tiles stops), as the producer walks them: the
     ring index, the Q barrier's parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile
@@ -888,7 +953,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
             tile_id = _ring_get(sched, n)
             n += 1
     else:
@@ -899,7 +964,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
@@ -927,7 +992,7 @@ def fa3_gluon_kernel(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
-    DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr, PACK_P: gl.constexpr,
+    DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -956,6 +1021,7 @@ def fa3_gluon_kernel(
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     # one slot would load K_{j+1} only after S_j and V_j only after P V_{j-1}: no overlap of loads and GEMMs
     gl.static_assert(NUM_STAGES >= 2)
+    gl.static_assert(not NAMED_RELEASE or NUM_STAGES <= 4)  # ring barriers 4-11, below the turns' 12-14
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -1073,34 +1139,34 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC, NAMED_RELEASE)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC, NAMED_RELEASE)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         if HOST_DESC:
@@ -1140,30 +1206,30 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -81,6 +81,9 @@ class GluonConfig:
     # 16-bit: P rounded in pairs by one opaque cvt each, carried packed (the same rounding; sm_90a: 477 vs 502
     # instructions per d = 128 iteration, no PRMT); FP8 rounds its own operand
     pack_p: bool = False
+    # the ring slots' releases and the ping-pong turns on hardware named barriers (bar.arrive / bar.sync, FA3's
+    # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile)
+    named_bars: bool = False
 
     @property
     def block_m(self) -> int:
@@ -100,6 +103,10 @@ class GluonConfig:
     def intra_mode(self) -> int:
         """The kernel's INTRA: 0 off, 1 on, 2 on with the softmax fenced (``fence``)."""
         return 2 if self.intra and self.fence else int(self.intra)
+
+    def pingpong_mode(self) -> int:
+        """The kernel's PINGPONG: 0 off, 1 turns on mbarriers, 2 on named barriers (``named_bars``)."""
+        return 2 if self.pingpong and self.named_bars else int(self.pingpong)
 
     def o_store(self) -> int:
         """The kernel's O_STORE: 0 wgmma-layout stores, 1 coalesced stores, 2 TMA store."""
@@ -293,8 +300,10 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.dynamic, bool):
         raise TypeError(f"config: dynamic must be a bool, got {cfg}")
-    if not isinstance(cfg.intra, bool) or not isinstance(cfg.fence, bool) or not isinstance(cfg.pack_p, bool):
-        raise TypeError(f"config: intra, fence and pack_p must be bools, got {cfg}")
+    if not all(isinstance(x, bool) for x in (cfg.intra, cfg.fence, cfg.pack_p, cfg.named_bars)):
+        raise TypeError(f"config: intra, fence, pack_p and named_bars must be bools, got {cfg}")
+    if cfg.named_bars and cfg.num_stages > 4:
+        raise ValueError(f"config: named_bars has barriers for up to 4 ring stages, got {cfg}")
     if cfg.fence and not cfg.intra:
         raise ValueError(f"config: fence places the wait of the intra-warpgroup overlap, got it without intra: {cfg}")
     if cfg.dynamic and not cfg.persistent:
@@ -501,9 +510,9 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         *scale_strides,
         hq, hq // hk, nq, nk, num_m_tiles, persistent_tiles, total_q, total_k, n_batch, search_steps,
         # constexprs, in the kernel's order
-        d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(), cfg.pingpong,
+        d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(), cfg.pingpong_mode(),
         cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p,
+        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars,
     )
     return GluonArgs(grid, static, descs, cfg.dynamic)
 
