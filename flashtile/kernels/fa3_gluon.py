@@ -8,7 +8,7 @@ One program owns a query tile of ``NUM_WG * WG_M`` rows (NUM_WG = 2 or 3) of one
   each slot guarded by ``k_ready`` / ``v_ready`` (tx-count mbarriers) and ``kv_empty`` (2 * NUM_STAGES
   barriers: entry ``slot`` frees the slot's K tile, every consumer arriving once its S GEMM has retired, entry
   ``NUM_STAGES + slot`` its V tile, after the P V GEMM; so K_{j+2} loads while V_j is still read; with
-  ``NAMED_RELEASE`` hardware named barriers 4 + entry instead, ``_release`` / ``_acquire``);
+  ``NAMED_RELEASE`` hardware named barriers 5 + entry instead, ``_release`` / ``_acquire``);
 * ``NUM_WG`` consumer warpgroups (the default partition and 4-warp workers), each owning ``WG_M`` = 64 rows of
   the tile, running the online softmax (base 2, ``scale * log2 e`` folded into the exp2 argument, the
   division deferred to the end, LSE in natural log; rows that see no key: output 0, LSE -inf).
@@ -368,10 +368,11 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                 NAMED_RELEASE=NAMED_RELEASE)
 
 
-# hardware named barriers (``_named_bar``; Triton's partitions use ids 0-3): the ring slots' releases from 4 (K, then
-# V), the ping-pong turns from 12
-_RING_BAR0 = gl.constexpr(4)
-_TURN_BAR0 = gl.constexpr(12)
+# hardware named barriers (``_named_bar``): Triton's warp specialisation takes 0 (default partition), 1 (the whole
+# CTA) and 2 + i (worker partition i: up to 4 with three consumers and the producer, whose one warp never uses its
+# own); the ring slots' releases from 5 (K, then V: at most 8), the ping-pong turns from 13 (at most 3)
+_RING_BAR0 = gl.constexpr(5)
+_TURN_BAR0 = gl.constexpr(13)
 
 
 @gluon.jit
@@ -1021,7 +1022,7 @@ def fa3_gluon_kernel(
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     # one slot would load K_{j+1} only after S_j and V_j only after P V_{j-1}: no overlap of loads and GEMMs
     gl.static_assert(NUM_STAGES >= 2)
-    gl.static_assert(not NAMED_RELEASE or NUM_STAGES <= 4)  # ring barriers 4-11, below the turns' 12-14
+    gl.static_assert(not NAMED_RELEASE or NUM_STAGES <= 4)  # ring barriers 5-12, below the turns' 13-15
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -300,8 +300,8 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.dynamic, bool):
         raise TypeError(f"config: dynamic must be a bool, got {cfg}")
-    if not all(isinstance(x, bool) for x in (cfg.intra, cfg.fence, cfg.pack_p, cfg.named_bars)):
-        raise TypeError(f"config: intra, fence, pack_p and named_bars must be bools, got {cfg}")
+    if not all(isinstance(x, bool) for x in (cfg.intra, cfg.pingpong, cfg.fence, cfg.pack_p, cfg.named_bars)):
+        raise TypeError(f"config: intra, pingpong, fence, pack_p and named_bars must be bools, got {cfg}")
     if cfg.named_bars and cfg.num_stages > 4:
         raise ValueError(f"config: named_bars has barriers for up to 4 ring stages, got {cfg}")
     if cfg.fence and not cfg.intra:

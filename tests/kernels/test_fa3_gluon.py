@@ -154,8 +154,8 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
     with pytest.raises(ValueError, match="fence places"):  # the overlap's wait: nothing to place without it
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, intra=False, fence=True))
-    for flag in ("fence", "pack_p", "named_bars"):
-        with pytest.raises(TypeError, match="intra, fence, pack_p and named_bars must be bools"):
+    for flag in ("pingpong", "fence", "pack_p", "named_bars"):
+        with pytest.raises(TypeError, match="intra, pingpong, fence, pack_p and named_bars must be bools"):
             fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, **{flag: 1}))
     with pytest.raises(ValueError, match="named_bars has barriers for up to 4 ring stages"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(64, 5, named_bars=True))
@@ -175,6 +175,7 @@ def test_refusals_name_the_argument(monkeypatch):
     (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
     (128, GluonConfig(128, 3, persistent=True, dynamic=True)), (128, GluonConfig(128, 3, fence=True, pack_p=True)),
     (96, GluonConfig(128, 4, intra=False, pingpong=False)), (192, GluonConfig(64, 3, persistent=True, named_bars=True)),
+    (96, GluonConfig(128, 4, pingpong=False, named_bars=True)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
@@ -217,10 +218,11 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
         (40, True): (32, 16), (192, True): (128, 64), (128, True): (128, 0), (96, True): (64, 32),
         (96, False): (128, 0)}[d, cfg.split_d]
     assert (bound["CAUSAL"], bound["INTRA"], bound["PINGPONG"], bound["SKIP_MASK0"]) == (
-        True, 2 if cfg.fence else int(cfg.intra), 2 if cfg.named_bars else int(cfg.pingpong), cfg.skip_mask0)
+        True, 2 if cfg.fence else int(cfg.intra), (2 if cfg.named_bars else 1) if cfg.pingpong else 0,
+        cfg.skip_mask0)
     assert bound["INTRA"] == cfg.intra_mode() and type(bound["INTRA"]) is int  # 0 off, 1 on, 2 fenced
     assert bound["PACK_P"] is cfg.pack_p and bound["NAMED_RELEASE"] is cfg.named_bars
-    assert bound["PINGPONG"] == cfg.pingpong_mode() and type(bound["PINGPONG"]) is int  # 2: turns on named barriers
+    assert type(bound["PINGPONG"]) is int  # 0 off, 1 turns on mbarriers, 2 on named barriers
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
         cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
     assert cfg.regs() == (240 if cfg.num_wg == 2 else 160)
@@ -577,7 +579,7 @@ def test_gpu_back_to_back_on_two_streams(d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
 @pytest.mark.parametrize("switches", [dict(fence=True), dict(pack_p=True), dict(fence=True, pack_p=True),
-                                      dict(named_bars=True)])
+                                      dict(named_bars=True), dict(named_bars=True, pingpong=False)])
 def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid, switches):
     """``fence`` moves only the P V GEMM's wait (after the softmax), ``pack_p`` rounds P in pairs with the
     same rounding and ``named_bars`` changes only how the ring and the turns synchronise: outputs and LSE bit for
