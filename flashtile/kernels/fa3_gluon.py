@@ -760,7 +760,8 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+                   PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr,
+                   NAMED_RELEASE: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
@@ -1148,7 +1149,8 @@ def fa3_gluon_kernel(
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC, NAMED_RELEASE)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC,
+                 NAMED_RELEASE)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -1167,7 +1169,8 @@ def fa3_gluon_kernel(
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
-                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC, NAMED_RELEASE)),
+                 BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC,
+                 NAMED_RELEASE)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         if HOST_DESC:
