@@ -29,6 +29,9 @@ through the TMA ring and are read from shared memory straight into the score col
 loads and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
 (conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
 ``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.
+``NAMED_BARS``: the ring releases, the ping-pong turns and (``DQ_SPLIT``) the dSᵀ rendezvous on hardware named
+barriers (FA3's), with no ``ds_empty`` (the rendezvous of the step between orders the rewrite), instead of
+mbarriers, each of whose arrives Triton brackets with warpgroup ``bar.sync``s.
 ``GROUP_LOOP`` (GQA, with ``STATS_SMEM``): one program per (batch, kv head, kv tile) runs the q loop for each of the
 kv head's q heads in turn (Q, dO and the dQ accumulator through rank-3 [group, rows, d] descriptors, the ring and
 ping-pong counters running on across heads), so dK / dV are summed in registers and stored once in q's dtype.
@@ -61,7 +64,7 @@ from triton.experimental.gluon.language._core import builtin as _builtin
 
 from flashtile.kernels._common import LOG2E, unfold_pid
 from flashtile.kernels.block_info import _packed_range
-from flashtile.kernels.fa3_gluon import packed_range
+from flashtile.kernels.fa3_gluon import _named_bar, _unit4, packed_range
 
 __all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_kernel", "varlen_rows", "WG_N",
            "BLOCK_M", "VARLEN_PAD"]
@@ -74,6 +77,14 @@ _LOG2E = gl.constexpr(LOG2E)
 # before the next sequence's), so each head holds total_q + VARLEN_PAD * B rows (``varlen_rows``)
 VARLEN_PAD = 68
 _VARLEN_PAD = gl.constexpr(VARLEN_PAD)
+# hardware named barriers of ``NAMED_BARS`` (``fa3_gluon._named_bar``): Triton's warp specialisation takes 0-3 here
+# (default partition, whole CTA, the two workers); the ring slots' releases from 5 (at most 4 stages), the
+# ping-pong turns 9 and 10, the dSᵀ rendezvous 11
+_RING_BAR0 = gl.constexpr(5)
+_TURN_BAR0 = gl.constexpr(9)
+_DS_BAR = gl.constexpr(11)
+# arrivals completing a ring release: both consumer warpgroups and the producer's one warp
+_RING_THREADS = gl.constexpr(2 * 128 + 32)
 
 
 def varlen_rows(total_q: int, n_seqs: int) -> int:
@@ -202,10 +213,11 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
 
 
 @gluon.jit
-def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col):
+def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col, WAITED: gl.constexpr = False):
     """:func:`_dq_tma_add` into head ``g`` of a rank-3 [group, rows, BLOCK_D] accumulator descriptor (``GROUP_LOOP``)."""
-    tma.store_wait(0)
-    gl.thread_barrier()
+    if not WAITED:
+        tma.store_wait(0)
+        gl.thread_barrier()
     dq_tile.store(dq)
     fence_async_shared()
     gl.thread_barrier()
@@ -213,11 +225,13 @@ def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col):
 
 
 @gluon.jit
-def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
+def _dq_tma_add(dq_desc, dq_tile, dq, row, col, WAITED: gl.constexpr = False):
     """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
-    reduce-add from the warpgroup's shared tile ``dq_tile``."""
-    tma.store_wait(0)  # the issuing threads' previous reduces have read the tile (a step ago: no stall expected)
-    gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
+    reduce-add from the warpgroup's shared tile ``dq_tile``.  ``WAITED``: the issuing threads waited for their
+    previous reduces before a barrier of the whole warpgroup (``NAMED_BARS``' dSᵀ rendezvous), so none here."""
+    if not WAITED:
+        tma.store_wait(0)  # the issuing threads' previous reduces have read the tile (a step ago: no stall expected)
+        gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
     dq_tile.store(dq)
     fence_async_shared()  # generic-proxy writes visible to the bulk copy
     gl.thread_barrier()  # every thread's part written before the one-thread issue
@@ -225,11 +239,19 @@ def _dq_tma_add(dq_desc, dq_tile, dq, row, col):
 
 
 @gluon.jit
-def _turn_wait(turn_bars, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _turn_wait(turn_bars, it, WG: gl.constexpr, PINGPONG: gl.constexpr, NAMED: gl.constexpr = False):
     """Ping-pong: wait for this warpgroup's turn to issue step ``it``'s Sᵀ and dPᵀ GEMMs.  Warpgroup 0 goes first
     (step 0 waits for parity 1: a fresh barrier passes), then each waits for the other's pass of the same step
-    (warpgroup 1) or of the previous one (warpgroup 0); the two are never more than one phase apart."""
-    if PINGPONG:
+    (warpgroup 1) or of the previous one (warpgroup 0); the two are never more than one phase apart.  ``NAMED``:
+    on named barriers (the waiter's 128 threads and the passer's), warpgroup 0's step 0 not waiting; the last
+    pass of a program is left unmatched at its exit."""
+    if PINGPONG and NAMED:
+        if WG == 0:
+            if it > 0:
+                _named_bar(False, _TURN_BAR0, 256)
+        else:
+            _named_bar(False, _TURN_BAR0 + 1, 256)
+    elif PINGPONG:
         if WG == 0:
             mbarrier.wait(turn_bars.index(0), (it + 1) & 1)
         else:
@@ -237,9 +259,11 @@ def _turn_wait(turn_bars, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr, NAMED: gl.constexpr = False):
     """Ping-pong: this step's first GEMMs are queued; the other warpgroup's turn."""
-    if PINGPONG:
+    if PINGPONG and NAMED:
+        _named_bar(True, _TURN_BAR0 + 1 - WG, 256)
+    elif PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - WG))
 
 
@@ -266,37 +290,98 @@ def _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.cons
 
 
 @gluon.jit
+def _slot_acquire(qdo_empty, slot, step, NUM_STAGES: gl.constexpr, NAMED_BARS: gl.constexpr):
+    """The producer's wait for ring ``slot`` before loading ring step ``step``: both consumers released the slot's
+    previous round (the first round passes): mbarrier parity, or with ``NAMED_BARS`` the named barrier of
+    ``_slot_release``."""
+    if NAMED_BARS:
+        if step >= NUM_STAGES:
+            _named_bar(False, _RING_BAR0 + slot, _RING_THREADS)
+    else:
+        mbarrier.wait(qdo_empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
+
+
+@gluon.jit
+def _slot_release(qdo_empty, slot, NAMED_BARS: gl.constexpr):
+    """A consumer warpgroup's GEMMs reading ring ``slot`` (Q_i, dO_i) retired: an mbarrier arrival, or with
+    ``NAMED_BARS`` a named-barrier arrival (no wait; a program's last rounds stay unmatched at its exit)."""
+    if NAMED_BARS:
+        _named_bar(True, _RING_BAR0 + slot, _RING_THREADS)
+    else:
+        mbarrier.arrive(qdo_empty.index(slot))
+
+
+@gluon.jit
+def _load_rows(desc, b, head, row, bar, tile, pred, HOST_DESC: gl.constexpr, RANK3: gl.constexpr):
+    """TMA copy of the [64, BLOCK_D] box at ``row`` into ``tile``: through a host descriptor over (B, H, N, d)
+    at (b, head, row, 0), a per-program rank-3 one over the group's heads at (head, row, 0), or a per-head one."""
+    if HOST_DESC:
+        gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
+        tma.async_copy_global_to_shared(desc, [b, head, row, 0], bar, _unit4(tile), pred=pred)
+    elif RANK3:
+        tma.async_copy_global_to_shared(desc, [head, row, 0], bar, tile.reshape([1, tile.shape[0], tile.shape[1]]),
+                                        pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, tile, pred=pred)
+
+
+@gluon.jit
 def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar, q_ready, do_ready,
               qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, stats_rows, start_n,
               first_m, n_iters, group, stride_qh, stride_doh, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
-              NUM_STAGES: gl.constexpr, STATS_SMEM: gl.constexpr, GROUP_LOOP: gl.constexpr):
+              NUM_STAGES: gl.constexpr, STATS_SMEM: gl.constexpr, GROUP_LOOP: gl.constexpr,
+              NAMED_BARS: gl.constexpr, QDesc, KDesc, VDesc, DODesc, StatsDesc, off_b, off_h, off_hk, bh,
+              HOST_DESC: gl.constexpr):
     """K, V halves once, then Q_i, dO_i for the ``n_iters`` q tiles from ``first_m`` into ring slot
-    it % NUM_STAGES.  Boxes are BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do.
+    it % NUM_STAGES, once both consumers released the slot's previous round (``_slot_acquire``).  Boxes are
+    BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do.
     ``STATS_SMEM``: the q tile's rows of ``Stats`` (2 x ``stats_rows``: log2-scaled LSE, D; padded, never
-    clipped) into ``stats_smem``'s slot too, counted on ``q_ready``."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
-    if GROUP_LOOP:
-        # the group's q heads as one rank-3 tensor (coordinates [g, row, 0]): no descriptor rebuilt per head
-        # while copies of the previous one are in flight
-        box3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 64, BLOCK_D], dtype)
-        gl.static_assert(box3.swizzle_byte_width == box_layout.swizzle_byte_width)
-        q_desc = tma.make_tensor_descriptor(Q, [group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
-                                            [1, 64, BLOCK_D], box3)
-        do_desc = tma.make_tensor_descriptor(DO, [group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
-                                             [1, 64, BLOCK_D], box3)
+    clipped) into ``stats_smem``'s slot too, counted on ``q_ready``.  ``HOST_DESC``: the loads go through the
+    host's descriptors (``QDesc`` ... ``StatsDesc``) at this program's (``off_b``, ``off_h``, ``off_hk``, ``bh``)
+    instead of descriptors built here over the program's base pointers."""
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], q_smem.dtype)
+    if HOST_DESC:
+        # the host's descriptors over the whole (B, H, N, d) tensors and the flat statistics: coordinates
+        # (b, head, row, 0) and (head's block + row); nothing built here
+        q_desc = QDesc
+        do_desc = DODesc
+        k_desc = KDesc
+        v_desc = VDesc
+        stats_desc = StatsDesc
+        b = off_b.to(gl.int32)
+        q_head0 = off_h.to(gl.int32)  # with GROUP_LOOP the group's first q head
+        kv_head = off_hk.to(gl.int32)
+        stats_head0 = bh
     else:
-        q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
-        do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D], box_layout)
-    k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
-    v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
-    # a box's transaction bytes count its zero-filled part too
-    box_bytes: gl.constexpr = 64 * BLOCK_D * dtype.primitive_bitwidth // 8
-    if STATS_SMEM:
-        if GROUP_LOOP:  # the group's heads' [2, stats_rows] blocks are adjacent (Stats is (B * Hq, 2, rows))
-            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows * group], [1], [64], stats_smem.layout)
+        b = 0
+        q_head0 = 0
+        kv_head = 0
+        stats_head0 = 0
+        if GROUP_LOOP:
+            # the group's q heads as one rank-3 tensor (coordinates [g, row, 0]): no descriptor rebuilt per head
+            # while copies of the previous one are in flight
+            box3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 64, BLOCK_D], q_smem.dtype)
+            gl.static_assert(box3.swizzle_byte_width == box_layout.swizzle_byte_width)
+            q_desc = tma.make_tensor_descriptor(Q, [group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
+                                                [1, 64, BLOCK_D], box3)
+            do_desc = tma.make_tensor_descriptor(DO, [group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
+                                                 [1, 64, BLOCK_D], box3)
         else:
-            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+            q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
+            do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D],
+                                                 box_layout)
+        k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
+        v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
+        if STATS_SMEM:
+            # the group's heads' [2, stats_rows] blocks are adjacent (Stats is (B * Hq, 2, rows))
+            n_heads_here = group if GROUP_LOOP else 1
+            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows * n_heads_here], [1], [64],
+                                                    stats_smem.layout)
+        else:
+            stats_desc = None
+    # a box's transaction bytes count its zero-filled part too
+    box_bytes: gl.constexpr = 64 * BLOCK_D * q_smem.dtype.primitive_bitwidth // 8
+    if STATS_SMEM:
         q_bytes: gl.constexpr = box_bytes + 2 * 64 * 4
     else:
         q_bytes: gl.constexpr = box_bytes
@@ -307,40 +392,26 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
         # are masked by index and its dK / dV rows never stored
         k_row = start_n + w * 64
         k_row = gl.where(k_row < seqlen_k, k_row, start_n)
-        tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem.index(w), pred=has_work)
-        tma.async_copy_global_to_shared(v_desc, [k_row, 0], kv_bar, v_smem.index(w), pred=has_work)
-    if GROUP_LOOP:
-        gl.static_assert(STATS_SMEM)
-        for g in range(group):
-            for it in range(n_iters):
-                step = g * n_iters + it  # the ring runs on across the group's heads
-                slot = step % NUM_STAGES
-                m0 = (first_m + it) * 64
-                mbarrier.wait(qdo_empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(slot), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [g, m0, 0], q_ready.index(slot),
-                                                q_smem.index(slot).reshape([1, 64, BLOCK_D]))
-                srow = g * (2 * stats_rows) + m0
+        _load_rows(k_desc, b, kv_head, k_row, kv_bar, k_smem.index(w), has_work, HOST_DESC=HOST_DESC, RANK3=False)
+        _load_rows(v_desc, b, kv_head, k_row, kv_bar, v_smem.index(w), has_work, HOST_DESC=HOST_DESC, RANK3=False)
+    gl.static_assert(STATS_SMEM or not GROUP_LOOP)
+    for g in range(group if GROUP_LOOP else 1):
+        for it in range(n_iters):
+            step = g * n_iters + it  # the ring runs on across the group's heads
+            slot = step % NUM_STAGES
+            m0 = (first_m + it) * 64
+            _slot_acquire(qdo_empty, slot, step, NUM_STAGES=NUM_STAGES, NAMED_BARS=NAMED_BARS)
+            mbarrier.expect(q_ready.index(slot), q_bytes)
+            _load_rows(q_desc, b, q_head0 + g, m0, q_ready.index(slot), q_smem.index(slot), True,
+                       HOST_DESC=HOST_DESC, RANK3=GROUP_LOOP)
+            if STATS_SMEM:
+                srow = (stats_head0 + g) * (2 * stats_rows) + m0
                 tma.async_copy_global_to_shared(stats_desc, [srow], q_ready.index(slot), stats_smem.index(2 * slot))
                 tma.async_copy_global_to_shared(stats_desc, [srow + stats_rows], q_ready.index(slot),
                                                 stats_smem.index(2 * slot + 1))
-                mbarrier.expect(do_ready.index(slot), box_bytes)
-                tma.async_copy_global_to_shared(do_desc, [g, m0, 0], do_ready.index(slot),
-                                                do_smem.index(slot).reshape([1, 64, BLOCK_D]))
-    else:
-        for it in range(n_iters):
-            slot = it % NUM_STAGES
-            m0 = (first_m + it) * 64
-            # parity of the previous round of this slot; the first round passes on fresh barriers
-            mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_smem.index(slot))
-            if STATS_SMEM:
-                tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
-                tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
-                                                stats_smem.index(2 * slot + 1))
             mbarrier.expect(do_ready.index(slot), box_bytes)
-            tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_smem.index(slot))
+            _load_rows(do_desc, b, q_head0 + g, m0, do_ready.index(slot), do_smem.index(slot), True,
+                       HOST_DESC=HOST_DESC, RANK3=GROUP_LOOP)
 
 
 @gluon.jit
@@ -350,9 +421,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
             STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
-            GROUP_LOOP: gl.constexpr):
+            GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr):
     """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
-    dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``).  LSE, Delta, DQacc
+    dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``, a rank-3 one at head
+    ``g`` with ``GROUP_LOOP`` or ``HOST_DESC``).  LSE, Delta, DQacc
     point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
     of ``stats_smem`` instead (``_producer``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -399,11 +471,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     if not STATS_SMEM:
         mbarrier.wait(q_ready.index(slot), phase)
     # PINGPONG: the tensor cores take one warpgroup's Sᵀ, dPᵀ before the other's, so its exp2 and dSᵀ run beside them
-    _turn_wait(turn_bars, step, WG=WG, PINGPONG=PINGPONG)
+    _turn_wait(turn_bars, step, WG=WG, PINGPONG=PINGPONG, NAMED=NAMED_BARS)
     st = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_wg, do_s.permute((1, 0)), minus_d, is_async=True)
-    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
+    _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG, NAMED=NAMED_BARS)
     st = warpgroup_mma_wait(1, deps=(st,))  # groups retire in order: Sᵀ done, dPᵀ may still run
     if STATS_SMEM:
         lse_cols = stats_smem.index(2 * slot).load(col_s)  # +inf past Nq and on rows that see no key: P = 0 there
@@ -434,7 +506,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         # both warpgroups read each other's dSᵀ: two buffers, a buffer rewritten once both dQ GEMMs of two
         # steps ago retired (the first round passes on fresh barriers)
         buf = step % 2
-        mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)
+        if not NAMED_BARS:
+            # (NAMED_BARS: implied by the rendezvous of step - 1, which the other warpgroup reached after retiring
+            # its GEMMs of step - 2)
+            mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)
         ds_wg = ds_smem.index(2 * buf + WG + z)
     else:
         # the previous step's dQ GEMMs reading this tile retired at its final wait
@@ -454,22 +529,32 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         gl.static_assert(HALF * dtype.primitive_bitwidth // 8 == k_smem.layout.swizzle_byte_width)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
-        mbarrier.arrive(ds_full.index(buf))
-        mbarrier.wait(ds_full.index(buf), (step // 2) & 1)
+        if NAMED_BARS:
+            if DQ_TMA:
+                # the issuing threads' previous reduces have read the dQ tile, before the rendezvous orders that
+                # for the whole warpgroup (_dq_tma_add's WAITED)
+                tma.store_wait(0)
+            _named_bar(False, _DS_BAR, 256)  # both warpgroups' dSᵀ stored and fenced
+        else:
+            mbarrier.arrive(ds_full.index(buf))
+            mbarrier.wait(ds_full.index(buf), (step // 2) & 1)
         dq = warpgroup_mma(ds_smem.index(2 * buf + z).permute((1, 0)), k_smem.index(z).slice(WG * HALF, HALF, dim=1),
                            gl.zeros([64, HALF], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_smem.index(2 * buf + 1 + z).permute((1, 0)),
                            k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-        if not RELEASE_ONCE:  # RELEASE_ONCE: ds_empty's arrive releases the ring slot too (kernel body)
-            mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
-        mbarrier.arrive(ds_empty.index(buf))
+        if NAMED_BARS:
+            _slot_release(qdo_empty, slot, NAMED_BARS=True)  # Q_i and dO_i read for the last time
+        else:
+            if not RELEASE_ONCE:  # RELEASE_ONCE: ds_empty's arrive releases the ring slot too (kernel body)
+                mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+            mbarrier.arrive(ds_empty.index(buf))
         if DQ_TMA:
-            if GROUP_LOOP:
-                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, WG * HALF)
+            if GROUP_LOOP or HOST_DESC:
+                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, WG * HALF, WAITED=NAMED_BARS)
             else:
-                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF)
+                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF, WAITED=NAMED_BARS)
         else:
             _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     else:
@@ -482,10 +567,10 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dq = warpgroup_mma(ds_t, k_wg.slice(0, DQ_CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
-        mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+        _slot_release(qdo_empty, slot, NAMED_BARS=NAMED_BARS)  # Q_i and dO_i read for the last time
         if DQ_TMA:
             gl.static_assert(DQ_CHUNK == BLOCK_D)  # one 64 x BLOCK_D fp32 tile per warpgroup and step
-            if GROUP_LOOP:
+            if GROUP_LOOP or HOST_DESC:
                 _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, 0)
             else:
                 _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, 0)
@@ -504,10 +589,12 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
-              GROUP_LOOP: gl.constexpr):
+              GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, DQDesc, dq_head0, HOST_DESC: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's ``group`` q heads,
-    DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored."""
+    DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored.  ``HOST_DESC``:
+    dQ's reduce-adds through the host's descriptor ``DQDesc`` over the whole accumulator, at head ``dq_head0``
+    (+ the group's head)."""
     gl.static_assert(gl.num_warps() == 4)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_D, 16])
@@ -518,7 +605,9 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
     if DQ_TMA:
-        if GROUP_LOOP:
+        if HOST_DESC:
+            dq_desc = DQDesc  # (B * Hq, rows, BLOCK_D), coordinates [head, row, col]
+        elif GROUP_LOOP:
             # the group's accumulators as one rank-3 tensor (coordinates [g, row, col])
             dq3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=dq_smem.layout.swizzle_byte_width,
                                                      element_bitwidth=32, rank=3)
@@ -539,18 +628,20 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                     dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
                                      qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
                                      stats_smem, pt_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
-                                     g * n_iters + it, g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                     g * n_iters + it, dq_head0 + g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                                      CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True)
+                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
                 for it in range(n_masked, n_iters):
                     dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
                                      qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
                                      stats_smem, pt_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows,
-                                     g * n_iters + it, g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
+                                     g * n_iters + it, dq_head0 + g, WG=WG, BLOCK_D=BLOCK_D, NUM_STAGES=NUM_STAGES,
                                      CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True)
+                                     RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
             if DQ_TMA:
                 tma.store_wait(0)
     elif n_iters > 0:
@@ -558,17 +649,19 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
         for it in range(0, n_masked):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, 0, WG=WG, BLOCK_D=BLOCK_D,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, dq_head0, WG=WG, BLOCK_D=BLOCK_D,
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False)
+                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
-                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, 0, WG=WG, BLOCK_D=BLOCK_D,
+                             qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, it, dq_head0, WG=WG, BLOCK_D=BLOCK_D,
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
-                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False)
+                             RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -587,6 +680,9 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                               "total_k"])
 def fa3_gluon_bwd_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQacc, CuQ, CuK,
+    # HOST_DESC: descriptors over Q, K, V, DO (B, H, N, d), the flat statistics and DQacc (B * Hq, rows, BLOCK_D);
+    # otherwise None
+    QDesc, KDesc, VDesc, DODesc, StatsDesc, DQDesc,
     qk_scale,  # softmax_scale * log2(e), any sign
     softmax_scale,
     stride_qb, stride_qh, stride_qm,
@@ -601,6 +697,7 @@ def fa3_gluon_bwd_kernel(
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
     PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr, IS_VARLEN: gl.constexpr,
+    NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
     head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
@@ -719,6 +816,13 @@ def fa3_gluon_bwd_kernel(
     else:
         lse_base = LSE + bh.to(gl.int64) * seqlen_q
         delta_base = Delta + bh.to(gl.int64) * seqlen_q
+    gl.static_assert(NUM_STAGES <= 4 or not NAMED_BARS)  # ring release barriers 5-8
+    gl.static_assert(not (RELEASE_ONCE and NAMED_BARS))
+    gl.static_assert(not (HOST_DESC and IS_VARLEN))  # packed batches build per-sequence descriptors
+    if HOST_DESC:
+        dq_head0 = bh
+    else:
+        dq_head0 = 0
     if RELEASE_ONCE:
         # with dQ split and 2 stages, step it's ring slot and dSᵀ buffer are both it % 2, released by both consumers
         # after the same wait with the same phase: the producer waits on ds_empty, one arrive (2 bar.sync) fewer
@@ -732,16 +836,16 @@ def fa3_gluon_bwd_kernel(
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
          q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
          start_n, first_m, n_iters, kv_group, stride_qh, stride_doh, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM,
-         GROUP_LOOP)),
+         GROUP_LOOP, NAMED_BARS, QDesc, KDesc, VDesc, DODesc, StatsDesc, off_b, off_h, off_hk, bh, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -87,6 +87,14 @@ class GluonBwdConfig:
     # GQA (narrow kernel, with stats_smem): one program per (batch, kv head, kv tile) looping over the kv head's q
     # heads, dK / dV summed in registers and stored once, instead of fp32 partials per q head summed by torch
     group_loop: bool = False
+    # the ring releases, the ping-pong turns and (dq_split) the dSᵀ rendezvous on hardware named barriers (bar.arrive /
+    # bar.sync, FA3's) instead of mbarriers, whose single-thread arrives Triton brackets with warpgroup bar.syncs;
+    # the narrow kernel, up to 4 stages, not with release_once
+    named_bars: bool = False
+    # the narrow kernel's TMA descriptors (Q, K, V, dO over (B, H, N, d), the statistics, the dQ accumulator) built on
+    # the host per call, instead of in the kernel per program (each a tensormap written to global scratch and two
+    # proxy fences, serial in the producer before its first load); fixed-length calls only
+    host_desc: bool = False
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -136,7 +144,8 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
     d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
     one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
-    :func:`group_loop_wins`."""
+    :func:`group_loop_wins`.  ``named_bars`` and ``host_desc`` stay off: built and GPU-tested, not yet timed
+    (bench/NOTES.md "Gluon backward: named barriers and host descriptors")."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -190,7 +199,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
     for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once",
-                 "split_s", "group_loop"):
+                 "split_s", "group_loop", "named_bars", "host_desc"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
@@ -220,6 +229,13 @@ def _check_config(cfg, d: int, esize: int) -> None:
         raise ValueError(f"config: dq_split is True only for 32 < head_dim <= 128, got {cfg} at head_dim {d}")
     if cfg.dq_swizzle32 and not cfg.dq_tma:
         raise ValueError(f"config: dq_swizzle32 is True only with dq_tma (it lays out the shared dQ tiles), got {cfg}")
+    if cfg.named_bars and (d in WIDE_HEAD_DIMS or cfg.release_once or cfg.num_stages > 4):
+        # the narrow kernel's barrier ids 5-8 hold at most 4 ring slots; release_once is an mbarrier's double use
+        raise ValueError(f"config: named_bars is True only up to head_dim 128, with at most 4 stages and without "
+                         f"release_once, got {cfg} at head_dim {d}")
+    if cfg.host_desc and d in WIDE_HEAD_DIMS:
+        raise ValueError(f"config: host_desc is True only up to head_dim 128 (the narrow kernel), got {cfg} at "
+                         f"head_dim {d}")
     if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
         raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
@@ -501,19 +517,80 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     of :func:`stats_preprocess` (the narrow kernel only)."""
     from flashtile.runtime.launch import launch as run_kernel
 
+    cfg = _host_desc_or_not(cfg, q, k, v, dout, lse, varlen)
     kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal, cfg, varlen)
     cu = varlen[:2] if varlen is not None else (dq_acc, dq_acc)  # unread placeholders without a packed batch
+    descs = host_descriptors(q, k, v, dout, lse, dq_acc, cfg) if cfg.host_desc else (None,) * 6
     dynamic = _bwd_dynamic(q.shape[3] in WIDE_HEAD_DIMS, q, k, v, dout, lse, delta, dk, dv, dq_acc, *cu,
-                           softmax_scale)
+                           softmax_scale, descs)
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
     run_kernel(kernel, grid, dynamic, static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
 
 
-def _bwd_dynamic(wide: bool, q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale: float) -> tuple:
-    """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta``)."""
+def _host_desc_or_not(cfg: GluonBwdConfig, q, k, v, dout, lse, varlen) -> GluonBwdConfig:
+    """``cfg`` as launched: ``host_desc`` kept only on a fixed-length call that :func:`host_desc_fits` (else the
+    kernel builds its descriptors, the same loads)."""
+    if cfg.host_desc and (varlen is not None or not host_desc_fits(q, k, v, dout, lse.numel() if cfg.stats_smem
+                                                                         else 0)):
+        return replace(cfg, host_desc=False)
+    return cfg
+
+
+def _bwd_dynamic(wide: bool, q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale: float,
+                 descs: tuple = (None,) * 6) -> tuple:
+    """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta`` and no
+    descriptors; ``descs``: :func:`host_descriptors` or Nones)."""
     if wide:
         return (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
-    return (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
+    return (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, *descs, softmax_scale * LOG2E, softmax_scale)
+
+
+def host_desc_fits(q, k, v, dout, stats_numel: int) -> bool:
+    """Whether a fixed-length call can take host descriptors: no expanded (stride 0) batch or head axis in q, k, v,
+    dout, and the statistics' flat coordinates (``stats_numel`` floats) below 2^31 (the kernel's i32)."""
+    from flashtile.runtime.fa3_gluon import _desc_strides
+
+    return stats_numel < 2 ** 31 and all(_desc_strides(x) is not None for x in (q, k, v, dout))
+
+
+def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig) -> tuple:
+    """The narrow kernel's ``HOST_DESC`` descriptors (QDesc, KDesc, VDesc, DODesc, StatsDesc, DQDesc) over these
+    views (:func:`host_desc_fits`): rank 4 over (B, H, N, d) with [1, 1, 64, block_d] boxes in the kernel's tiles'
+    swizzle (K's in half rows with ``dq_split``), rank 1 over the statistics (64-float boxes; None without
+    ``stats_smem``), rank 3 over the (B * Hq, rows, block_d) accumulator with the dQ staging tiles' boxes and swizzle
+    (None without ``dq_tma``).  The kernel's arguments were checked: built bare (``fa3_gluon.bare_descriptor``)."""
+    from flashtile.runtime.fa3_gluon import _desc_strides, bare_descriptor
+
+    (box4, l4, lk), stats_l, (dq_box, dq_l) = _desc_layouts(block_d(q.shape[3]), q.dtype, cfg.dq_split, cfg.dq_tma,
+                                                            cfg.dq_swizzle32, cfg.stats_smem)
+    descs = [bare_descriptor(x, list(x.shape), _desc_strides(x), box4, lk if i == 1 else l4)
+             for i, x in enumerate((q, k, v, dout))]
+    descs.append(None if stats_l is None else bare_descriptor(stats, [stats.numel()], [1], [64], stats_l))
+    descs.append(None if dq_l is None else bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), dq_box,
+                                                           dq_l))
+    return tuple(descs)
+
+
+@functools.lru_cache(maxsize=None)
+def _desc_layouts(bd: int, dtype: torch.dtype, dq_split: bool, dq_tma: bool, dq_swizzle32: bool,
+                  stats_smem: bool) -> tuple:
+    """((box, layout, K's layout) of the rank-4 boxes, the statistics' layout or None, (box, layout) of the dQ
+    accumulator's rank-3 boxes or (None, None)): the swizzles of the kernel's shared tiles."""
+    from triton.experimental.gluon import language as gl
+
+    from flashtile.runtime.fa3_gluon import _box_layout
+
+    l4 = _box_layout(64, bd, dtype)
+    # dq_split: K swizzled in half rows, each warpgroup's column half whole swizzle atoms (the kernel's k_layout)
+    lk = gl.NVMMASharedLayout(swizzle_byte_width=bd, element_bitwidth=16, rank=4) if dq_split else l4
+    stats_l = gl.NVMMASharedLayout.get_default_for([64], gl.float32) if stats_smem else None
+    if dq_tma:
+        dqn = bd // 2 if dq_split else bd
+        sw = 32 if dq_swizzle32 else gl.NVMMASharedLayout.get_default_for([64, dqn], gl.float32).swizzle_byte_width
+        dq = ([1, 64, dqn], gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=32, rank=3))
+    else:
+        dq = (None, None)
+    return ([1, 1, 64, bd], l4, lk), stats_l, dq
 
 
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
@@ -548,7 +625,8 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
 
         static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
-                  cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None)
+                  cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None, cfg.named_bars,
+                  cfg.host_desc and varlen is None)
     return kernel, grid, static
 
 

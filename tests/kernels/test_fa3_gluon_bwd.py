@@ -55,6 +55,9 @@ def test_config_table_fits():
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
     assert gluon_bwd_config(256, False, True) == wide and gluon_bwd_config(32, True, True) == GluonBwdConfig(4)
+    # named barriers and host descriptors: switches of explicit configs until timed (bench/NOTES.md)
+    assert not any(gluon_bwd_config(d, c, g).named_bars or gluon_bwd_config(d, c, g).host_desc
+                   for d in (32, 64, 96, 128, 256) for c in (False, True) for g in (False, True))
     for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError, match="head_dim"):
             gluon_bwd_config(d, False)
@@ -165,6 +168,16 @@ def test_refusals_name_the_argument(monkeypatch):
                    (64, GluonBwdConfig(num_stages=4, dq_tma=True, dq_swizzle32=True, pt_separate=True)),
                    (128, GluonBwdConfig(num_stages=2, dq_split=True, release_once=True))]:
         fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
+    with pytest.raises(TypeError, match="named_bars"):
+        fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, config=GluonBwdConfig(named_bars=1))
+    # hardware barrier ids 5-8 hold 4 ring slots; release_once is an mbarrier's double use; the wide kernel has none
+    for d, bad in [(64, GluonBwdConfig(num_stages=5, named_bars=True)),
+                   (128, GluonBwdConfig(num_stages=2, dq_split=True, release_once=True, named_bars=True)),
+                   (256, replace(gluon_bwd_config(256, False), named_bars=True))]:
+        with pytest.raises(ValueError, match="named_bars"):
+            fa3_gluon_bwd._check_config(bad, d, 2)
+    for d in (40, 64, 96, 128):
+        fa3_gluon_bwd._check_config(replace(gluon_bwd_config(d, True), named_bars=True), d, 2)  # accepted
     with pytest.raises(ValueError, match="dk"):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dk=torch.zeros(1, 1, 15, 64, dtype=F16))
     with pytest.raises(TypeError, match="dq"):
@@ -213,6 +226,43 @@ def _record_launches(monkeypatch) -> list:
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: calls.append((a, kw)))
     return calls
+
+
+@pytest.mark.parametrize("d,group_loop", [(128, False), (64, True), (96, False)])
+def test_launcher_host_descriptors(monkeypatch, d, group_loop):
+    """``host_desc``: the kernel gets descriptors over the whole q, k, v, dout (rank 4, [1, 1, 64, block_d] boxes in
+    the tiles' swizzle, K's in half rows with dq_split), the flat statistics and the (B * Hq, rows, block_d)
+    accumulator (the staging tiles' boxes and swizzle), HOST_DESC set; an expanded (stride 0) head axis, a packed
+    batch or the flag off leave them to the kernel (Nones, HOST_DESC False)."""
+    calls = _record_launches(monkeypatch)
+    b, hq, hk, nq, nk = 2, 4, 2, 300, 500
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
+    k, v = (torch.zeros(b, hk, nk, d, dtype=BF16) for _ in range(2))
+    lse = torch.zeros(b, hq, nq)
+    cfg = replace(gluon_bwd_config(d, True, group_loop), host_desc=True)
+    fa3_gluon_backward(q, q, k, v, q, lse, softmax_scale=0.5, causal=True, config=cfg)
+    (kernel, grid, dynamic, static), _ = calls[1]
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    bd = block_d(d)
+    assert bound["HOST_DESC"] is True and bound["GROUP_LOOP"] is group_loop
+    for name, x in (("QDesc", q), ("KDesc", k), ("VDesc", v), ("DODesc", q)):
+        desc = bound[name]
+        assert desc.base is x and desc.shape == list(x.shape) and desc.strides == list(x.stride())
+        assert desc.block_shape == [1, 1, 64, bd]
+        # the tiles' swizzle: K in half rows (dq_split: each warpgroup's column half whole atoms), the rest default
+        assert desc.layout.swizzle_byte_width == (bd if name == "KDesc" else min(128, 2 * bd))
+    stats, acc = bound["StatsDesc"], bound["DQDesc"]
+    assert stats.base is bound["LSE"] and stats.shape == [bound["LSE"].numel()] and stats.block_shape == [64]
+    assert acc.base is bound["DQacc"] and acc.shape == list(bound["DQacc"].shape) == [b * hq, 320, bd]
+    assert acc.block_shape == [1, 64, bd // 2] and acc.layout.element_bitwidth == 32
+    assert acc.layout.swizzle_byte_width == (32 if bd == 64 else 128)  # dq_swizzle32 at 64-wide tiles
+    # kernel-built descriptors: the flag off, or an expanded head axis (no rank-4 stride for it)
+    for qq, c in ((q, replace(cfg, host_desc=False)), (q[:, :1].expand(b, hq, nq, d), cfg)):
+        calls.clear()
+        fa3_gluon_backward(qq, qq, k, v, qq, lse, softmax_scale=0.5, causal=True, config=c)
+        bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+        assert bound["HOST_DESC"] is False
+        assert all(bound[n] is None for n in ("QDesc", "KDesc", "VDesc", "DODesc", "StatsDesc", "DQDesc"))
 
 
 def test_launcher_group_loop(monkeypatch):
@@ -361,6 +411,7 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == 320
     assert (bound["NUM_STAGES"], bound["DQ_SPLIT"], bound["DQ_TMA"], bound["PINGPONG"]) == (2, True, True, True)
     assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"], bound["RELEASE_ONCE"]) == (False, True, False)
+    assert bound["NAMED_BARS"] is False
     # the preprocess zeroes the accumulator the kernel adds into (no separate memset)
     assert pre["ZERO_ACC"] is True and pre["DQacc"] is bound["DQacc"]
 
@@ -369,6 +420,10 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
     assert bound["STATS_SMEM"] is False and bound["LSE"].shape == (b, hq, nq)  # the flag off: as before
     assert bound["DQ_SWIZZLE32"] is False and bound["PT_SEPARATE"] is False and bound["RELEASE_ONCE"] is False
+    calls.clear()
+    fa3_gluon_backward(q, q, k, k, q, lse, softmax_scale=0.5, causal=True, config=replace(cfg, named_bars=True))
+    bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+    assert bound["NAMED_BARS"] is True and bound["PINGPONG"] is True
 
 
 def test_launcher_wide_kernel_arguments(monkeypatch):
@@ -922,6 +977,54 @@ def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
         on = {flags: True}
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=nq + d + 1)
     got, ref, visible = run(q, k, v, do, causal=causal, config=replace(table, **on))
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,causal,shape,flags", [
+    *[(d, c, (2, 4, 2, 333, 517), {}) for d in (64, 128) for c in (False, True)],
+    (96, True, (2, 4, 2, 517, 333), {}), (40, False, (1, 2, 2, 1, 300), {}),
+    (128, True, (1, 2, 2, 4096, 4096), {}), (64, False, (1, 2, 2, 4096, 4096), {}),
+    (128, False, (2, 4, 2, 333, 517), dict(pingpong=False)), (64, True, (2, 4, 2, 333, 517), dict(dq_tma=False,
+                                                                                                  dq_swizzle32=False)),
+    (64, True, (2, 4, 2, 517, 333), dict(dq_split=False)), (128, True, (2, 4, 1, 333, 517), dict(group_loop=True)),
+    (128, False, (1, 4, 2, 700, 600), dict(num_stages=2, dq_split=False, dq_tma=False, stats_smem=False,
+                                           pt_separate=False))])
+def test_gpu_named_bars(d, causal, shape, flags):
+    """``named_bars`` on the table's configs (ring releases, turns and the dSᵀ rendezvous on hardware barriers;
+    no ds_empty): ragged, GQA, one query row, 64 ring rounds at 4k; with ping-pong off, dQ by register reductions,
+    unsplit dQ (no rendezvous), group_loop across heads, and the plain config (mbarrier-free ring only)."""
+    b, hq, hk, nq, nk = shape
+    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=nq + d + 3 * causal)
+    cfg = replace(gluon_bwd_config(d, causal), named_bars=True, **flags)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    assert_grads(got, ref)
+    assert_exact_zeros(got, visible)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,causal,shape,flags", [
+    *[(d, c, (2, 4, 2, 333, 517), {}) for d in (64, 128) for c in (False, True)],
+    (96, True, (2, 4, 2, 517, 333), {}), (40, False, (1, 2, 2, 1, 300), {}), (128, True, (1, 2, 2, 4096, 4096), {}),
+    (128, True, (2, 4, 1, 333, 517), dict(group_loop=True)), (64, False, (2, 8, 2, 300, 200), dict(group_loop=True)),
+    (128, False, (2, 4, 2, 333, 517), dict(named_bars=True)),
+    (128, False, (1, 4, 2, 700, 600), dict(num_stages=2, dq_split=False, dq_tma=False, stats_smem=False,
+                                           pt_separate=False))])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_gpu_host_descriptors(d, causal, shape, flags, layout):
+    """``host_desc``: the narrow kernel's loads and dQ reduce-adds through descriptors built on the host over the
+    whole tensors (coordinates batch, head, row): ragged, GQA partials and the group loop, one query row, 4k, with
+    named barriers, the plain config (no statistics or dQ tiles: K / V / Q / dO only); (B, H, N, d) and
+    (B, N, H, d) storage."""
+    b, hq, hk, nq, nk = shape
+    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=nq + d + 5 * causal)
+    if layout == "bnhd":
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    cfg = replace(gluon_bwd_config(d, causal), host_desc=True, **flags)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
