@@ -357,11 +357,13 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     try:
         with console.status("Hopper ablation") as status:
             payload = ha.run_ablation(grid, variants=() if args.gluon_only else tuple(ha.VARIANTS),
-                                      progress=lambda what: status.update(what), rounds=args.rounds)
+                                      progress=lambda what: status.update(what), rounds=args.rounds,
+                                      backward=args.backward)
     except (RuntimeError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
-    table = Table(title=f"Hopper forward ablation on {payload['env']['device']}: TFLOP/s (% of dense peak)")
+    table = Table(title=f"Hopper {payload['direction']} ablation on {payload['env']['device']}: TFLOP/s "
+                        f"(% of dense peak)")
     variants = list(dict.fromkeys(r["variant"] for r in payload["rows"]))
     for col in ("d", "N", "causal", *variants):
         table.add_column(col, justify="right")
@@ -375,7 +377,7 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     console.print(table)
     for what, why in payload["not_expressible"].items():
         console.print(f"{what}: not measured ({why})")
-    path = write_json(payload, args.out, "hopper-ablation")
+    path = write_json(payload, args.out, "hopper-ablation-bwd" if args.backward else "hopper-ablation")
     console.print(f"wrote {path}")
     try:
         ha.plot(payload, path.with_suffix(".png"))
@@ -561,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     abl.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
     abl.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds of the Gluon rows (median)")
     abl.add_argument("--gluon-only", action="store_true", help="the Gluon kernel's schedule rows only")
+    abl.add_argument("--backward", action="store_true",
+                     help="the Gluon backward's switches instead (JSON hopper-ablation-bwd_<device>.json)")
     abl.add_argument("--out", default="bench/results")
     abl.set_defaults(func=_cmd_bench_hopper_ablation)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "

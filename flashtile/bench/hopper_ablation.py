@@ -20,7 +20,14 @@ switches of the Gluon kernel (:mod:`flashtile.kernels.fa3_gluon`, d = 64, 128, 2
 ``gluon`` (both on), ``gluon no ping-pong``, ``gluon no intra-warpgroup overlap``, ``gluon neither``, and
 with the overlap as FA3 runs it (``GluonConfig.fence``: without it ptxas waits for the P V GEMM before the
 softmax) ``gluon, softmax fenced`` and ``gluon no ping-pong, softmax fenced``, and with P carried in packed pairs
-(``GluonConfig.pack_p``, the dispatch's at widths 33-128) ``gluon, P packed`` and ``gluon, softmax fenced, P packed``.
+(``GluonConfig.pack_p``, the dispatch's at widths 33-128) ``gluon, P packed`` and ``gluon, softmax fenced, P packed``,
+and with the ring's releases and the turns on hardware named barriers (``GluonConfig.named_bars``)
+``gluon, P packed, named barriers``.
+
+``backward=True`` (``--backward``) measures the Gluon backward instead (:mod:`flashtile.kernels.fa3_gluon_bwd`): its
+table config, ``no ping-pong``, and the narrow kernel's ``named barriers`` / ``host descriptors`` switches
+(``GluonBwdConfig``), each checked against FA2's backward (dQ, dK, dV within 2e-2 of each one's max) and timed in
+interleaved rounds; TFLOP/s = 2.5 x the forward's FLOPs / backward time.
 
 Every variant is checked against the FA2 kernel's output on the same inputs before it is timed (within
 2e-2 of max|out|; FP8 within 0.15, as far as e4m3 inputs put FA3's FP8 forward from bf16 on these inputs).
@@ -74,17 +81,28 @@ VARIANTS: dict[str, Callable] = {
     "O by plain stores": _plain_o,
     "fp8": _tuned,
 }
-# the Gluon kernel (flashtile/kernels/fa3_gluon.py), where FA3's two schedules are switches: (pingpong, intra,
-# fence, pack_p); without the fence ptxas waits for the P V GEMM near the softmax's start (GluonConfig.fence)
+# the Gluon kernel (flashtile/kernels/fa3_gluon.py), where FA3's two schedules are switches of GluonConfig; without
+# the fence ptxas waits for the P V GEMM near the softmax's start (GluonConfig.fence)
+_GLUON_OFF = dict(pingpong=False, intra=False, fence=False, pack_p=False, named_bars=False)
 GLUON_VARIANTS = {
-    "gluon": (True, True, False, False),
-    "gluon no ping-pong": (False, True, False, False),
-    "gluon no intra-warpgroup overlap": (True, False, False, False),
-    "gluon neither": (False, False, False, False),
-    "gluon, softmax fenced": (True, True, True, False),
-    "gluon no ping-pong, softmax fenced": (False, True, True, False),
-    "gluon, P packed": (True, True, False, True),
-    "gluon, softmax fenced, P packed": (True, True, True, True),
+    "gluon": dict(_GLUON_OFF, pingpong=True, intra=True),
+    "gluon no ping-pong": dict(_GLUON_OFF, intra=True),
+    "gluon no intra-warpgroup overlap": dict(_GLUON_OFF, pingpong=True),
+    "gluon neither": dict(_GLUON_OFF),
+    "gluon, softmax fenced": dict(_GLUON_OFF, pingpong=True, intra=True, fence=True),
+    "gluon no ping-pong, softmax fenced": dict(_GLUON_OFF, intra=True, fence=True),
+    "gluon, P packed": dict(_GLUON_OFF, pingpong=True, intra=True, pack_p=True),
+    "gluon, softmax fenced, P packed": dict(_GLUON_OFF, pingpong=True, intra=True, fence=True, pack_p=True),
+    "gluon, P packed, named barriers": dict(_GLUON_OFF, pingpong=True, intra=True, pack_p=True, named_bars=True),
+}
+# the Gluon backward (flashtile/kernels/fa3_gluon_bwd.py): switches of its table config (gluon_bwd_config); named
+# barriers and host descriptors are the narrow kernel's (d <= 128: the wide kernel's rows record the refusal)
+GLUON_BWD_VARIANTS = {
+    "gluon bwd": {},
+    "gluon bwd no ping-pong": dict(pingpong=False),
+    "gluon bwd, named barriers": dict(named_bars=True),
+    "gluon bwd, host descriptors": dict(host_desc=True),
+    "gluon bwd, named barriers, host descriptors": dict(named_bars=True, host_desc=True),
 }
 
 
@@ -153,16 +171,14 @@ def _point(d, n, b, h, causal, variants, progress=None, rounds=1) -> list[dict]:
 
 def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1) -> list[dict]:
     """The Gluon kernel's schedule rows: each variant checked against FA2's output, then the ones that pass timed
-    in ``rounds`` interleaved rounds (every variant once per round; the row's ms is the median over rounds,
-    ``ms_rounds`` each round's), so that the run-to-run drift of the machine hits every variant alike."""
+    in ``rounds`` interleaved rounds (:func:`_time_rounds`)."""
     from flashtile.runtime.fa3_gluon import GLUON_HEAD_DIMS, fa3_gluon_forward, gluon_config
 
     if d not in GLUON_HEAD_DIMS:
         return []
     rows, timed = [], []
-    for name, (pingpong, intra, fence, pack_p) in GLUON_VARIANTS.items():
-        cfg = dataclasses.replace(gluon_config(d, causal), pingpong=pingpong, intra=intra, fence=fence, pack_p=pack_p,
-                                  o_tma=True)
+    for name, switches in GLUON_VARIANTS.items():
+        cfg = dataclasses.replace(gluon_config(d, causal), o_tma=True, **switches)
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
         rows.append(row)
         if progress:
@@ -172,17 +188,69 @@ def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1
         def call(cfg=cfg, out=out):
             fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
 
-        try:
-            call()
-            torch.cuda.synchronize()
-            err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
-            row["max_rel_err_vs_fa2"] = err
-            if err > 2e-2:
-                row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
-            else:
-                timed.append((row, call))
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        _check_row(row, call, lambda out=out: [out], [ref], timed)
+    _time_rounds(timed, rounds, flops)
+    return rows
+
+
+def _bwd_point(d, n, b, h, causal, progress=None, rounds=1) -> list[dict]:
+    """:func:`_gluon_bwd_rows` on fresh bf16 inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(n + d + 1)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    return _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress, rounds)
+
+
+def _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress=None, rounds=1) -> list[dict]:
+    """The Gluon backward's rows (:data:`GLUON_BWD_VARIANTS`): each variant's dQ, dK, dV checked against FA2's
+    backward from the same O and LSE (within 2e-2 of each gradient's max), then the ones that pass timed as the
+    forward's rows (backward alone: 2.5x the forward's FLOPs)."""
+    from flashtile.runtime.fa2_bwd import fa2_backward
+    from flashtile.runtime.fa2_fwd import fa2_forward
+    from flashtile.runtime.fa3_gluon_bwd import GLUON_BWD_HEAD_DIMS, fa3_gluon_backward, gluon_bwd_config
+
+    if d not in GLUON_BWD_HEAD_DIMS:
+        return []
+    scale = d ** -0.5
+    out, lse = fa2_forward(q, k, v, softmax_scale=scale, causal=causal)
+    ref = fa2_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)
+    flops = 2.5 * 4.0 * b * h * n * n * d / (2 if causal else 1)
+    rows, timed = [], []
+    for name, switches in GLUON_BWD_VARIANTS.items():
+        cfg = dataclasses.replace(gluon_bwd_config(d, causal), **switches)
+        row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
+        rows.append(row)
+        if progress:
+            progress(f"backward d={d} N={n} causal={causal} {name}")
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+
+        def call(cfg=cfg, grads=grads):
+            fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, dq=grads[0], dk=grads[1],
+                               dv=grads[2], config=cfg)
+
+        _check_row(row, call, lambda grads=grads: grads, ref, timed)
+    _time_rounds(timed, rounds, flops)
+    return rows
+
+
+def _check_row(row: dict, call, got, ref, timed: list) -> None:
+    """Run ``call`` once; its outputs ``got()`` within 2e-2 of each of ``ref``'s max|x| put (row, call) in ``timed``,
+    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects)."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        err = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got(), ref))
+        row["max_rel_err_vs_fa2"] = err
+        if err > 2e-2:
+            row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
+        else:
+            timed.append((row, call))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _time_rounds(timed: list, rounds: int, flops: float) -> None:
+    """``rounds`` interleaved rounds (every row once per round, in the same order): a row's ms is the median over
+    rounds (``ms_rounds`` each round's), so that the run-to-run drift of the machine hits every variant alike."""
     for _ in range(rounds):
         for row, call in timed:
             row.setdefault("ms_rounds", []).append(median_ms(call))
@@ -190,24 +258,30 @@ def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1
         ms = statistics.median(row["ms_rounds"])
         row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
         row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["bf16"]
-    return rows
 
 
-def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None, rounds: int = 1) -> dict:
+def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None, rounds: int = 1, backward: bool = False) -> dict:
     """The payload ``{env, peak_tflops, not_expressible, rows}``; needs an sm_90 GPU.  ``variants``: the Triton
-    kernel's rows (empty: the Gluon rows alone); ``rounds``: interleaved timing rounds of the Gluon rows."""
+    kernel's rows (empty: the Gluon rows alone); ``rounds``: interleaved timing rounds of the Gluon rows;
+    ``backward``: the Gluon backward's rows alone (:data:`GLUON_BWD_VARIANTS`)."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise RuntimeError("`flashtile bench hopper-ablation` needs an sm_90 (Hopper) GPU")
     rows = []
     for d, n, b, h, causal in grid if grid is not None else default_grid():
-        rows.extend(_point(d, n, b, h, causal, variants, progress, rounds))
+        if backward:
+            rows.extend(_bwd_point(d, n, b, h, causal, progress, rounds))
+        else:
+            rows.extend(_point(d, n, b, h, causal, variants, progress, rounds))
     return {
         "env": environment(),
         "peak_tflops": PEAK_TFLOPS,
-        "flops_convention": "4*B*H*N^2*d forward, /2 causal",
-        "not_expressible": NOT_EXPRESSIBLE,
+        "direction": "backward" if backward else "forward",
+        "flops_convention": ("2.5*4*B*H*N^2*d backward alone" if backward else "4*B*H*N^2*d forward") + ", /2 causal",
+        "not_expressible": {} if backward else NOT_EXPRESSIBLE,
         "rows": rows,
     }
 
@@ -233,7 +307,7 @@ def plot(payload: dict, path) -> None:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
     ax.set_xticklabels([f"d{d} {n // 1024}k{' C' if c else ''}" for d, n, c in groups], fontsize=8)
     ax.set_ylabel("% of dense peak")
-    ax.set_title(f"Hopper forward ablation, {payload['env'].get('device')}")
+    ax.set_title(f"Hopper {payload.get('direction', 'forward')} ablation, {payload['env'].get('device')}")
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

@@ -47,16 +47,22 @@ def _fake_gluon(monkeypatch, times):
 
 
 def test_gluon_rows_switch_the_schedules(monkeypatch):
-    """Each Gluon row runs the kernel with its (pingpong, intra, fence, pack_p) switches; a fenced row keeps intra."""
+    """Each Gluon row runs the kernel with its switches over the table's config; a fenced row keeps intra."""
     n = len(ha.GLUON_VARIANTS)
     configs, _ = _fake_gluon(monkeypatch, [1.0] * n)
     q = torch.randn(1, 2, 8, 128)
     rows = ha._gluon_rows(128, 8, 1, 2, True, q, q, q, q, 1.0)
     assert [r["variant"] for r in rows] == list(ha.GLUON_VARIANTS)
-    for (name, (pingpong, intra, fence, pack_p)), cfg in zip(ha.GLUON_VARIANTS.items(), configs[:n]):
-        assert (cfg.pingpong, cfg.intra, cfg.fence, cfg.pack_p, cfg.o_tma) == (pingpong, intra, fence, pack_p, True)
-        assert not fence or intra
-    assert [sum(v[i] for v in ha.GLUON_VARIANTS.values()) for i in (2, 3)] == [3, 2]
+    for (name, switches), cfg, row in zip(ha.GLUON_VARIANTS.items(), configs[:n], rows):
+        assert {key: getattr(cfg, key) for key in switches} == switches and cfg.o_tma
+        assert set(switches) == {"pingpong", "intra", "fence", "pack_p", "named_bars"}
+        assert not cfg.fence or cfg.intra
+        assert row["config"] == dataclasses.asdict(cfg) and "error" not in row
+    on = {key: sum(v[key] for v in ha.GLUON_VARIANTS.values()) for key in ("fence", "pack_p", "named_bars")}
+    assert on == {"fence": 3, "pack_p": 3, "named_bars": 1}
+    # the named-barrier row differs from "gluon, P packed" in that switch alone
+    named, packed = ha.GLUON_VARIANTS["gluon, P packed, named barriers"], ha.GLUON_VARIANTS["gluon, P packed"]
+    assert {key for key in named if named[key] != packed[key]} == {"named_bars"}
 
 
 def test_gluon_rows_time_in_interleaved_rounds(monkeypatch):
@@ -67,18 +73,82 @@ def test_gluon_rows_time_in_interleaved_rounds(monkeypatch):
     _, timed = _fake_gluon(monkeypatch, list(times))
     q = torch.randn(1, 2, 8, 128)
     rows = ha._gluon_rows(128, 8, 1, 2, False, q, q, q, q, 4e9, rounds=3)
-    order = [(c.pingpong, c.intra, c.fence, c.pack_p) for c in timed]
+    order = [{key: getattr(c, key) for key in ha._GLUON_OFF} for c in timed]
     assert order == list(ha.GLUON_VARIANTS.values()) * 3
     for i, row in enumerate(rows):
         assert row["ms_rounds"] == [i + 1.0, 21.0 + i, 11.0 + i] and row["ms"] == 11.0 + i
         assert row["tflops"] == pytest.approx(4e9 / ((11.0 + i) * 1e-3) / 1e12)
     with pytest.raises(ValueError, match="rounds"):
         ha.run_ablation([], rounds=0)
+    with pytest.raises(TypeError, match="backward"):
+        ha.run_ablation([], backward=1)
+
+
+def _fake_gluon_bwd(monkeypatch, times, wrong=()):
+    """Backward rows on the CPU: FA2's forward and backward stand-ins return (q, lse) and (q, k, v); the Gluon
+    backward, with the real config checks, writes q, k, v into the given gradients (k's negated for the variants
+    named in ``wrong``) and records its config; each timing returns the next of ``times``."""
+    import flashtile.runtime.fa2_bwd as fa2_bwd
+    import flashtile.runtime.fa2_fwd as fa2_fwd
+    import flashtile.runtime.fa3_gluon_bwd as rb
+
+    configs, timed = [], []
+    wrong_cfgs = [dataclasses.replace(rb.gluon_bwd_config(128, False), **ha.GLUON_BWD_VARIANTS[w]) for w in wrong]
+
+    def backward(dout, q, k, v, out, lse, *, softmax_scale, causal, dq, dk, dv, config):
+        rb._check_config(config, q.shape[3], q.element_size())
+        configs.append(config)
+        dq.copy_(q), dk.copy_(-k if config in wrong_cfgs else k), dv.copy_(v)
+
+    def median_ms(call):
+        call()
+        timed.append(configs[-1])
+        return times.pop(0)
+
+    monkeypatch.setattr(fa2_fwd, "fa2_forward", lambda q, k, v, *, softmax_scale, causal: (q, q[..., 0].float()))
+    monkeypatch.setattr(fa2_bwd, "fa2_backward", lambda dout, q, k, v, out, lse, *, softmax_scale, causal: (q, k, v))
+    monkeypatch.setattr(rb, "fa3_gluon_backward", backward)
+    monkeypatch.setattr(ha, "median_ms", median_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return configs, timed
+
+
+def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
+    """Each backward row runs the table's config with its switches, is checked against FA2's gradients (a wrong dK
+    is not timed) and timed in interleaved rounds at 2.5x the forward's FLOPs; the wide kernel's rows record the
+    refusal of the narrow kernel's switches."""
+    n = len(ha.GLUON_BWD_VARIANTS)
+    configs, timed = _fake_gluon_bwd(monkeypatch, [float(i + 1) for i in range(2 * (n - 1))],
+                                     wrong=("gluon bwd, host descriptors",))
+    q, k, v = (torch.randn(1, 2, 8, 128, dtype=torch.bfloat16) for _ in range(3))
+    rows = ha._gluon_bwd_rows(128, 8, 1, 2, False, q, k, v, q, rounds=2)
+    from flashtile.runtime.fa3_gluon_bwd import gluon_bwd_config
+
+    assert [r["variant"] for r in rows] == list(ha.GLUON_BWD_VARIANTS)
+    for (name, switches), cfg in zip(ha.GLUON_BWD_VARIANTS.items(), configs[:n]):
+        assert cfg == dataclasses.replace(gluon_bwd_config(128, False), **switches)
+    by = {r["variant"]: r for r in rows}
+    assert "not timed" in by["gluon bwd, host descriptors"]["error"] and "ms" not in by["gluon bwd, host descriptors"]
+    assert by["gluon bwd"]["max_rel_err_vs_fa2"] == 0.0
+    good = [name for name in ha.GLUON_BWD_VARIANTS if name != "gluon bwd, host descriptors"]
+    assert [c.named_bars for c in timed] == [ha.GLUON_BWD_VARIANTS[g].get("named_bars", False) for g in good] * 2
+    flops = 2.5 * 4.0 * 1 * 2 * 8 * 8 * 128
+    for i, name in enumerate(good):
+        assert by[name]["ms_rounds"] == [i + 1.0, n + i] and by[name]["ms"] == (i + 1.0 + n + i) / 2
+        assert by[name]["tflops"] == pytest.approx(flops / (by[name]["ms"] * 1e-3) / 1e12)
+    configs.clear()
+    _fake_gluon_bwd(monkeypatch, [1.0] * 2)
+    wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, *(torch.randn(1, 2, 8, 256, dtype=torch.bfloat16),) * 4)}
+    assert "tflops" in wide["gluon bwd"] and "tflops" in wide["gluon bwd no ping-pong"]
+    for name in ("gluon bwd, named barriers", "gluon bwd, host descriptors"):
+        assert wide[name]["error"].startswith("ValueError") and "head_dim 128" in wide[name]["error"]
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
 def test_refuses_without_hopper(capsys):
     assert cli.main(["bench", "hopper-ablation", "--head-dims", "128"]) == 2
+    assert "sm_90" in capsys.readouterr().out
+    assert cli.main(["bench", "hopper-ablation", "--backward", "--head-dims", "128"]) == 2
     assert "sm_90" in capsys.readouterr().out
 
 
@@ -92,3 +162,16 @@ def test_gpu_one_point(tmp_path):
     assert "tflops" in rows["fp8"] and rows["fp8"]["max_rel_err_vs_fa2"] < 0.15, rows["fp8"]
     ha.plot(payload, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_gpu_backward_one_point(tmp_path):
+    """Every backward switch of the narrow kernel checked against FA2's gradients and timed."""
+    payload = ha.run_ablation([(128, 2048, 2, 8, True)], backward=True, rounds=2)
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == set(ha.GLUON_BWD_VARIANTS) and payload["direction"] == "backward"
+    for row in rows.values():
+        assert "tflops" in row and row["max_rel_err_vs_fa2"] < 2e-2 and len(row["ms_rounds"]) == 2, row
+    ha.plot(payload, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
