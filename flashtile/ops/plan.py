@@ -23,7 +23,7 @@ import threading
 import torch
 
 from flashtile.ops.autograd import _bhnd, _check_op_tensors, _out_like
-from flashtile.runtime import fa2_bwd, fa2_fwd, fa3_bwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
+from flashtile.runtime import common, fa2_bwd, fa2_fwd, fa3_bwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
 
 __all__ = ["forward_plan", "backward_plan", "fp8_plan", "clear"]
 
@@ -87,7 +87,7 @@ def _switches() -> tuple:
     return (fa3_fwd.ENABLED, fa3_fwd.GLUON, fa3_fwd.GLUON_FP8, fa3_gluon.BIND_LAUNCH, fa3_gluon.HOST_DESC_MIN_WORK,
             fa3_gluon.DYNAMIC_MIN_KEYS, fa3_gluon.NARROW_TWO_WG_KEYS, fa3_gluon.NARROW_PERSISTENT_MAX_KEYS,
             fa3_gluon.FP8_DYNAMIC_MIN_KEYS, fa3_gluon_bwd.ENABLED,
-            fa3_gluon_bwd.BIND_LAUNCH, fa3_bwd.ENABLED)
+            fa3_gluon_bwd.BIND_LAUNCH, fa3_bwd.ENABLED, common.HOPPER_TRITON)
 
 
 def _remember(table: dict, key, plan) -> None:

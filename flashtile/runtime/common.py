@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
+import warnings
 
 import torch
+import triton
 
 from flashtile.kernels._common import _dropout_mask_kernel
 
@@ -63,6 +66,45 @@ def pdl_supported(device: torch.device | str) -> bool:
 def capability(index: int) -> tuple[int, int]:
     """Compute capability of CUDA device ``index`` (queried once per device)."""
     return torch.cuda.get_device_capability(index)
+
+
+def triton_release(version: str = triton.__version__) -> tuple[int, int]:
+    """(major, minor) of a Triton version string ("3.6.0", "3.7.0+git1a2b": (3, 6), (3, 7)); (0, 0) if unparsable."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
+# Triton releases the Hopper kernels (tensor descriptors, warp specialisation, Gluon) were built and GPU-tested on.
+# Gluon's API moves between releases (sm_90a compiles offline: the Gluon backward fails on 3.5, 3.7, 3.8 and 3.9,
+# the forward on 3.5 and 3.9), so on any other release every call takes the FA2 kernels; FLASHTILE_ANY_TRITON=1
+# tries the Hopper kernels anyway.
+HOPPER_TRITONS = ((3, 6),)
+HOPPER_TRITON = triton_release() in HOPPER_TRITONS or os.environ.get("FLASHTILE_ANY_TRITON", "0") == "1"
+_warned = []
+
+
+def hopper_target(cap: tuple[int, int]) -> bool:
+    """Whether a device of compute capability ``cap`` runs the Hopper kernels: sm_90, and this Triton one they
+    were tested on (``HOPPER_TRITON``; the first sm_90 call without it warns once)."""
+    if cap != (9, 0):
+        return False
+    if not HOPPER_TRITON and not _warned:
+        _warned.append(True)
+        tested = ", ".join(f"{a}.{b}" for a, b in HOPPER_TRITONS)
+        warnings.warn(f"flashtile's Hopper kernels are tested on Triton {tested}; this is Triton {triton.__version__}, "
+                      f"so sm_90 runs the FA2 kernels (FLASHTILE_ANY_TRITON=1 tries the Hopper ones)", stacklevel=3)
+    return HOPPER_TRITON
+
+
+def require_hopper(what: str, index: int) -> None:
+    """``NotImplementedError`` naming why ``what`` cannot run on CUDA device ``index``: not sm_90, or a Triton the
+    Hopper kernels were not tested on (:func:`hopper_target`)."""
+    if capability(index) != (9, 0):
+        raise NotImplementedError(f"{what} needs an sm_90 (Hopper) CUDA device")
+    if not HOPPER_TRITON:
+        tested = ", ".join(f"{a}.{b}" for a, b in HOPPER_TRITONS)
+        raise NotImplementedError(f"{what} is tested on Triton {tested}, got Triton {triton.__version__} "
+                                  f"(FLASHTILE_ANY_TRITON=1 lifts this check)")
 
 
 def check_device_mode(device: torch.device) -> None:

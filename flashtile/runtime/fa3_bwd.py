@@ -21,6 +21,7 @@ import torch
 import triton
 
 from flashtile.runtime.common import capability as device_capability
+from flashtile.runtime.common import hopper_target, require_hopper
 from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits
 from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, SMEM_LIMIT, SUPPORTED_HEAD_DIMS, ensure_allocator, _tma_ready
 from flashtile.runtime.fa3_gluon import block_d, head_split
@@ -128,7 +129,7 @@ def prefer_hopper_bwd(
         return False
     if capability is None:
         capability = device_capability(q.get_device())
-    return capability == (9, 0) and all(_tma_ready(x) for x in (q, k, v, dout))
+    return hopper_target(capability) and all(_tma_ready(x) for x in (q, k, v, dout))
 
 
 def _check(q, k, v, dout, out, lse) -> None:
@@ -152,8 +153,8 @@ def _check(q, k, v, dout, out, lse) -> None:
     dev = q.device
     if any(x.device != dev for x in (k, v, dout, out, lse)):
         raise ValueError("q, k, v, dout, out and lse must be on one device")
-    if dev.type == "cuda" and device_capability(q.get_device()) != (9, 0):
-        raise NotImplementedError("fa3_backward needs an sm_90 (Hopper) CUDA device")
+    if dev.type == "cuda":
+        require_hopper("fa3_backward", q.get_device())
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if not _tma_ready(x):
             raise NotImplementedError(

@@ -20,6 +20,7 @@ import triton
 
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import capability as device_capability
+from flashtile.runtime.common import hopper_target, require_hopper
 from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits, on_device
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
@@ -187,7 +188,7 @@ def _prefer(q, k, v, causal: bool, window: tuple[int, int], plain: bool, nk: int
         return False
     if capability is None:
         capability = device_capability(q.get_device())
-    return capability == (9, 0) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
+    return hopper_target(capability) and _tma_ready(q) and _tma_ready(k) and _tma_ready(v)
 
 
 def packed_view(x: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ def prefer_hopper_fp8(
         return False
     if capability is None:
         capability = device_capability(q.get_device())
-    return capability == (9, 0) and _tma_ready(q) and _tma_ready(k)
+    return hopper_target(capability) and _tma_ready(q) and _tma_ready(k)
 
 
 def fa3_forward_fp8(
@@ -371,8 +372,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
         raise NotImplementedError(f"fa3_forward covers fp16 / bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
                                   f"{v.dtype}")
     dev = q.device
-    if dev.type != "cuda" or device_capability(q.get_device()) != (9, 0):
+    if dev.type != "cuda":
         raise NotImplementedError("fa3_forward needs an sm_90 (Hopper) CUDA device")
+    require_hopper("fa3_forward", q.get_device())
     b, hq, _, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.device != dev or v.device != dev:
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} must match q {tuple(q.shape)} in batch and head_dim")

@@ -725,6 +725,7 @@ def _prefer_views(q, k, v, dout, causal: bool, window: tuple[int, int], plain: b
     """What the Gluon kernels ask of (B, H, N, d) views and options, the head dim aside (see
     :func:`prefer_gluon_bwd`)."""
     from flashtile.runtime.common import capability as device_capability
+    from flashtile.runtime.common import hopper_target
     from flashtile.runtime.fa3_fwd import HOPPER_DTYPES, _tma_ready
 
     if not plain or deterministic or q.device.type != "cuda" or q.dtype not in HOPPER_DTYPES:
@@ -734,4 +735,4 @@ def _prefer_views(q, k, v, dout, causal: bool, window: tuple[int, int], plain: b
         return False
     if capability is None:
         capability = device_capability(q.get_device())
-    return capability == (9, 0) and all(_tma_ready(x) for x in (q, k, v, dout))
+    return hopper_target(capability) and all(_tma_ready(x) for x in (q, k, v, dout))

@@ -121,12 +121,12 @@ def test_plain_backward_both_dq_paths_bitwise(device, monkeypatch):
 def test_every_dispatch_switch_is_part_of_the_key(monkeypatch):
     """A plan decided under one value of a module switch or threshold is not reused under another: each is in
     ``plan._switches()``, which every plan key holds."""
-    from flashtile.runtime import fa3_bwd, fa3_gluon
+    from flashtile.runtime import common, fa3_bwd, fa3_gluon
 
     switches = [(fa3_fwd, n) for n in ("ENABLED", "GLUON", "GLUON_FP8")] + [(fa3_gluon, n) for n in (
         "BIND_LAUNCH", "HOST_DESC_MIN_WORK", "DYNAMIC_MIN_KEYS", "FP8_DYNAMIC_MIN_KEYS", "NARROW_TWO_WG_KEYS",
         "NARROW_PERSISTENT_MAX_KEYS")] + [(fa3_gluon_bwd, "ENABLED"), (fa3_gluon_bwd, "BIND_LAUNCH"),
-                                         (fa3_bwd, "ENABLED")]
+                                         (fa3_bwd, "ENABLED"), (common, "HOPPER_TRITON")]
     base = plan._switches()
     for module, name in switches:
         with monkeypatch.context() as m:
