@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train|sm90]`."""
 
 from __future__ import annotations
 
@@ -387,6 +387,42 @@ def _cmd_bench_hopper_ablation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_sm90(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench import sm90
+    from flashtile.bench.common import environment, write_json
+
+    console = Console()
+    try:
+        overrides = sm90.parse_overrides(args.set)
+        rows = [sm90.compile_routine(args.routine, d, causal, args.seqlen, overrides, args.dump, args.sass)
+                for d in args.head_dims for causal in ([False, True] if args.causal == "both" else
+                                                       [args.causal == "yes"])]
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    table = Table(title=f"{args.routine} compiled for sm_90a (Triton {environment()['triton']}, offline)")
+    for col in ("d", "causal", "kernel", "registers", "spills st / ld (B)", "bar.sync / bar.arrive", "shared (B)"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        for k in row["kernels"]:
+            if "error" in k:
+                table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"], f"[red]{k['error']}[/red]",
+                              "", "", "")
+            else:
+                table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"], str(k["registers"]),
+                              f"{k['spill_stores']} / {k['spill_loads']}", f"{k['bar_sync']} / {k['bar_arrive']}",
+                              str(k["shared_bytes"]))
+    console.print(table)
+    if args.out:
+        env = dict(environment(), device="offline-sm90a")
+        path = write_json(dict(env=env, routine=args.routine, rows=rows), args.out, f"sm90-{args.routine}")
+        console.print(f"wrote {path}")
+    return 0
+
+
 def ring_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command `flashtile bench ring` runs: one process per GPU, the options passed through."""
     from flashtile.bench.ring import to_argv
@@ -567,6 +603,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the Gluon backward's switches instead (JSON hopper-ablation-bwd_<device>.json)")
     abl.add_argument("--out", default="bench/results")
     abl.set_defaults(func=_cmd_bench_hopper_ablation)
+    s90 = bsub.add_parser("sm90", help="compile a kernel family for sm_90a without a GPU (Triton's compiler, ptxas): "
+                                       "registers, spills, barriers per config; --dump writes the PTX / SASS")
+    s90.add_argument("routine", choices=["fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-bwd"])
+    s90.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    s90.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    s90.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence (B * N = 16k, H * d = 2048)")
+    s90.add_argument("--set", nargs="+", metavar="NAME=VALUE", help="config fields of the Hopper routines, e.g. "
+                                                                   "named_bars=True num_stages=3")
+    s90.add_argument("--dump", default=None, help="folder for each kernel's PTX (debug lines left out)")
+    s90.add_argument("--sass", action="store_true", help="with --dump: the SASS too (cuobjdump)")
+    s90.add_argument("--out", default=None, help="folder for the JSON (sm90-<routine>_offline-sm90a.json)")
+    s90.set_defaults(func=_cmd_bench_sm90)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
                                              "block and Hadamard-rotated FP8 attention on outlier inputs")
     fp8.add_argument("--batch", type=int, default=1)
