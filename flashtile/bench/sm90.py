@@ -61,7 +61,7 @@ class _Sm90Driver:
 def offline_sm90():
     """Within: Triton targets sm_90 whatever the machine, and every launch of the runtime's wrappers is recorded in
     the yielded list instead of run (with the device guard, descriptor allocator, SM count and the Gluon
-    backward's device check stood in); on exit all of it is restored."""
+    kernels' device checks stood in); on exit all of it is restored."""
     from triton.runtime import driver
 
     from flashtile.runtime import fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
@@ -82,7 +82,8 @@ def offline_sm90():
     stand_ins = ((launch, "_bound", bound), (launch, "_unbound", unbound),
                  (torch.cuda, "device", lambda index: contextlib.nullcontext()),
                  (fa3_fwd, "ensure_allocator", nothing), (fa3_gluon, "ensure_allocator", nothing),
-                 (fa3_gluon, "sm_count", lambda index: SMS), (fa3_gluon_bwd, "_check", nothing))
+                 (fa3_gluon, "sm_count", lambda index: SMS), (fa3_gluon, "_check", nothing),
+                 (fa3_gluon_bwd, "_check", nothing))
     previous = driver._active
     with contextlib.ExitStack() as stack:
         for owner, name, value in stand_ins:
@@ -139,9 +140,8 @@ def _call(routine: str, d: int, causal: bool, n: int, overrides: dict[str, Any])
         cfg = _replace(fa3_fwd.fa3_config(d, causal, n, n), overrides, routine)
         fa3_fwd.launch(q, q, q, torch.zeros_like(q), lse, scale * fa3_fwd.LOG2E, causal, cfg)
     elif routine == "gluon-fwd":
-        cfg = _replace(fa3_fwd._gluon_cfg(q, q, causal), overrides, routine)
-        fa3_gluon._check_config(cfg)
-        fa3_gluon.gluon_launch(q, q, q, torch.zeros_like(q), lse, scale, causal, cfg)
+        cfg = _replace(fa3_fwd.gluon_dispatch_config(q, q, causal), overrides, routine)
+        fa3_gluon.fa3_gluon_forward(q, q, q, softmax_scale=scale, causal=causal, config=cfg)
     elif routine == "gluon-bwd":
         cfg = _replace(fa3_gluon_bwd.gluon_bwd_config(d, causal), overrides, routine)
         fa3_gluon_bwd.fa3_gluon_backward(q, q, q, q, q, lse, softmax_scale=scale, causal=causal, config=cfg)

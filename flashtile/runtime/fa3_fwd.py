@@ -453,14 +453,14 @@ def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tu
     if use_gluon(d, causal):
         from flashtile.runtime.fa3_gluon import gluon_launch
 
-        gluon_launch(q, k, v, out, lse, softmax_scale, causal, _gluon_cfg(q, k, causal))
+        gluon_launch(q, k, v, out, lse, softmax_scale, causal, gluon_dispatch_config(q, k, causal))
         return out, lse
     with on_device(q):
         launch(q, k, v, out, lse, softmax_scale * LOG2E, causal, fa3_config(d, causal, nq, nk))
     return out, lse
 
 
-def _gluon_cfg(q, k, causal: bool):
+def gluon_dispatch_config(q, k, causal: bool):
     """The Gluon config of a forward on these (B, H, N, d) views (``fa3_gluon.gluon_config``'s row for the head
     dim, host descriptors from ``HOST_DESC_MIN_WORK``, the causal schedulers by key count)."""
     from flashtile.runtime.fa3_gluon import (DYNAMIC_MIN_KEYS, HOST_DESC_MIN_WORK, NARROW_PERSISTENT_MAX_KEYS,
@@ -484,7 +484,7 @@ def forward_plan(q, k, v, out, lse, causal: bool):
     if use_gluon(d, causal):
         from flashtile.runtime import fa3_gluon
 
-        cfg = _gluon_cfg(q, k, causal)
+        cfg = gluon_dispatch_config(q, k, causal)
         args = fa3_gluon.gluon_args(q, k, v, out, causal, cfg)
         run = fa3_gluon.gluon_launcher(args, fa3_gluon.gluon_dynamic(args, q, k, v, out, lse, 1.0))
         device_desc = args.descs is None
