@@ -409,8 +409,8 @@ def _cmd_bench_sm90(args: argparse.Namespace) -> int:
     for row in rows:
         for k in row["kernels"]:
             if "error" in k:
-                table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"], f"[red]{k['error']}[/red]",
-                              "", "", "")
+                table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"],
+                              f"[red]{k['error']}[/red]", "", "", "")
             else:
                 table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"], str(k["registers"]),
                               f"{k['spill_stores']} / {k['spill_loads']}", f"{k['bar_sync']} / {k['bar_arrive']}",

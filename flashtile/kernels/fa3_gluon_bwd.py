@@ -214,7 +214,8 @@ def _red_add(base, tile, N: gl.constexpr, ROW_STRIDE: gl.constexpr, LAYOUT: gl.c
 
 @gluon.jit
 def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col, WAITED: gl.constexpr = False):
-    """:func:`_dq_tma_add` into head ``g`` of a rank-3 [group, rows, BLOCK_D] accumulator descriptor (``GROUP_LOOP``)."""
+    """:func:`_dq_tma_add` into head ``g`` of a rank-3 accumulator descriptor: [group, rows, BLOCK_D] built in the
+    kernel (``GROUP_LOOP``), or the host's over (B * Hq, rows, BLOCK_D) (``HOST_DESC``)."""
     if not WAITED:
         tma.store_wait(0)
         gl.thread_barrier()
@@ -228,7 +229,8 @@ def _dq_tma_add3(dq_desc, dq_tile, dq, g, row, col, WAITED: gl.constexpr = False
 def _dq_tma_add(dq_desc, dq_tile, dq, row, col, WAITED: gl.constexpr = False):
     """``dq`` (fp32, this warpgroup's registers) added into the accumulator's box at (row, col) by one TMA bulk
     reduce-add from the warpgroup's shared tile ``dq_tile``.  ``WAITED``: the issuing threads waited for their
-    previous reduces before a barrier of the whole warpgroup (``NAMED_BARS``' dSᵀ rendezvous), so none here."""
+    previous reduces before a barrier of the whole warpgroup (``NAMED_BARS``' dSᵀ rendezvous), so no wait and no
+    warpgroup barrier here (Triton 3.6 still follows that earlier wait with a warpgroup ``bar.sync`` of its own)."""
     if not WAITED:
         tma.store_wait(0)  # the issuing threads' previous reduces have read the tile (a step ago: no stall expected)
         gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it

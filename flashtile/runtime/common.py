@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 import warnings
 
 import torch
@@ -81,6 +82,7 @@ def triton_release(version: str = triton.__version__) -> tuple[int, int]:
 HOPPER_TRITONS = ((3, 6),)
 HOPPER_TRITON = triton_release() in HOPPER_TRITONS or os.environ.get("FLASHTILE_ANY_TRITON", "0") == "1"
 _warned = []
+_WARN_LOCK = threading.Lock()
 
 
 def hopper_target(cap: tuple[int, int]) -> bool:
@@ -89,10 +91,14 @@ def hopper_target(cap: tuple[int, int]) -> bool:
     if cap != (9, 0):
         return False
     if not HOPPER_TRITON and not _warned:
-        _warned.append(True)
-        tested = ", ".join(f"{a}.{b}" for a, b in HOPPER_TRITONS)
-        warnings.warn(f"flashtile's Hopper kernels are tested on Triton {tested}; this is Triton {triton.__version__}, "
-                      f"so sm_90 runs the FA2 kernels (FLASHTILE_ANY_TRITON=1 tries the Hopper ones)", stacklevel=3)
+        with _WARN_LOCK:
+            first = not _warned
+            _warned.append(True)
+        if first:
+            tested = ", ".join(f"{a}.{b}" for a, b in HOPPER_TRITONS)
+            warnings.warn(f"flashtile's Hopper kernels are tested on Triton {tested}; this is Triton "
+                          f"{triton.__version__}, so sm_90 runs the FA2 kernels (FLASHTILE_ANY_TRITON=1 tries the "
+                          f"Hopper ones)", stacklevel=2)
     return HOPPER_TRITON
 
 

@@ -144,8 +144,8 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
     d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
     one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
-    :func:`group_loop_wins`.  ``named_bars`` and ``host_desc`` stay off: built and GPU-tested, not yet timed
-    (bench/NOTES.md "Gluon backward: named barriers and host descriptors")."""
+    :func:`group_loop_wins`.  ``named_bars`` and ``host_desc`` stay off: compiled offline, GPU tests and
+    timing pending (bench/NOTES.md "Gluon backward: named barriers and host descriptors")."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -359,12 +359,15 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     dev = q.device
     acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
     stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
+    cfg = _host_desc_or_not(cfg, q, k, v, dout, stats, None)
+    descs = functools.partial(host_descriptors, cfg=cfg) if cfg.host_desc else lambda *views: (None,) * 6
     kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, acc, causal, cfg)
     p_grid, p_static = post_args(acc, dq)
     stats_run = launcher(stats_preprocess_kernel, s_grid, (out, dout, lse, stats, acc, lse), s_static, num_warps=4,
                          num_stages=1)
     wide = d in WIDE_HEAD_DIMS
-    main_run = launcher(kernel, grid, _bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, 1.0),
+    main_run = launcher(kernel, grid, _bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, 1.0,
+                                                   descs(q, k, v, dout, stats, acc)),
                         static, num_warps=4, num_stages=3, bind=BIND_LAUNCH)
     post_run = launcher(dq_postprocess_kernel, p_grid, (acc, dq, acc, 1.0), p_static, num_warps=4, num_stages=1)
 
@@ -373,7 +376,8 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
         acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
         stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
         stats_run(out, dout, lse, stats, acc, lse)  # also zeroes the dQ accumulator
-        main_run(*_bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, softmax_scale))
+        main_run(*_bwd_dynamic(wide, q, k, v, dout, stats, stats, dk, dv, acc, acc, acc, softmax_scale,
+                               descs(q, k, v, dout, stats, acc)))
         post_run(acc, dq, acc, float(softmax_scale))
 
     return run
@@ -595,7 +599,7 @@ def _desc_layouts(bd: int, dtype: torch.dtype, dq_split: bool, dq_tma: bool, dq_
 
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
     """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes and strides are
-    read (of ``varlen``, its ints and cu_seqlens_q's length)."""
+    read (of ``varlen``, its ints and cu_seqlens_q's length); ``cfg`` as launched (:func:`_host_desc_or_not`)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
@@ -626,7 +630,7 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
                   cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None, cfg.named_bars,
-                  cfg.host_desc and varlen is None)
+                  cfg.host_desc)
     return kernel, grid, static
 
 

@@ -138,7 +138,8 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
         assert by[name]["tflops"] == pytest.approx(flops / (by[name]["ms"] * 1e-3) / 1e12)
     configs.clear()
     _fake_gluon_bwd(monkeypatch, [1.0] * 2)
-    wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, *(torch.randn(1, 2, 8, 256, dtype=torch.bfloat16),) * 4)}
+    x = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
+    wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, x, x, x, x)}
     assert "tflops" in wide["gluon bwd"] and "tflops" in wide["gluon bwd no ping-pong"]
     for name in ("gluon bwd, named barriers", "gluon bwd, host descriptors"):
         assert wide[name]["error"].startswith("ValueError") and "head_dim 128" in wide[name]["error"]

@@ -265,6 +265,40 @@ def test_launcher_host_descriptors(monkeypatch, d, group_loop):
         assert all(bound[n] is None for n in ("QDesc", "KDesc", "VDesc", "DODesc", "StatsDesc", "DQDesc"))
 
 
+def test_plan_builds_host_descriptors_per_call(monkeypatch):
+    """``backward_plan`` with a ``host_desc`` config (the table's once timed): HOST_DESC bound, and each run passes
+    descriptors over that run's own q, k, v, dout, statistics and accumulator; without it, Nones."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+
+    runs = []
+
+    def launcher(kernel, grid, dynamic, static, **kw):
+        return lambda *dyn: runs.append((kernel, dyn, static))
+
+    monkeypatch.setattr(launch_mod, "launcher", launcher)
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    b, h, n, d = 2, 4, 300, 128
+    q1, q2 = (torch.zeros(b, h, n, d, dtype=BF16) for _ in range(2))
+    lse = torch.zeros(b, h, n)
+    for host in (True, False):
+        cfg = replace(gluon_bwd_config(d, True), host_desc=host)
+        monkeypatch.setattr(fa3_gluon_bwd, "_config_for", lambda q, k, causal, cfg=cfg: cfg)
+        run = fa3_gluon_bwd.backward_plan(q1, q1, q1, q1, q1, lse, q1, q1, q1, True)
+        for q in (q1, q2):
+            runs.clear()
+            run(q, q, q, q, q, lse, q, q, q, 0.125)
+            kernel, dyn, static = runs[1]
+            bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dyn, *static)))
+            assert bound["HOST_DESC"] is host
+            if host:
+                assert all(bound[name].base is q for name in ("QDesc", "KDesc", "VDesc", "DODesc"))
+                assert bound["StatsDesc"].base is bound["LSE"] and bound["DQDesc"].base is bound["DQacc"]
+            else:
+                assert all(bound[name] is None for name in ("QDesc", "KDesc", "VDesc", "DODesc", "StatsDesc",
+                                                            "DQDesc"))
+
+
 def test_launcher_group_loop(monkeypatch):
     """``group_loop`` (GQA): one program per (batch, kv head, kv tile), GROUP_LOOP set, dK / dV written straight
     into the kv heads' gradients in q's dtype (no fp32 partials, no sum on the host); refused without stats_smem
@@ -1188,6 +1222,18 @@ def test_gpu_varlen_matches_oracle(d, causal, hq, hk, lens):
     empty q sequence, an empty kv sequence, Nq != Nk (bottom-right causal); one long sequence; 300 tiny ones;
     max_seqlen above the real maxima.  Structural zeros exact."""
     _check_varlen(d, causal, hq, hk, lens)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_varlen_named_bars(monkeypatch, d, causal):
+    """The packed backward with ``named_bars`` (its config is the table's: switched on there): mixed lengths
+    with empty sequences, GQA 4:2 (programs of an empty sequence return before the partitions start)."""
+    table = fa3_gluon_bwd.gluon_bwd_config
+    monkeypatch.setattr(fa3_gluon_bwd, "gluon_bwd_config", lambda d, causal: replace(table(d, causal), named_bars=True))
+    _check_varlen(d, causal, 4, 2, "mixed")
 
 
 @pytest.mark.gpu
