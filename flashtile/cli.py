@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train|sm90]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train|sm90|configs]`."""
 
 from __future__ import annotations
 
@@ -423,6 +423,48 @@ def _cmd_bench_sm90(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_configs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench import configs
+    from flashtile.bench.common import write_json
+
+    console = Console()
+    try:
+        variants = dict(configs.parse_variant(spec) for spec in args.variant or ())
+        grid = [(d, n, c) for d in args.head_dims for n in args.seqlens
+                for c in ([False, True] if args.causal == "both" else [args.causal == "yes"])]
+        with console.status(f"configs {args.routine}") as status:
+            payload = configs.run_configs(args.routine, grid, variants, rounds=args.rounds,
+                                          progress=lambda what: status.update(what))
+    except (RuntimeError, ValueError) as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    table = Table(title=f"{args.routine} on {payload['env']['device']}: TFLOP/s (x the dispatched config)")
+    names = list(dict.fromkeys(r["variant"] for r in payload["rows"]))
+    for col in ("d", "N", "causal", *names):
+        table.add_column(col, justify="right")
+    for d, n, causal in dict.fromkeys((r["head_dim"], r["seqlen"], r["causal"]) for r in payload["rows"]):
+        at = {r["variant"]: r for r in payload["rows"] if (r["head_dim"], r["seqlen"], r["causal"]) == (d, n, causal)}
+        base = at.get("dispatch", {}).get("tflops")
+        cells = [str(d), str(n), "y" if causal else "n"]
+        for name in names:
+            r = at.get(name, {})
+            if "tflops" not in r:
+                cells.append("[red]failed[/red]" if "error" in r else "—")
+            else:
+                cells.append(f"{r['tflops']:.0f}" + (f" ({r['tflops'] / base:.2f}x)" if base else ""))
+        table.add_row(*cells)
+    console.print(table)
+    for r in payload["rows"]:
+        if "error" in r:
+            console.print(f"d={r['head_dim']} N={r['seqlen']} causal={r['causal']} {r['variant']}: {r['error']}")
+    path = write_json(payload, args.out, f"configs-{args.routine}")
+    console.print(f"wrote {path}")
+    return 0
+
+
 def ring_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command `flashtile bench ring` runs: one process per GPU, the options passed through."""
     from flashtile.bench.ring import to_argv
@@ -615,6 +657,17 @@ def build_parser() -> argparse.ArgumentParser:
     s90.add_argument("--sass", action="store_true", help="with --dump: the SASS too (cuobjdump)")
     s90.add_argument("--out", default=None, help="folder for the JSON (sm90-<routine>_offline-sm90a.json)")
     s90.set_defaults(func=_cmd_bench_sm90)
+    cfs = bsub.add_parser("configs", help="the dispatched Hopper config against named variants of it (checked "
+                                          "against FA2, timed in interleaved rounds, FA3 beside the forward)")
+    cfs.add_argument("routine", choices=["gluon-fwd", "gluon-bwd"])
+    cfs.add_argument("--variant", action="append", metavar="'NAME: FIELD=VALUE ...'",
+                     help="a config variant (repeatable), e.g. '3wg dynamic: num_wg=3 persistent=True dynamic=True'")
+    cfs.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    cfs.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    cfs.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    cfs.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    cfs.add_argument("--out", default="bench/results")
+    cfs.set_defaults(func=_cmd_bench_configs)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
                                              "block and Hadamard-rotated FP8 attention on outlier inputs")
     fp8.add_argument("--batch", type=int, default=1)

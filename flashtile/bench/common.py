@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -96,3 +97,34 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0:
         return float((x - ref).norm())
     return float((x - ref).norm() / den)
+
+
+def check_row(row: dict, call, got, ref, timed: list) -> None:
+    """Run ``call`` once; its outputs ``got()`` within 2e-2 of each of ``ref``'s max|x| put (row, call) in ``timed``,
+    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects)."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        err = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got(), ref))
+        row["max_rel_err_vs_fa2"] = err
+        if err > 2e-2:
+            row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
+        else:
+            timed.append((row, call))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def time_rounds(timed: list, rounds: int, flops: float, peak: float = 989.0, timer=None) -> None:
+    """``rounds`` interleaved rounds (every row once per round, in the same order): a row's ms is the median over
+    rounds (``ms_rounds`` each round's), so that the run-to-run drift of the machine hits every variant alike;
+    TFLOP/s from ``flops`` and % of ``peak`` (TFLOP/s, dense bf16 H100 SXM by default).  ``timer``: ms of one call
+    (:func:`median_ms` by default)."""
+    timer = timer or median_ms
+    for _ in range(rounds):
+        for row, call in timed:
+            row.setdefault("ms_rounds", []).append(timer(call))
+    for row, _ in timed:
+        ms = statistics.median(row["ms_rounds"])
+        row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        row["pct_peak"] = 100 * row["tflops"] / peak

@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from typing import Callable
 
 import torch
 
-from flashtile.bench.common import environment, median_ms
+from flashtile.bench.common import check_row, environment, median_ms, time_rounds
 
 __all__ = ["VARIANTS", "NOT_EXPRESSIBLE", "PEAK_TFLOPS", "run_ablation", "plot"]
 
@@ -171,7 +170,7 @@ def _point(d, n, b, h, causal, variants, progress=None, rounds=1) -> list[dict]:
 
 def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1) -> list[dict]:
     """The Gluon kernel's schedule rows: each variant checked against FA2's output, then the ones that pass timed
-    in ``rounds`` interleaved rounds (:func:`_time_rounds`)."""
+    in ``rounds`` interleaved rounds (:func:`~flashtile.bench.common.time_rounds`)."""
     from flashtile.runtime.fa3_gluon import GLUON_HEAD_DIMS, fa3_gluon_forward, gluon_config
 
     if d not in GLUON_HEAD_DIMS:
@@ -188,8 +187,8 @@ def _gluon_rows(d, n, b, h, causal, q, k, v, ref, flops, progress=None, rounds=1
         def call(cfg=cfg, out=out):
             fa3_gluon_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, config=cfg)
 
-        _check_row(row, call, lambda out=out: [out], [ref], timed)
-    _time_rounds(timed, rounds, flops)
+        check_row(row, call, lambda out=out: [out], [ref], timed)
+    time_rounds(timed, rounds, flops, PEAK_TFLOPS["bf16"], timer=median_ms)
     return rows
 
 
@@ -227,37 +226,9 @@ def _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress=None, rounds=1) 
             fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, dq=grads[0], dk=grads[1],
                                dv=grads[2], config=cfg)
 
-        _check_row(row, call, lambda grads=grads: grads, ref, timed)
-    _time_rounds(timed, rounds, flops)
+        check_row(row, call, lambda grads=grads: grads, ref, timed)
+    time_rounds(timed, rounds, flops, PEAK_TFLOPS["bf16"], timer=median_ms)
     return rows
-
-
-def _check_row(row: dict, call, got, ref, timed: list) -> None:
-    """Run ``call`` once; its outputs ``got()`` within 2e-2 of each of ``ref``'s max|x| put (row, call) in ``timed``,
-    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects)."""
-    try:
-        call()
-        torch.cuda.synchronize()
-        err = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got(), ref))
-        row["max_rel_err_vs_fa2"] = err
-        if err > 2e-2:
-            row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
-        else:
-            timed.append((row, call))
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-
-def _time_rounds(timed: list, rounds: int, flops: float) -> None:
-    """``rounds`` interleaved rounds (every row once per round, in the same order): a row's ms is the median over
-    rounds (``ms_rounds`` each round's), so that the run-to-run drift of the machine hits every variant alike."""
-    for _ in range(rounds):
-        for row, call in timed:
-            row.setdefault("ms_rounds", []).append(median_ms(call))
-    for row, _ in timed:
-        ms = statistics.median(row["ms_rounds"])
-        row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        row["pct_peak"] = 100 * row["tflops"] / PEAK_TFLOPS["bf16"]
 
 
 def run_ablation(grid=None, variants=tuple(VARIANTS), progress=None, rounds: int = 1, backward: bool = False) -> dict:
