@@ -1030,10 +1030,17 @@ def test_gpu_named_bars(d, causal, shape, flags):
     """``named_bars`` on the table's configs (ring releases, turns and the dSᵀ rendezvous on hardware barriers;
     no ds_empty): ragged, GQA, one query row, 64 ring rounds at 4k; with ping-pong off, dQ by register reductions,
     unsplit dQ (no rendezvous), group_loop across heads, and the plain config (mbarrier-free ring only)."""
+    _check_switch(d, causal, shape, dict(named_bars=True, **flags), seed=shape[3] + d + 3 * causal)
+
+
+def _check_switch(d, causal, shape, fields, seed, layout="bhnd"):
+    """The table's config with ``fields`` replaced against the float64 oracle on (b, hq, hk, nq, nk) ``shape``
+    inputs stored (B, H, N, d) or (B, N, H, d) (``layout``), structural zeros exact."""
     b, hq, hk, nq, nk = shape
-    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=nq + d + 3 * causal)
-    cfg = replace(gluon_bwd_config(d, causal), named_bars=True, **flags)
-    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
+    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=seed)
+    if layout == "bnhd":
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(gluon_bwd_config(d, causal), **fields))
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
@@ -1053,14 +1060,7 @@ def test_gpu_host_descriptors(d, causal, shape, flags, layout):
     whole tensors (coordinates batch, head, row): ragged, GQA partials and the group loop, one query row, 4k, with
     named barriers, the plain config (no statistics or dQ tiles: K / V / Q / dO only); (B, H, N, d) and
     (B, N, H, d) storage."""
-    b, hq, hk, nq, nk = shape
-    q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=nq + d + 5 * causal)
-    if layout == "bnhd":
-        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
-    cfg = replace(gluon_bwd_config(d, causal), host_desc=True, **flags)
-    got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
-    assert_grads(got, ref)
-    assert_exact_zeros(got, visible)
+    _check_switch(d, causal, shape, dict(host_desc=True, **flags), seed=shape[3] + d + 5 * causal, layout=layout)
 
 
 @pytest.mark.gpu
