@@ -46,8 +46,11 @@ _LAZY = {
     "ring_flash_attn_func": "flashtile.distributed.ring",
     "ring_flash_attn_kvpacked_func": "flashtile.distributed.ring",
     "ring_flash_attn_qkvpacked_func": "flashtile.distributed.ring",
+    "ring_flash_attn_varlen_func": "flashtile.distributed.ring_varlen",
     "scaled_dot_product_attention": "flashtile.ops.sdpa",
+    "shard_packed": "flashtile.distributed.sharding",
     "ulysses_flash_attn_func": "flashtile.distributed.ulysses",
+    "unshard_packed": "flashtile.distributed.sharding",
     "zigzag_shard": "flashtile.distributed.sharding",
     "zigzag_unshard": "flashtile.distributed.sharding",
 }

@@ -23,6 +23,8 @@ __all__ = [
     "zigzag_unshard",
     "contiguous_shard",
     "contiguous_unshard",
+    "shard_packed",
+    "unshard_packed",
 ]
 
 
@@ -139,3 +141,58 @@ def contiguous_shard(x: torch.Tensor, group: object = None, dim: int = 1) -> tor
 def contiguous_unshard(x: torch.Tensor | Sequence[torch.Tensor], group: object = None, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`contiguous_shard`."""
     return unshard_sequence(x, group, layout="contiguous", dim=dim)
+
+
+def _lengths(cu_seqlens: object, name: str, total: int) -> list[int]:
+    """The per-sequence lengths of an int32 (batch + 1,) cumulative-length tensor over ``total`` packed tokens
+    (read on the host), checked: starts at 0, non-decreasing, ends at ``total``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int32 torch.Tensor (batch + 1,), got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+    cu = cu_seqlens.tolist()
+    if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}, got {cu}")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, group: object = None, *,
+                 layout: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of a packed batch ``x`` (total, ...): every sequence of ``cu_seqlens`` cut as
+    :func:`shard_sequence` cuts one (its length a multiple of P, 2P for ``zigzag``), the shards packed in order.
+    Returns ``(shard, local cu_seqlens)``, the local lengths 1 / P of the global ones (the same on every rank),
+    which is what :func:`~flashtile.distributed.ring_flash_attn_varlen_func` takes."""
+    _check_layout(layout)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise TypeError(f"x must be a packed (total, ...) torch.Tensor, got {type(x).__name__}")
+    rank, world = _rank_world(group)
+    lens = _lengths(cu_seqlens, "cu_seqlens", x.shape[0])
+    parts, start = [], 0
+    for i, n in enumerate(lens):
+        local = _chunk_len(n, world, layout, f"cu_seqlens (sequence {i})")
+        parts += [x.narrow(0, start + g, ln) for g, _, ln in segments(layout, world, rank, local)]
+        start += n
+    local_cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).div(world, rounding_mode="floor")
+    shard = torch.cat(parts) if parts else x.new_empty((0,) + tuple(x.shape[1:]))
+    return shard.contiguous(), local_cu.to(device=cu_seqlens.device, dtype=torch.int32)
+
+
+def unshard_packed(x: torch.Tensor | Sequence[torch.Tensor], cu_seqlens: torch.Tensor, group: object = None, *,
+                   layout: str = "zigzag", dim: int = 0) -> torch.Tensor:
+    """The full packed batch from shards made by :func:`shard_packed` (tokens along ``dim``): ``x`` this rank's
+    shard (gathered over ``group``, no autograd) or the list of every rank's shard in rank order;
+    ``cu_seqlens``: the *local* cumulative lengths."""
+    _check_layout(layout)
+    if isinstance(x, torch.Tensor):
+        pg = resolve_group(group)
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(shards, x.contiguous(), group=pg)
+    elif isinstance(x, (list, tuple)) and x and all(isinstance(s, torch.Tensor) for s in x):
+        shards = list(x)
+    else:
+        raise TypeError("x must be this rank's shard (a torch.Tensor) or a non-empty list of every rank's shard")
+    lens = _lengths(cu_seqlens, "cu_seqlens", shards[0].shape[dim])
+    seqs, start = [], 0
+    for n in lens:
+        seqs.append(_assemble([s.narrow(dim, start, n) for s in shards], layout, dim))
+        start += n
+    return torch.cat(seqs, dim=dim) if seqs else shards[0]

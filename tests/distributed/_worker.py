@@ -22,6 +22,46 @@ def full_inputs(case: dict, device="cpu"):
     return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
 
 
+def packed_inputs(case: dict, device="cpu"):
+    """A packed case's full q, k, v, dout (total, heads, d) and global int32 cu_seqlens_q / _k (``lens_q`` /
+    ``lens_k``: the sequences' global lengths), identical on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(case["seed"])
+    lens_q, lens_k = case["lens_q"], case.get("lens_k", case["lens_q"])
+    hq, hk, d = case["hq"], case["hk"], case["d"]
+    shapes = ((sum(lens_q), hq, d), (sum(lens_k), hk, d), (sum(lens_k), hk, d), (sum(lens_q), hq, d))
+    xs = tuple(torch.randn(s, generator=g).to(device) for s in shapes)
+    cu = [torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+          for lens in (lens_q, lens_k)]
+    return xs, cu[0], cu[1]
+
+
+def _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size):
+    """The packed ring on this rank's shards; (out, lse, dq, dk, dv) gathered back to full packed tensors."""
+    import torch
+
+    from flashtile.distributed import ring_varlen, sharding
+
+    layout = case["layout"]
+    if case.get("expect_error"):  # shards the sharding helper would refuse: 1 / P of each length, from the front
+        cq, ck = (torch.div(c, size, rounding_mode="floor").to(torch.int32) for c in (cu_q, cu_k))
+        qs, ks, vs, ds = q[:int(cq[-1])], k[:int(ck[-1])], v[:int(ck[-1])], dout[:int(cq[-1])]
+    else:
+        (qs, cq), (ks, ck), (vs, _), (ds, _) = (sharding.shard_packed(x, cu, (me, size), layout=layout)
+                                                for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k), (dout, cu_q)))
+    leaves = [x.detach().requires_grad_(True) for x in (qs, ks, vs)]
+    max_q, max_k = (int(c.diff().max()) if c.numel() > 1 else 0 for c in (cq, ck))
+    out, lse = ring_varlen.ring_flash_attn_varlen_func(
+        *leaves, cq, ck, max_q, max_k, group, causal=case.get("causal", False),
+        window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), layout=layout, return_lse=True)
+    out.backward(ds)
+    gather = lambda x, cu, dim=0: sharding.unshard_packed(  # noqa: E731
+        x.detach().contiguous(), cu, group, layout=layout, dim=dim).cpu()
+    return (gather(out, cq), gather(lse, cq, 1), gather(leaves[0].grad, cq), gather(leaves[1].grad, ck),
+            gather(leaves[2].grad, ck))
+
+
 def _call(case, fn, q, k, v, group):
     import torch
 
@@ -100,6 +140,15 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                 assert size == world, "a mesh case runs on all ranks"
                 group = init_device_mesh(device.type, (world,))
             layout = case.get("layout") or "contiguous"
+            if case["fn"] == "ring-varlen":
+                (q, k, v, dout), cu_q, cu_k = packed_inputs(case, device)
+                try:
+                    results[case["name"]] = _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size)
+                except Exception as e:  # noqa: BLE001 - a case that expects an error: the parent checks it
+                    if not case.get("expect_error"):
+                        raise
+                    results[case["name"]] = (type(e).__name__, str(e))
+                continue
             q, k, v, dout = full_inputs(case, device)
             if case.get("expect_error"):
                 group = _split(dist, world, size) or dist.new_group(list(range(world)))  # checked at a group's first call

@@ -69,6 +69,54 @@ def test_shard_layouts_agree_with_the_reference_and_round_trip():
         shard_sequence(x, (4, 4))
 
 
+def test_packed_shards_round_trip_and_refuse_bad_lengths():
+    """Every sequence of a packed batch sharded as one sequence is; local cu_seqlens 1 / P of the global ones."""
+    from flashtile.distributed import shard_packed, unshard_packed
+
+    lens = [16, 0, 8, 24]
+    cu = torch.tensor([0, 16, 16, 24, 48], dtype=torch.int32)
+    x = torch.arange(48 * 3).view(48, 3)
+    for layout in ("zigzag", "contiguous"):
+        shards = [shard_packed(x, cu, (r, 2), layout=layout) for r in range(2)]
+        for r, (s, local) in enumerate(shards):
+            assert local.dtype == torch.int32 and local.tolist() == [0, 8, 8, 12, 24]
+            starts = [0, 16, 16, 24]
+            want = torch.cat([x[a:a + n][shard_positions(n, 2, r, layout)] for a, n in zip(starts, lens)])
+            assert torch.equal(s, want)
+        assert torch.equal(unshard_packed([s for s, _ in shards], shards[0][1], layout=layout), x)
+    with pytest.raises(ValueError, match=r"sequence 2\).*multiple of 4"):
+        shard_packed(x[:46], torch.tensor([0, 16, 16, 22, 46], dtype=torch.int32), (0, 2))
+    with pytest.raises(ValueError, match="end at the packed length 48"):
+        shard_packed(x, torch.tensor([0, 16, 40], dtype=torch.int32), (0, 2))
+    with pytest.raises(ValueError, match="never decrease"):
+        shard_packed(x, torch.tensor([0, 24, 16, 48], dtype=torch.int32), (0, 2))
+    with pytest.raises(TypeError, match="int32"):
+        shard_packed(x, cu.long(), (0, 2))
+
+
+def test_packed_ring_refusals_name_the_argument():
+    """Checked before any communication: every rank raises the same error without a collective."""
+    from flashtile.distributed import ring_flash_attn_varlen_func
+
+    q, k = torch.zeros(12, 2, 16), torch.zeros(12, 1, 16)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    call = lambda *a, **kw: ring_flash_attn_varlen_func(*(a or (q, k, k, cu, cu, 8, 8)), **kw)  # noqa: E731
+    for args, kw, err, word in [
+        ((q, k, k, cu.long(), cu, 8, 8), {}, TypeError, "cu_seqlens_q"),
+        ((q, k, k, cu, cu, 8, "8"), {}, TypeError, "max_seqlen_k"),
+        ((q, k, k, torch.tensor([0, 4, 10], dtype=torch.int32), cu, 8, 8), {}, ValueError, "cu_seqlens_q"),
+        ((q.view(12, 32), k, k, cu, cu, 8, 8), {}, ValueError, "q must be 3-D"),
+        ((), dict(layout="striped"), ValueError, "layout"),
+        ((), dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+        ((), dict(alibi_slopes=torch.zeros(2)), NotImplementedError, "alibi_slopes"),
+        ((), dict(window_size=(2,)), ValueError, "window_size"),
+    ]:
+        with pytest.raises(err, match=word):
+            call(*args, **kw)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        call()  # the arguments pass: the group comes next
+
+
 def test_merge_partial_is_the_exact_lse_merge_and_never_nan():
     from flashtile.distributed.ring import merge_partial_
 

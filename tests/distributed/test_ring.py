@@ -51,9 +51,23 @@ CASES_2 = [
     _case("options-differ", layout="zigzag", seqlen=16, causal=True, expect_error="softcap"),
     _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
 ]
+CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) or P (contiguous); empty sequences
+    _case("varlen-zigzag-causal-gqa", fn="ring-varlen", layout="zigzag", seqlen=0, hq=4, hk=2, causal=True, seed=20,
+          lens_q=[16, 0, 8, 24]),
+    _case("varlen-contiguous-softcap", fn="ring-varlen", layout="contiguous", seqlen=0, softcap=3.0, seed=21,
+          lens_q=[6, 10, 2]),
+    _case("varlen-zigzag-window", fn="ring-varlen", layout="zigzag", seqlen=0, window=(5, 2), seed=22,
+          lens_q=[16, 12, 4]),
+    _case("varlen-contiguous-causal-cross", fn="ring-varlen", layout="contiguous", seqlen=0, causal=True, seed=23,
+          lens_q=[4, 8, 6], lens_k=[8, 12, 2]),
+    _case("varlen-zigzag-odd", fn="ring-varlen", layout="zigzag", seqlen=0, seed=24, lens_q=[6, 8],
+          expect_error="even"),
+]
 CASES_4 = [
     _case("zigzag-causal-gqa", layout="zigzag", seqlen=24, hq=4, hk=2, causal=True, seed=5),
     _case("contiguous-window-mesh", layout="contiguous", seqlen=20, window=(4, 4), mesh=True, seed=6),
+    _case("varlen-zigzag-causal-window", fn="ring-varlen", layout="zigzag", seqlen=0, hq=4, hk=1, causal=True,
+          window=(6, 0), seed=25, lens_q=[16, 8, 0, 24]),
     _case("contiguous-window-alibi-ulysses", fn="ulysses", layout="contiguous", seqlen=20, hq=4, hk=4,
           window=(4, 4), alibi=[0.5, 0.25, 0.125, 1.0], seed=7),
 ]
@@ -114,6 +128,38 @@ def _check(case: dict, got: tuple, device: str = "cpu", keep: torch.Tensor | Non
             assert err(a) <= 2 * err(s) + 2e-3, f"{case['name']} {what}: {err(a):.2e} vs one GPU {err(s):.2e}"
 
 
+def _check_varlen(case: dict, got: tuple) -> None:
+    """Gathered packed (out, lse, dq, dk, dv) against flash_attn_varlen_func on the full batch and, per sequence,
+    the float64 oracle (fp32 tolerance: the interpreter)."""
+    from flashtile import flash_attn_varlen_func
+    from tests.distributed._worker import packed_inputs
+
+    (q, k, v, dout), cu_q, cu_k = packed_inputs(case)
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+              softcap=case.get("softcap", 0.0))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    lens_q, lens_k = case["lens_q"], case.get("lens_k", case["lens_q"])
+    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+    out.backward(dout)
+    single = (out, lse, *(x.grad for x in leaves))
+    for what, a, s in zip(("out", "lse", "dq", "dk", "dv"), got, single):
+        assert_close(a, s, what=f"{case['name']} {what} vs flash_attn_varlen_func")
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lens_q)):
+        if lens_q[i] == 0:
+            continue
+        rows, cols = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        seq = lambda x, r: x[r].unsqueeze(0).transpose(1, 2)  # noqa: E731 - (1, H, N, d)
+        ref = attention_ref_grads(seq(q, rows), seq(k, cols), seq(v, cols), seq(dout, rows), causal=kw["causal"],
+                                  window=kw["window_size"], softcap=kw["softcap"])
+        mine = (seq(got[0], rows), got[1][:, rows].unsqueeze(0), seq(got[2], rows), seq(got[3], cols),
+                seq(got[4], cols))
+        for what, a, r in zip(("out", "lse", "dq", "dk", "dv"), mine, ref):
+            if lens_k[i] == 0 and what in ("dk", "dv"):
+                continue
+            assert_close(a, r, dtype=torch.float32, what=f"{case['name']} sequence {i} {what} vs float64 oracle")
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """One spawn of 4 ranks: the 2-rank cases on groups {0, 1} and {2, 3} side by side, then the
@@ -125,6 +171,9 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
 def test_two_ranks(spawned, case, pair):
     got = spawned[(2, pair)]
+    if case["fn"] == "ring-varlen":
+        _check_varlen(case, got[case["name"]])
+        return
     keep = _ring_keep_mask(case, 2, got[case["name"] + ":philox"]) if case.get("dropout") else None
     _check(case, got[case["name"]], keep=keep)
 
@@ -149,7 +198,16 @@ def test_ulysses_heads_not_divisible_raise(spawned, pair):
 
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
 def test_four_ranks(spawned, case):
-    _check(case, spawned[(4, 0)][case["name"]])
+    if case["fn"] == "ring-varlen":
+        _check_varlen(case, spawned[(4, 0)][case["name"]])
+    else:
+        _check(case, spawned[(4, 0)][case["name"]])
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+def test_varlen_odd_local_lengths_raise_on_every_rank(spawned, pair):
+    kind, msg = spawned[(2, pair)]["varlen-zigzag-odd"]
+    assert kind == "ValueError" and msg.startswith("cu_seqlens_q:") and "even" in msg and "[0]" in msg
 
 
 # --------------------------------------------------------------------------- #
