@@ -31,7 +31,8 @@ def packed_inputs(case: dict, device="cpu"):
     lens_q, lens_k = case["lens_q"], case.get("lens_k", case["lens_q"])
     hq, hk, d = case["hq"], case["hk"], case["d"]
     shapes = ((sum(lens_q), hq, d), (sum(lens_k), hk, d), (sum(lens_k), hk, d), (sum(lens_q), hq, d))
-    xs = tuple(torch.randn(s, generator=g).to(device) for s in shapes)
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    xs = tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
     cu = [torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
           for lens in (lens_q, lens_k)]
     return xs, cu[0], cu[1]
