@@ -253,9 +253,8 @@ def fa3_forward_fp8(
     from flashtile.runtime.decode import error_flags
 
     b, hk, nk, d = k.shape
-    if q.device.type != "cuda":
-        raise NotImplementedError("fa3_forward_fp8 needs an sm_90 (Hopper) CUDA device")
-    require_hopper("fa3_forward_fp8", q.get_device())
+    if q.device.type == "cuda":  # CPU tensors: the Triton kernel through the interpreter (tests)
+        require_hopper("fa3_forward_fp8", q.get_device())
     if out is not None and not _tma_ready(out):
         raise ValueError("out must be descriptor-ready: unit stride on d, 16-byte aligned base and strides")
     out, lse, work = outputs(q, k, out, torch.bfloat16)
