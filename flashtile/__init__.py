@@ -50,6 +50,7 @@ _LAZY = {
     "scaled_dot_product_attention": "flashtile.ops.sdpa",
     "shard_packed": "flashtile.distributed.sharding",
     "ulysses_flash_attn_func": "flashtile.distributed.ulysses",
+    "ulysses_flash_attn_varlen_func": "flashtile.distributed.ulysses",
     "unshard_packed": "flashtile.distributed.sharding",
     "zigzag_shard": "flashtile.distributed.sharding",
     "zigzag_unshard": "flashtile.distributed.sharding",

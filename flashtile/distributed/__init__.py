@@ -3,7 +3,8 @@
 * :func:`ring_flash_attn_func` (+ packed variants): ring attention, K/V blocks rotating around
   the ring with point-to-point transfers overlapped with the FA2 kernels (:mod:`.ring`);
   :func:`ring_flash_attn_varlen_func` the same over packed variable-length batches (:mod:`.ring_varlen`);
-* :func:`ulysses_flash_attn_func`: all-to-all head parallelism (:mod:`.ulysses`);
+* :func:`ulysses_flash_attn_func` (:func:`ulysses_flash_attn_varlen_func` for packed batches): all-to-all head
+  parallelism (:mod:`.ulysses`);
 * sharding helpers for the ``zigzag`` (causal-balanced) and ``contiguous`` layouts, of one sequence or of
   every sequence of a packed batch (:mod:`.sharding`).
 
@@ -19,6 +20,7 @@ _LAZY = {
     "merge_partial_": "flashtile.distributed.ring",
     "ring_flash_attn_varlen_func": "flashtile.distributed.ring_varlen",
     "ulysses_flash_attn_func": "flashtile.distributed.ulysses",
+    "ulysses_flash_attn_varlen_func": "flashtile.distributed.ulysses",
     "shard_sequence": "flashtile.distributed.sharding",
     "unshard_sequence": "flashtile.distributed.sharding",
     "zigzag_shard": "flashtile.distributed.sharding",

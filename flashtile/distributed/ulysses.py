@@ -19,7 +19,7 @@ from flashtile.distributed.ring import _check_agreement
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
 
-__all__ = ["ulysses_flash_attn_func"]
+__all__ = ["ulysses_flash_attn_func", "ulysses_flash_attn_varlen_func"]
 
 
 def _a2a(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -157,3 +157,105 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor, dim: int) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return x.index_select(dim, inverse)
+
+
+def _packed_order(layout: str, world: int, lens: list[int], device) -> torch.Tensor:
+    """Index of each position of the global packed batch (sequence i of length P n_i at its place) in the
+    rank-order concatenation of the packed shards (``sharding.shard_packed``: rank r's shard is the r-th block of
+    sum(n_i) rows, sequence i's segments at its local offset)."""
+    total = sum(lens)
+    where = torch.empty(world * total, dtype=torch.long)
+    g0 = l0 = 0
+    for n in lens:
+        for rank in range(world):
+            for g, loc, ln in segments(layout, world, rank, n):
+                where[g0 + g:g0 + g + ln] = torch.arange(rank * total + l0 + loc, rank * total + l0 + loc + ln)
+        g0, l0 = g0 + world * n, l0 + n
+    return where.to(device)
+
+
+@torch.compiler.disable
+def ulysses_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    group: object = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """:func:`flashtile.flash_attn_varlen_func` over a packed batch whose every sequence is sharded across the
+    ranks (:func:`~flashtile.distributed.shard_packed`), by all-to-all head parallelism: arguments and results as
+    :func:`~flashtile.distributed.ring_flash_attn_varlen_func` (local ``cu_seqlens``), heads as
+    :func:`ulysses_flash_attn_func` (nheads a multiple of P, nheads_k a multiple or a divisor); ``alibi_slopes``
+    and ``dropout_p`` are supported.  ``torch.compile`` runs it eagerly."""
+    from flashtile.ops.flash_attn import flash_attn_varlen_func
+
+    validate.check_qkv_tensors(("q", "k", "v"), q, k, v)
+    total_q, hq, hk, total_k, d, _ = validate.check_varlen_dims(q, k, v, paged=False)
+    batch = validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+    max_q = validate.check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_k = validate.check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    validate.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_q, max_k)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pg = resolve_group(group)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    lens_q, lens_k = torch.diff(cu_seqlens_q).tolist(), torch.diff(cu_seqlens_k).tolist()
+    # before any check that depends on shapes: a rank must not raise while the others wait
+    _check_agreement(pg, q.device, (batch, total_q, total_k, hq, hk, d, LAYOUTS.index(layout),
+                                    validate.SUPPORTED_DTYPES.index(q.dtype),
+                                    sum(i * n for i, n in enumerate(lens_q, 1)),
+                                    sum(i * n for i, n in enumerate(lens_k, 1))))
+    if hq % world:
+        raise ValueError(f"q: ulysses splits the heads over the {world} ranks, so its heads ({hq}) must be a "
+                         f"multiple of {world} (use ring_flash_attn_varlen_func)")
+    if hk % world and world % hk:
+        raise ValueError(f"k: ulysses splits the kv heads over the {world} ranks, so their number ({hk}) must be a "
+                         f"multiple or a divisor of {world} (use ring_flash_attn_varlen_func)")
+    if layout == "zigzag":
+        for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k)):
+            odd = [i for i, n in enumerate(lens) if n % 2]
+            if odd:
+                raise ValueError(f"{name}: a zigzag shard holds two equal chunks of each sequence, so every local "
+                                 f"length must be even; sequences {odd[:8]} are not (use layout='contiguous')")
+    if alibi_slopes is not None:
+        # the rest of its checks are flash_attn_varlen_func's, on this rank's heads
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor (nheads,) or (batch, nheads), got "
+                            f"{type(alibi_slopes).__name__}")
+        if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)):
+            raise ValueError(f"alibi_slopes must have shape (nheads,) = ({hq},) or (batch, nheads) = ({batch}, {hq}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        hh = hq // world
+        alibi_slopes = alibi_slopes[..., rank * hh:(rank + 1) * hh]
+    if hk < world:
+        k, v = (x.repeat_interleave(world // hk, dim=1) for x in (k, v))
+    qh, kh, vh = (_SeqToHeads.apply(x.unsqueeze(0), pg, world).squeeze(0) for x in (q, k, v))
+    q_order = _packed_order(layout, world, lens_q, q.device)
+    k_order = _packed_order(layout, world, lens_k, q.device)
+    qh, kh, vh = qh.index_select(0, q_order), kh.index_select(0, k_order), vh.index_select(0, k_order)
+    cu_q, cu_k = (c * world for c in (cu_seqlens_q, cu_seqlens_k))
+    out, lse = flash_attn_varlen_func(
+        qh, kh, vh, cu_q, cu_k, world * max_q, world * max_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_lse=True,
+    )
+    out = _HeadsToSeq.apply(_unpermute(out, q_order, 0).unsqueeze(0), pg, world).squeeze(0)
+    with torch.no_grad():
+        lse = _unpermute(lse, q_order, 1)  # (Hq / P, P total_q)
+        lse = _heads_to_seq(lse.t().unsqueeze(0).unsqueeze(-1), pg, world).squeeze(-1).squeeze(0).t().contiguous()
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out

@@ -42,7 +42,7 @@ def _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size):
     """The packed ring on this rank's shards; (out, lse, dq, dk, dv) gathered back to full packed tensors."""
     import torch
 
-    from flashtile.distributed import ring_varlen, sharding
+    from flashtile.distributed import ring_varlen, sharding, ulysses
 
     layout = case["layout"]
     if case.get("expect_error"):  # shards the sharding helper would refuse: 1 / P of each length, from the front
@@ -53,9 +53,13 @@ def _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size):
                                                 for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k), (dout, cu_q)))
     leaves = [x.detach().requires_grad_(True) for x in (qs, ks, vs)]
     max_q, max_k = (int(c.diff().max()) if c.numel() > 1 else 0 for c in (cq, ck))
-    out, lse = ring_varlen.ring_flash_attn_varlen_func(
-        *leaves, cq, ck, max_q, max_k, group, causal=case.get("causal", False),
-        window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0), layout=layout, return_lse=True)
+    fn = ulysses.ulysses_flash_attn_varlen_func if case["fn"] == "ulysses-varlen" else \
+        ring_varlen.ring_flash_attn_varlen_func
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
+              softcap=case.get("softcap", 0.0), layout=layout, return_lse=True)
+    if case.get("alibi"):
+        kw["alibi_slopes"] = torch.tensor(case["alibi"], dtype=torch.float32, device=q.device)
+    out, lse = fn(*leaves, cq, ck, max_q, max_k, group, **kw)
     out.backward(ds)
     gather = lambda x, cu, dim=0: sharding.unshard_packed(  # noqa: E731
         x.detach().contiguous(), cu, group, layout=layout, dim=dim).cpu()
@@ -141,7 +145,7 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                 assert size == world, "a mesh case runs on all ranks"
                 group = init_device_mesh(device.type, (world,))
             layout = case.get("layout") or "contiguous"
-            if case["fn"] == "ring-varlen":
+            if case["fn"].endswith("-varlen"):
                 (q, k, v, dout), cu_q, cu_k = packed_inputs(case, device)
                 try:
                     results[case["name"]] = _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size)

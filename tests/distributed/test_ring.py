@@ -62,6 +62,10 @@ CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) o
           lens_q=[4, 8, 6], lens_k=[8, 12, 2]),
     _case("varlen-zigzag-odd", fn="ring-varlen", layout="zigzag", seqlen=0, seed=24, lens_q=[6, 8],
           expect_error="even"),
+    _case("varlen-ulysses-zigzag-causal-mqa", fn="ulysses-varlen", layout="zigzag", seqlen=0, hq=4, hk=1,
+          causal=True, seed=26, lens_q=[16, 0, 8, 12]),
+    _case("varlen-ulysses-contiguous-window-alibi", fn="ulysses-varlen", layout="contiguous", seqlen=0, hq=4,
+          hk=2, window=(3, 2), alibi=[0.5, 0.25, 0.125, 0.0625], seed=27, lens_q=[6, 10], lens_k=[8, 4]),
 ]
 CASES_4 = [
     _case("zigzag-causal-gqa", layout="zigzag", seqlen=24, hq=4, hk=2, causal=True, seed=5),
@@ -139,9 +143,11 @@ def _check_varlen(case: dict, got: tuple, device: str = "cpu") -> None:
     got = tuple(x.to(device) for x in got)
     kw = dict(causal=case.get("causal", False), window_size=case.get("window", (-1, -1)),
               softcap=case.get("softcap", 0.0))
+    alibi = torch.tensor(case["alibi"], dtype=torch.float32, device=device) if case.get("alibi") else None
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     lens_q, lens_k = case["lens_q"], case.get("lens_k", case["lens_q"])
-    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+    out, lse = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                      alibi_slopes=alibi, **kw)
     out.backward(dout)
     single = (out, lse, *(x.grad for x in leaves))
     for what, a, s in zip(("out", "lse", "dq", "dk", "dv"), got, single):
@@ -153,7 +159,7 @@ def _check_varlen(case: dict, got: tuple, device: str = "cpu") -> None:
         rows, cols = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
         seq = lambda x, r: x[r].unsqueeze(0).transpose(1, 2)  # noqa: E731 - (1, H, N, d)
         ref = attention_ref_grads(seq(q, rows), seq(k, cols), seq(v, cols), seq(dout, rows), causal=kw["causal"],
-                                  window=kw["window_size"], softcap=kw["softcap"])
+                                  window=kw["window_size"], softcap=kw["softcap"], alibi=alibi)
         mine = (seq(got[0], rows), got[1][:, rows].unsqueeze(0), seq(got[2], rows), seq(got[3], cols),
                 seq(got[4], cols))
         theirs = (seq(single[0], rows), single[1][:, rows].unsqueeze(0), seq(single[2], rows), seq(single[3], cols),
@@ -179,7 +185,7 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
 def test_two_ranks(spawned, case, pair):
     got = spawned[(2, pair)]
-    if case["fn"] == "ring-varlen":
+    if case["fn"].endswith("-varlen"):
         _check_varlen(case, got[case["name"]])
         return
     keep = _ring_keep_mask(case, 2, got[case["name"] + ":philox"]) if case.get("dropout") else None
@@ -206,7 +212,7 @@ def test_ulysses_heads_not_divisible_raise(spawned, pair):
 
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c["name"])
 def test_four_ranks(spawned, case):
-    if case["fn"] == "ring-varlen":
+    if case["fn"].endswith("-varlen"):
         _check_varlen(case, spawned[(4, 0)][case["name"]])
     else:
         _check(case, spawned[(4, 0)][case["name"]])
@@ -231,6 +237,8 @@ def _gpu_cases(world):
               **{**big, "hk": world}),
         _case(f"nccl{world}-varlen-zigzag-causal", fn="ring-varlen", layout="zigzag", causal=True, seed=14,
               lens_q=[1024, 0, 2048, 512, 256], **{**big, "seqlen": 0}),
+        _case(f"nccl{world}-ulysses-varlen-causal", fn="ulysses-varlen", layout="zigzag", causal=True, seed=15,
+              lens_q=[1024, 512, 2048], **{**big, "seqlen": 0}),
     ]
 
 
@@ -242,4 +250,4 @@ def test_nccl_bf16_matches_one_gpu(world, tmp_path):
     cases = _gpu_cases(world)
     got = _spawn(world, [(world, cases)], tmp_path, backend="nccl")[(world, 0)]
     for case in cases:
-        (_check_varlen if case["fn"] == "ring-varlen" else _check)(case, got[case["name"]], device="cuda")
+        (_check_varlen if case["fn"].endswith("-varlen") else _check)(case, got[case["name"]], device="cuda")
