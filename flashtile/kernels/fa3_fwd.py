@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.kernels._common import LN2, e4m3_exact, head_desc, query_tile
+from flashtile.kernels._common import LN2, e4m3_exact, head_desc, query_tile, tanh_
 from flashtile.kernels.block_info import kv_block_range, seq_base, seqlen_errors, seqlen_info
 from flashtile.kernels.fa2_fwd import ERR_CU_SEQLENS
 
@@ -88,16 +88,25 @@ def _descales_ok(qk_ds, qk_scale, v_ds):
 def _kv_step(
     acc, l_i, m_i, q, k_desc, v_desc, start_n, last_key, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr, EXACT_E4M3: tl.constexpr,
+    first_key=None, softcap=None,
 ):
     """One online-softmax update with kv tile [start_n, start_n + BLOCK_N).
 
     Unmasked scores stay unscaled: ``rowmax(qk) * qk_scale`` is the scaled max
-    because the wrapper makes ``qk_scale > 0`` (the kernel checks it with FP8 descales)."""
+    because the wrapper makes ``qk_scale > 0`` (the kernel checks it with FP8 descales).
+    ``first_key`` (a sliding window's left edge): keys below it are masked too.  ``softcap`` = (scale / cap,
+    cap * log2 e): S becomes cap * tanh(S * scale / cap) in log2 units, and the wrapper passes ``qk_scale`` 1."""
     k = k_desc.load([start_n, 0])
     qk = tl.dot(q, k.T)
+    if softcap is not None:
+        qk = tanh_(qk * softcap[0]) * softcap[1]
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        qk = tl.where(offs_n[None, :] <= last_key[:, None], qk, float("-inf"))
+        if first_key is not None:
+            seen = (offs_n[None, :] <= last_key[:, None]) & (offs_n[None, :] >= first_key[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
+        else:
+            qk = tl.where(offs_n[None, :] <= last_key[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
         # a row with no allowed key so far keeps m = -inf: subtract 0, never -inf - -inf
@@ -125,13 +134,14 @@ def _kv_step(
 def _kv_sweep(
     acc, l_i, m_i, q, k_desc, v_desc, lo, hi, last_key, qk_scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPEC: tl.constexpr, FP8: tl.constexpr,
-    EXACT_E4M3: tl.constexpr,
+    EXACT_E4M3: tl.constexpr, first_key=None, softcap=None,
 ):
     """Visit kv tiles lo, lo + BLOCK_N, ... < hi (lo a multiple of BLOCK_N)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _kv_step(acc, l_i, m_i, q, k_desc, v_desc, start_n, last_key, qk_scale,
-                                 BLOCK_N=BLOCK_N, MASKED=MASKED, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
+                                 BLOCK_N=BLOCK_N, MASKED=MASKED, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                 first_key=first_key, softcap=softcap)
     return acc, l_i, m_i
 
 
@@ -188,13 +198,16 @@ def _query_tile_fwd(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     seqlen_q, total_q, bh, tile, off_b, off_h, off_hk, q_start, len_q, k_start, len_k,
+    window_left, window_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, LOG2_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, WARP_SPEC: tl.constexpr, O_TMA: tl.constexpr,
     FP8: tl.constexpr, EXACT_E4M3: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """O and LSE of query tile ``tile`` (rows from ``tile * BLOCK_M``) of head ``off_h`` of one sequence: rows
-    ``q_start ..`` (``len_q`` of them) against keys ``k_start ..`` (``len_k``), both in the kernel's views."""
+    ``q_start ..`` (``len_q`` of them) against keys ``k_start ..`` (``len_k``), both in the kernel's views.
+    ``window_left`` / ``window_right``: a sliding window's bounds (bottom-right aligned, as ``causal``'s), None
+    where unbounded; ``softcap``: (scale / cap, cap * log2 e) or None."""
     qk_scale_in = qk_scale
     start_m = tile * BLOCK_M
     q_base = seq_base(Q, off_b, off_h, q_start, stride_qb, stride_qh, stride_qm, IS_VARLEN=IS_VARLEN)
@@ -226,17 +239,49 @@ def _query_tile_fwd(
     last_key = tl.full((BLOCK_M,), len_k - 1, tl.int32)
     if CAUSAL:
         last_key = tl.minimum(last_key, offs_m + (len_k - len_q))
-    # causal is the window (-1, 0); tiles below full_hi are clear of the diagonal and of the end of K
-    _lo, _full_lo, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, len_q, len_k, -1, 0,
-                                                BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
-    if WARP_SPEC:  # one loop (see the module docstring); the all-tiles mask still beats two loops at d >= 128
-        acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
+    if window_left is None and window_right is None:
+        # causal is the window (-1, 0); tiles below full_hi are clear of the diagonal and of the end of K
+        _lo, _full_lo, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, len_q, len_k, -1, 0,
+                                                    BLOCK_N=BLOCK_N, HAS_LEFT=False, HAS_RIGHT=CAUSAL)
+        if WARP_SPEC:  # one loop (see the module docstring); the all-tiles mask still beats two loops at d >= 128
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=CAUSAL or not EVEN_N, WARP_SPEC=True, FP8=FP8,
+                                      EXACT_E4M3=EXACT_E4M3, softcap=softcap)
+        else:
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, full_hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=False, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      softcap=softcap)
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      softcap=softcap)
     else:
-        acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, 0, full_hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=False, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
-        acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, last_key, qk_scale,
-                                  BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3)
+        # a sliding window: j in [i + Nk - Nq - left, i + Nk - Nq + right] (a None bound unbounded); its tiles
+        # [lo, hi), those in [full_lo, full_hi) clear of both edges and of the end of K
+        tl.static_assert(not CAUSAL, "causal is the window (left, 0): the wrapper passes it as one")
+        left = -1 if window_left is None else window_left
+        right = -1 if window_right is None else window_right
+        first_key = tl.full((BLOCK_M,), 0, tl.int32)
+        if window_left is not None:
+            first_key = offs_m + (len_k - len_q) - left
+        if window_right is not None:
+            last_key = tl.minimum(last_key, offs_m + (len_k - len_q) + right)
+        lo, full_lo, full_hi, hi = kv_block_range(start_m, start_m + BLOCK_M, len_q, len_k, left, right,
+                                                  BLOCK_N=BLOCK_N, HAS_LEFT=window_left is not None,
+                                                  HAS_RIGHT=window_right is not None)
+        if WARP_SPEC:
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, lo, hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=True, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      first_key=first_key, softcap=softcap)
+        else:
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, lo, full_lo, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      first_key=first_key, softcap=softcap)
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=False, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      softcap=softcap)
+            acc, l_i, m_i = _kv_sweep(acc, l_i, m_i, q, k_desc, v_desc, full_hi, hi, last_key, qk_scale,
+                                      BLOCK_N=BLOCK_N, MASKED=True, WARP_SPEC=False, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
+                                      first_key=first_key, softcap=softcap)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -270,7 +315,7 @@ def _query_tile_fwd(
 
 
 @triton.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "n_batch", "total_q",
-                               "total_k", "search_steps"])
+                               "total_k", "search_steps", "window_left", "window_right"])
 def fa3_fwd_kernel(
     Q, K, V, Out, LSE,
     QDescale, KDescale, VDescale, Err,  # FP8: float32 descales indexed [b, kv head]; FP8 or IS_VARLEN: the int32 error word
@@ -283,6 +328,9 @@ def fa3_fwd_kernel(
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles,
     n_batch, total_q, total_k, search_steps,  # IS_VARLEN only: B, rows of the packed q and k; PACKED_GRID's halvings
+    # a sliding window's bounds (not causal; None: unbounded) and softcap's (scale / cap, cap * log2 e) (qk_scale
+    # then 1); all None: no parameter
+    window_left, window_right, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, LOG2_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, WARP_SPEC: tl.constexpr, O_TMA: tl.constexpr,
@@ -306,6 +354,10 @@ def fa3_fwd_kernel(
     tl.static_assert(BLOCK_M == 1 << LOG2_BLOCK_M)
     tl.static_assert(not (IS_VARLEN and (FP8 or EVEN_N)), "packed batches: bf16 / fp16, ragged lengths")
     tl.static_assert(IS_VARLEN or not PACKED_GRID)
+    tl.static_assert(not FP8 or (softcap_in is None and window_left is None and window_right is None))
+    softcap = None
+    if softcap_in is not None:
+        softcap = (softcap_in, softcap_out)
     bh, tile, off_b, off_h, off_hk = query_tile(num_m_tiles, n_heads, kv_group, LAST_FIRST=CAUSAL)
     if PACKED_GRID:  # num_m_tiles slots per head (one "batch"): the slot's sequence and tile come from cu_seqlens_q
         slot = tile
@@ -327,6 +379,7 @@ def fa3_fwd_kernel(
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_ob, stride_oh, stride_om, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
                 seqlen_q, total_q, bh, tile, off_b, off_h, off_hk, q_start, len_q, k_start, len_k,
+                window_left, window_right, softcap,
                 HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, LOG2_BLOCK_M=LOG2_BLOCK_M, BLOCK_N=BLOCK_N,
                 CAUSAL=CAUSAL, EVEN_N=EVEN_N, WARP_SPEC=WARP_SPEC, O_TMA=O_TMA, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
                 IS_VARLEN=True,
@@ -337,6 +390,7 @@ def fa3_fwd_kernel(
             stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
             stride_ob, stride_oh, stride_om, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
             seqlen_q, total_q, bh, tile, off_b, off_h, off_hk, q_start, len_q, k_start, len_k,
+            window_left, window_right, softcap,
             HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, LOG2_BLOCK_M=LOG2_BLOCK_M, BLOCK_N=BLOCK_N,
             CAUSAL=CAUSAL, EVEN_N=EVEN_N, WARP_SPEC=WARP_SPEC, O_TMA=O_TMA, FP8=FP8, EXACT_E4M3=EXACT_E4M3,
             IS_VARLEN=False,

@@ -24,6 +24,7 @@ from flashtile.runtime.common import hopper_target, require_hopper
 from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits, on_device
 
 __all__ = ["Fa3Config", "fa3_config", "fa3_fp8_config", "fa3_forward", "forward_checked", "fa3_forward_fp8",
+           "banded_args",
            "fa3_varlen_forward", "launch", "smem_bytes", "packed_view", "prefer_hopper_varlen",
            "ensure_allocator", "outputs", "positive_scale", "SUPPORTED_HEAD_DIMS", "FP8_HEAD_DIMS", "ENABLED",
            "GLUON", "GLUON_VARLEN", "VARLEN_GRID", "use_gluon", "prefer_hopper", "prefer_hopper_fp8", "hopper_wins",
@@ -429,18 +430,53 @@ def fa3_forward(
     softmax_scale: float,
     causal: bool = False,
     out: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hopper attention forward on (B, H, N, d) views: returns ``(out, lse)``.
 
     Same contract as :func:`flashtile.kernels.fa2_fwd.fa2_forward` for the
     options it takes: ``out`` in q's dtype (written into the given view when
     passed), ``lse`` (B, Hq, Nq) float32 natural-log sum-exp, -inf (and a zero
-    output) on rows that see no key."""
+    output) on rows that see no key.  ``window_size`` (flash-attn's, bottom-right aligned; with ``causal`` its
+    right bound is 0) and ``softcap`` run the Triton kernel (:func:`banded_args`; the dispatch does not send them
+    here until timed)."""
+    from flashtile.ops import validate
+
     _check(q, k, v, out)
     softmax_scale = float(softmax_scale)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return forward_checked(q, k, v, softmax_scale, causal, out)
+    left, right = validate.check_window(causal, window_size)
+    cap = validate.check_softcap(softcap)
+    if cap == 0.0 and (left, right) == (-1, 0 if causal else -1):
+        return forward_checked(q, k, v, softmax_scale, causal, out)
+    out, lse, work = outputs(q, k, out, q.dtype)
+    if work:
+        q, softmax_scale = positive_scale(q, softmax_scale)
+        ensure_allocator()
+        nq, nk = q.shape[2], k.shape[2]
+        kernel_causal, window, caps, qk_scale = banded_args(left, right, cap, softmax_scale, nq, nk)
+        # a window masks a band as causal does: the causal row's tiles (d = 64: the non-causal ones spill 408 B)
+        cfg = fa3_config(q.shape[3], kernel_causal or window != (-1, -1), nq, nk)
+        with on_device(q):
+            launch(q, k, v, out, lse, qk_scale, kernel_causal, cfg, window=window, softcap=caps)
+    return out, lse
+
+
+def banded_args(left: int, right: int, softcap: float, softmax_scale: float, nq: int, nk: int) -> tuple:
+    """The Triton kernel's (causal, window, softcap pair, qk_scale) for a checked window (left, right) (-1
+    unbounded; causal is right = 0), ``softcap`` (0: none) and a positive scale: bounds that cannot bind dropped
+    (``unbind_window``), the plain causal window as the kernel's causal flag, softcap as (scale / cap,
+    cap * log2 e) with qk_scale 1 (the scores then come in log2 units), else qk_scale = scale * log2 e."""
+    from flashtile.ops.validate import unbind_window
+
+    left, right = unbind_window(left, right, nq, nk)
+    causal = left == -1 and right == 0
+    window = (-1, -1) if causal else (left, right)
+    if softcap > 0:
+        return causal, window, (softmax_scale / softcap, softcap * LOG2E), 1.0
+    return causal, window, None, softmax_scale * LOG2E
 
 
 def forward_checked(q, k, v, softmax_scale: float, causal: bool, out=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -582,17 +618,18 @@ def fa3_varlen_forward(
 
 
 def launch(q, k, v, out, lse, qk_scale: float, causal: bool, cfg: Fa3Config, descales=None, err=None,
-           varlen=None) -> None:
+           varlen=None, window=(-1, -1), softcap: tuple[float, float] | None = None) -> None:
     """One kernel launch on checked (B, H, N, d) views (also used by the interpreter test on CPU tensors).
 
     FP8: ``v`` is V transposed, (B, Hk, d, Nk) with unit stride on Nk; ``descales`` the (q, k, v)
     float32 descales broadcast to (B, Hk); ``err`` the device's int32 error word (FP8 or packed).
     Packed batch: ``varlen`` = ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, the views
-    (1, H, total, d) (:func:`packed_view`), ``lse`` (Hq, total_q)."""
+    (1, H, total, d) (:func:`packed_view`), ``lse`` (Hq, total_q).  ``window`` / ``softcap``:
+    :func:`launch_args`'s (16-bit only)."""
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
-    grid, static = launch_args(q, k, v, out, causal, cfg, descales, varlen)
+    grid, static = launch_args(q, k, v, out, causal, cfg, descales, varlen, window, softcap)
     dynamic = launch_dynamic(q, k, v, out, lse, qk_scale, descales, err, varlen)
     # bound once per problem signature (runtime.launch): through Triton's per-call binding the d = 128,
     # 1k-key forward ran at 0.56x FA2's throughput on an H100, bound once at 1.03-1.05x
@@ -608,10 +645,17 @@ def launch_dynamic(q, k, v, out, lse, qk_scale: float, descales=None, err=None, 
     return (q, k, v, out, lse, qs, ks, vs, lse if err is None else err, cu_q, cu_k, float(qk_scale))
 
 
-def launch_args(q, k, v, out, causal: bool, cfg: Fa3Config, descales=None, varlen=None) -> tuple[tuple, tuple]:
+def launch_args(q, k, v, out, causal: bool, cfg: Fa3Config, descales=None, varlen=None, window=(-1, -1),
+                softcap: tuple[float, float] | None = None) -> tuple[tuple, tuple]:
     """(grid, static arguments) of :func:`launch` on these views: only shapes and strides are read (of
-    ``varlen``, its ints and cu_seqlens_q's length)."""
+    ``varlen``, its ints and cu_seqlens_q's length).  ``window``: a sliding window's (left, right), -1 unbounded
+    (not causal); ``softcap``: (scale / cap, cap * log2 e), the launch's qk_scale then 1."""
     fp8 = descales is not None
+    left, right = window
+    if causal and (left, right) != (-1, -1):
+        raise ValueError(f"window: the kernel takes causal as its own flag, got causal with window {window}")
+    window_args = (None if left < 0 else int(left), None if right < 0 else int(right),
+                   *(softcap if softcap is not None else (None, None)))
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk
@@ -640,6 +684,7 @@ def launch_args(q, k, v, out, causal: bool, cfg: Fa3Config, descales=None, varle
         out.stride(0), out.stride(1), out.stride(2),
         *scale_strides,
         hq, hq // hk, nq, nk, num_m_tiles, n_batch, total_q, total_k, search_steps,
+        *window_args,
         # constexprs, in the kernel's order: HEAD_DIM, BLOCK_D, BLOCK_M, LOG2_BLOCK_M, BLOCK_N, CAUSAL, EVEN_N,
         # WARP_SPEC, O_TMA, FP8, EXACT_E4M3, IS_VARLEN (packed: lengths unknown on the host, so never EVEN_N),
         # PACKED_GRID

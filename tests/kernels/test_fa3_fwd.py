@@ -112,6 +112,45 @@ def test_interpreter_kernel(causal, nq, nk, warp_spec):
         assert_matches(out, lse, *oracle(q, k, v, d ** -0.5, causal))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test: CPU tensors")
+@pytest.mark.parametrize("window,causal,softcap", [
+    ((5, 3), False, 0.0), ((20, -1), False, 0.0), ((-1, 7), False, 0.0), ((9, 0), True, 0.0),
+    ((-1, -1), False, 2.5), ((-1, 0), True, 1.5), ((12, 4), False, 3.0), ((0, 0), False, 0.0)])
+@pytest.mark.parametrize("nq,nk,warp_spec", [(100, 100, False), (70, 45, True), (40, 90, False), (64, 130, True)])
+def test_interpreter_window_and_softcap(window, causal, softcap, nq, nk, warp_spec):
+    """A sliding window (both bounds, either alone, causal's (left, 0), the diagonal alone) and softcap through
+    :func:`banded_args` and the kernel, against the float64 oracle: rows a window leaves empty (Nq > Nk with
+    bottom-right alignment) output 0 and LSE -inf; both loop forms (warp-specialised: every tile masked)."""
+    from flashtile.ops.validate import check_window
+
+    b, hq, hk, d = 2, 2, 1, 48
+    q, k, v = qkv(b, hq, hk, nq, nk, d, torch.float16, "cpu", seq_major=True, seed=nq + nk)
+    scale = d ** -0.5
+    left, right = check_window(causal, window)
+    kernel_causal, kwin, caps, qk_scale = fa3_fwd.banded_args(left, right, softcap, scale, nq, nk)
+    assert kernel_causal == (left == -1 and right == 0)
+    for o_tma in (True, False):
+        out = torch.full((b, nq, hq, d), float("nan"), dtype=torch.float16).transpose(1, 2)
+        lse = torch.full((b, hq, nq), float("nan"))
+        fa3_fwd.launch(q, k, v, out, lse, qk_scale, kernel_causal, Fa3Config(64, 32, 4, 1, warp_spec, o_tma),
+                       window=kwin, softcap=caps)
+        qd, kd, vd = (x.detach().double() for x in (q, k, v))
+        assert_matches(out, lse, *attention_ref(qd, kd, vd, scale=scale, causal=causal, window=window,
+                                                softcap=softcap))
+
+
+def test_banded_args():
+    """Bounds that cannot bind dropped; causal's window as the kernel's flag; softcap folded into the scores."""
+    assert fa3_fwd.banded_args(-1, 0, 0.0, 0.5, 100, 100) == (True, (-1, -1), None, 0.5 * LOG2E)
+    assert fa3_fwd.banded_args(200, 0, 0.0, 0.5, 100, 100) == (True, (-1, -1), None, 0.5 * LOG2E)  # left >= Nk
+    assert fa3_fwd.banded_args(8, 0, 0.0, 0.5, 100, 100) == (False, (8, 0), None, 0.5 * LOG2E)
+    assert fa3_fwd.banded_args(8, 500, 0.0, 0.5, 100, 100) == (False, (8, -1), None, 0.5 * LOG2E)  # right >= Nq
+    assert fa3_fwd.banded_args(-1, -1, 4.0, 0.5, 10, 10) == (False, (-1, -1), (0.125, 4.0 * LOG2E), 1.0)
+    with pytest.raises(ValueError, match="causal"):
+        fa3_fwd.launch_args(*qkv(1, 1, 1, 8, 8, 16, torch.float16, "cpu"), torch.zeros(1, 1, 8, 16), True,
+                            Fa3Config(64, 32, 4, 1, False), window=(3, 0))
+
+
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
@@ -126,6 +165,25 @@ def test_matches_float64(d, causal, nq, nk):
     o, lse = fa3_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out)
     assert o is out
     assert_matches(o, lse, *oracle(q, k, v, d ** -0.5, causal))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("window,causal,softcap", [((256, 0), False, 0.0), ((300, 100), False, 0.0),
+                                                   ((-1, -1), False, 30.0), ((-1, 0), True, 50.0),
+                                                   ((128, 0), True, 20.0)])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (333, 517), (517, 200)])
+def test_gpu_window_and_softcap_match_float64(d, window, causal, softcap, nq, nk):
+    """``fa3_forward`` with a sliding window and / or softcap (the Triton kernel, warp-specialised where its
+    table says) against the float64 oracle; rows a window leaves empty output 0, LSE -inf."""
+    q, k, v = qkv(2, 4, 2, nq, nk, d, torch.bfloat16, "cuda", seq_major=True, seed=d + nq + nk)
+    out = torch.full((2, nq, 4, d), float("nan"), dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    o, lse = fa3_forward(q, k, v, softmax_scale=d ** -0.5, causal=causal, out=out, window_size=window,
+                         softcap=softcap)
+    qd, kd, vd = (x.detach().double().cpu() for x in (q, k, v))
+    assert_matches(o, lse, *attention_ref(qd, kd, vd, scale=d ** -0.5, causal=causal, window=window,
+                                          softcap=softcap))
 
 
 @pytest.mark.gpu

@@ -179,7 +179,8 @@ def test_varlen_launch_arguments(monkeypatch, host_on_cpu):
     assert err.data_ptr() == error_flags(torch.device("cpu")).data_ptr() + 4  # word 1: the kernel only stores
     assert qs.shape == (1, 4, 203, 64) and lse.shape == (4, 203) and out.shape == (1, 4, 203, 64)
     static = seen["static"]
-    strides, ints, consts = static[:18], static[18:27], static[27:]
+    strides, ints, window, consts = static[:18], static[18:27], static[27:31], static[31:]
+    assert window == (None,) * 4  # no sliding window or softcap: no parameters
     assert strides[:3] == qs.stride()[:3] and strides[1:3] == (64, 4 * 64) and strides[4:6] == (64, 2 * 64)
     # heads, group, max_q, max_k, tiles, B, total_q, total_k, search steps
     assert ints == (4, 2, 250, 301, 4, 3, 203, 312, 0)
