@@ -208,15 +208,18 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# groups whose first call has been checked: every rank makes that check at its first call on the
-# group (calls on a group run in lockstep), so no rank can skip an all_gather that another makes
+# (group, kind) pairs whose first call has been checked: every rank makes that check at its first call of a kind on
+# the group (calls on a group run in lockstep), so no rank can skip an all_gather that another makes
 _CHECKED: set = set()
+_FIELDS = "(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, layout, ...)"
 
 
-def _check_agreement(group: dist.ProcessGroup, device: torch.device, sig: tuple[int, ...]) -> None:
-    """At the first call on ``group``: every rank passes the same shapes and options (else the ring
-    would hang or mix garbage).  One all_gather of a few ints; later calls trust their callers."""
-    if group in _CHECKED:
+def _check_agreement(group: dist.ProcessGroup, device: torch.device, sig: tuple[int, ...], kind: str = "ring",
+                     fields: str = _FIELDS, every_call: bool = False) -> None:
+    """At the first call of ``kind`` on ``group`` (at every call with ``every_call``: packed batches, whose lengths
+    change per call): every rank passes the same shapes and options (else the ring would hang or mix garbage).
+    One all_gather of a few ints; ``fields`` names them in the error."""
+    if not every_call and (group, kind) in _CHECKED:
         return
     where = device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     mine = torch.tensor(sig, dtype=torch.int64, device=where)
@@ -227,9 +230,9 @@ def _check_agreement(group: dist.ProcessGroup, device: torch.device, sig: tuple[
         raise ValueError(
             "q, k, v: every rank of the group must pass shards of one shape and the same options "
             "(softmax_scale, softcap, dropout_p, deterministic, window, layout, dtype); "
-            f"(batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, layout, ...) per rank: {rows}"
+            f"{fields} per rank: {rows}"
         )
-    _CHECKED.add(group)
+    _CHECKED.add((group, kind))
 
 
 def _bits(x: float) -> int:

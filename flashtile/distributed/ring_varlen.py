@@ -13,7 +13,10 @@ and LSE; dQ, dK, dV accumulate in float32 (scatter-added), dK / dV travelling wi
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -70,10 +73,12 @@ def _cu(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
-def _schedule(layout: str, world: int, rank: int, lens_q: list[int], lens_k: list[int], left: int, right: int,
-              device) -> tuple:
+@functools.lru_cache(maxsize=64)  # a training loop's batches repeat their lengths often enough to pay for it
+def _schedule(layout: str, world: int, rank: int, lens_q: tuple[int, ...], lens_k: tuple[int, ...], left: int,
+              right: int, device) -> tuple:
     """Per step, the packed calls (:class:`_Packed`) covering every visible (query, key) pair of every sequence
-    once: the i-th call of each sequence's plan, grouped by kernel window."""
+    once: the i-th call of each sequence's plan, grouped by kernel window (a sequence has one i-th call, and the
+    sequences' rows are disjoint, so no row appears twice in a call)."""
     total_q, total_k = sum(lens_q), sum(lens_k)
     steps = []
     for t in range(world):
@@ -95,6 +100,71 @@ def _schedule(layout: str, world: int, rank: int, lens_q: list[int], lens_k: lis
                                  _cu(lq, device), _cu(lk, device), max(lq), max(lk)))
         steps.append(tuple(calls))
     return tuple(steps)
+
+
+class PackedShards(NamedTuple):
+    """What :func:`check_packed` found: sizes, the local lengths (read on the host) and the options."""
+
+    total_q: int
+    total_k: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    max_q: int
+    max_k: int
+    lens_q: tuple[int, ...]
+    lens_k: tuple[int, ...]
+    left: int
+    right: int
+    scale: float
+    softcap: float
+    dropout_p: float
+
+    def signature(self, layout: str, dtype: torch.dtype, deterministic: bool, *extra: int) -> tuple[int, ...]:
+        """The ints every rank must agree on: sizes, a CRC of each side's lengths, layout, window, dtype, options."""
+        crc = [zlib.crc32(struct.pack(f"<{len(x)}q", *x)) for x in (self.lens_q, self.lens_k)]
+        return (len(self.lens_q), self.total_q, self.total_k, self.heads_q, self.heads_k, self.head_dim, *crc,
+                LAYOUTS.index(layout), self.left, self.right, validate.SUPPORTED_DTYPES.index(dtype),
+                *(_bits(x) for x in (self.scale, self.softcap, self.dropout_p)), int(deterministic), *extra)
+
+
+SIGNATURE_FIELDS = ("(batch, total_q, total_k, heads_q, heads_k, head_dim, crc32 of the q lengths, of the k "
+                    "lengths, layout, window left, right, dtype, ...)")
+
+
+def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, causal, window_size,
+                 softmax_scale, softcap, dropout_p, deterministic, return_attn_probs, return_lse) -> PackedShards:
+    """The packed distributed functions' argument checks that need no communication (before any collective, as
+    the fixed-length ones'): tensors, the local cu_seqlens and their values, layout, options, flags."""
+    validate.check_qkv_tensors(("q", "k", "v"), q, k, v)
+    total_q, hq, hk, total_k, d, _ = validate.check_varlen_dims(q, k, v, paged=False)
+    validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
+    max_q = validate.check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_k = validate.check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    validate.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_q, max_k)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    left, right = validate.check_window(causal, window_size)
+    scale = validate.check_softmax_scale(softmax_scale, d)
+    cap = validate.check_softcap(softcap)
+    p = validate.check_dropout(dropout_p)
+    _flag(deterministic, "deterministic")
+    _flag(return_attn_probs, "return_attn_probs")
+    _flag(return_lse, "return_lse")
+    lens_q, lens_k = (tuple(torch.diff(c).tolist()) for c in (cu_seqlens_q, cu_seqlens_k))
+    return PackedShards(total_q, total_k, hq, hk, d, max_q, max_k, lens_q, lens_k, left, right, scale, cap, p)
+
+
+def check_zigzag_lengths(layout: str, shards: PackedShards) -> None:
+    """A zigzag shard holds two equal chunks of each sequence: every local length even.  Called after the ranks
+    agreed on the lengths, so that all of them raise, none waiting in a collective."""
+    if layout != "zigzag":
+        return
+    for name, lens in (("cu_seqlens_q", shards.lens_q), ("cu_seqlens_k", shards.lens_k)):
+        odd = [i for i, n in enumerate(lens) if n % 2]
+        if odd:
+            raise ValueError(f"{name}: a zigzag shard holds two equal chunks of each sequence, so every local "
+                             f"length must be even; sequences {odd[:8]} are not (use layout='contiguous')")
 
 
 def _take(x: torch.Tensor, index: torch.Tensor | None, dim: int = 0) -> torch.Tensor:
@@ -213,51 +283,31 @@ def ring_flash_attn_varlen_func(
     every rank; a global length a multiple of 2P for ``zigzag``, of P for ``contiguous``), ``max_seqlen_*`` their
     maxima.  causal, window_size, softcap, softmax_scale, GQA and deterministic mean what they mean in
     ``flash_attn_varlen_func`` over the *full* sequences (bottom-right aligned per sequence).  ``dropout_p`` > 0
-    and ``alibi_slopes`` raise ``NotImplementedError``.  Every rank passes the same shapes, lengths and options
-    (checked at the group's first ring call).
+    and ``alibi_slopes`` raise ``NotImplementedError`` (:func:`~flashtile.distributed.ulysses_flash_attn_varlen_func`
+    has both).  Every rank passes the same shapes, lengths and options (checked at every call: one all_gather
+    of a few ints, lengths as a CRC).
 
     Returns this rank's shard of the output (q's layout); with return_lse ``(out, lse)``, lse (nheads,
     total_q / P) float32; with return_attn_probs ``(out, lse, None)``.  Differentiable in q, k, v.
     ``torch.compile`` runs it eagerly (a graph break).
     """
-    validate.check_qkv_tensors(("q", "k", "v"), q, k, v)
-    total_q, hq, hk, total_k, d, _ = validate.check_varlen_dims(q, k, v, paged=False)
-    batch = validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
-    max_q = validate.check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_k = validate.check_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    validate.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_q, max_k)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    left, right = validate.check_window(causal, window_size)
-    scale = validate.check_softmax_scale(softmax_scale, d)
-    softcap = validate.check_softcap(softcap)
-    if validate.check_dropout(dropout_p) > 0:
-        raise NotImplementedError("dropout_p: the packed ring has no dropout yet (ring_flash_attn_func has)")
+    shards = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, causal,
+                          window_size, softmax_scale, softcap, dropout_p, deterministic, return_attn_probs, return_lse)
+    if shards.dropout_p > 0:
+        raise NotImplementedError("dropout_p: the packed ring has no dropout yet (ulysses_flash_attn_varlen_func has)")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use ulysses_flash_attn_func)")
-    _flag(deterministic, "deterministic")
-    _flag(return_attn_probs, "return_attn_probs")
-    _flag(return_lse, "return_lse")
+        raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use "
+                                  "ulysses_flash_attn_varlen_func)")
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    lens_q = torch.diff(cu_seqlens_q).tolist()
-    lens_k = torch.diff(cu_seqlens_k).tolist()
-    sig = (batch, total_q, total_k, hq, hk, d, LAYOUTS.index(layout), left, right,
-           validate.SUPPORTED_DTYPES.index(q.dtype), *(_bits(x) for x in (scale, softcap)), int(deterministic),
-           sum(i * n for i, n in enumerate(lens_q, 1)), sum(i * n for i, n in enumerate(lens_k, 1)))
-    _check_agreement(pg, q.device, sig)
-    # after the agreement: no rank raises while the others wait in a collective
-    if layout == "zigzag":
-        for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k)):
-            odd = [i for i, n in enumerate(lens) if n % 2]
-            if odd:
-                raise ValueError(f"{name}: a zigzag shard holds two equal chunks of each sequence, so every local "
-                                 f"length must be even; sequences {odd[:8]} are not (use layout='contiguous')")
+    _check_agreement(pg, q.device, shards.signature(layout, q.dtype, deterministic), kind="ring-varlen",
+                     fields=SIGNATURE_FIELDS, every_call=True)
+    check_zigzag_lengths(layout, shards)
     ring = _VarlenRing(
         group=pg, rank=rank, world=world, send_to=dist.get_global_rank(pg, (rank + 1) % world),
-        recv_from=dist.get_global_rank(pg, (rank - 1) % world), scale=scale, softcap=softcap,
+        recv_from=dist.get_global_rank(pg, (rank - 1) % world), scale=shards.scale, softcap=shards.softcap,
         deterministic=deterministic,
-        steps=_schedule(layout, world, rank, lens_q, lens_k, left, right, q.device),
+        steps=_schedule(layout, world, rank, shards.lens_q, shards.lens_k, shards.left, shards.right, q.device),
     )
     out, lse = _RingVarlenAttention.apply(q, k, v, ring)
     if return_attn_probs:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from flashtile.distributed.plan import LAYOUTS, segments
 from flashtile.distributed.ring import _check_agreement
+from flashtile.distributed.ring_varlen import SIGNATURE_FIELDS, check_packed, check_zigzag_lengths
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
 
@@ -70,13 +71,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def _order(layout: str, world: int, n: int, device) -> torch.Tensor | None:
     """Index of each global position in the rank-order concatenation of the shards (None: identity)."""
-    if layout == "contiguous":
-        return None
-    where = torch.empty(world * n, dtype=torch.long)
-    for rank in range(world):
-        for g, loc, ln in segments(layout, world, rank, n):
-            where[g:g + ln] = torch.arange(rank * n + loc, rank * n + loc + ln)
-    return where.to(device)
+    return None if layout == "contiguous" else _packed_order(layout, world, (n,), device)
 
 
 @torch.compiler.disable
@@ -114,7 +109,8 @@ def ulysses_flash_attn_func(
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     # before any check that depends on shapes: a rank must not raise while the others wait
     _check_agreement(pg, q.device, (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k,
-                                    dims.head_dim, LAYOUTS.index(layout), validate.SUPPORTED_DTYPES.index(q.dtype)))
+                                    dims.head_dim, LAYOUTS.index(layout), validate.SUPPORTED_DTYPES.index(q.dtype)),
+                     kind="ulysses")
     if dims.heads_q % world:
         raise ValueError(f"q: ulysses splits the heads over the {world} ranks, so its heads ({dims.heads_q}) "
                          f"must be a multiple of {world} (use ring_flash_attn_func)")
@@ -202,55 +198,38 @@ def ulysses_flash_attn_varlen_func(
     and ``dropout_p`` are supported.  ``torch.compile`` runs it eagerly."""
     from flashtile.ops.flash_attn import flash_attn_varlen_func
 
-    validate.check_qkv_tensors(("q", "k", "v"), q, k, v)
-    total_q, hq, hk, total_k, d, _ = validate.check_varlen_dims(q, k, v, paged=False)
-    batch = validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
-    max_q = validate.check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_k = validate.check_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    validate.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_q, max_k)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    sh = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, causal, window_size,
+                      softmax_scale, softcap, dropout_p, deterministic, return_attn_probs, return_lse)
+    hq, hk = sh.heads_q, sh.heads_k
+    if alibi_slopes is not None:
+        validate.check_alibi(alibi_slopes, q, validate.AttnDims(len(sh.lens_q), hq, hk, sh.max_q, sh.max_k,
+                                                                sh.head_dim))
     pg = resolve_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    lens_q, lens_k = torch.diff(cu_seqlens_q).tolist(), torch.diff(cu_seqlens_k).tolist()
     # before any check that depends on shapes: a rank must not raise while the others wait
-    _check_agreement(pg, q.device, (batch, total_q, total_k, hq, hk, d, LAYOUTS.index(layout),
-                                    validate.SUPPORTED_DTYPES.index(q.dtype),
-                                    sum(i * n for i, n in enumerate(lens_q, 1)),
-                                    sum(i * n for i, n in enumerate(lens_k, 1))))
+    _check_agreement(pg, q.device, sh.signature(layout, q.dtype, deterministic, alibi_slopes is not None),
+                     kind="ulysses-varlen", fields=SIGNATURE_FIELDS, every_call=True)
+    check_zigzag_lengths(layout, sh)
     if hq % world:
         raise ValueError(f"q: ulysses splits the heads over the {world} ranks, so its heads ({hq}) must be a "
                          f"multiple of {world} (use ring_flash_attn_varlen_func)")
     if hk % world and world % hk:
         raise ValueError(f"k: ulysses splits the kv heads over the {world} ranks, so their number ({hk}) must be a "
                          f"multiple or a divisor of {world} (use ring_flash_attn_varlen_func)")
-    if layout == "zigzag":
-        for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k)):
-            odd = [i for i, n in enumerate(lens) if n % 2]
-            if odd:
-                raise ValueError(f"{name}: a zigzag shard holds two equal chunks of each sequence, so every local "
-                                 f"length must be even; sequences {odd[:8]} are not (use layout='contiguous')")
     if alibi_slopes is not None:
-        # the rest of its checks are flash_attn_varlen_func's, on this rank's heads
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError(f"alibi_slopes must be a torch.Tensor (nheads,) or (batch, nheads), got "
-                            f"{type(alibi_slopes).__name__}")
-        if tuple(alibi_slopes.shape) not in ((hq,), (batch, hq)):
-            raise ValueError(f"alibi_slopes must have shape (nheads,) = ({hq},) or (batch, nheads) = ({batch}, {hq}), "
-                             f"got {tuple(alibi_slopes.shape)}")
         hh = hq // world
         alibi_slopes = alibi_slopes[..., rank * hh:(rank + 1) * hh]
     if hk < world:
         k, v = (x.repeat_interleave(world // hk, dim=1) for x in (k, v))
     qh, kh, vh = (_SeqToHeads.apply(x.unsqueeze(0), pg, world).squeeze(0) for x in (q, k, v))
-    q_order = _packed_order(layout, world, lens_q, q.device)
-    k_order = _packed_order(layout, world, lens_k, q.device)
+    q_order = _packed_order(layout, world, sh.lens_q, q.device)
+    k_order = _packed_order(layout, world, sh.lens_k, q.device)
     qh, kh, vh = qh.index_select(0, q_order), kh.index_select(0, k_order), vh.index_select(0, k_order)
     cu_q, cu_k = (c * world for c in (cu_seqlens_q, cu_seqlens_k))
     out, lse = flash_attn_varlen_func(
-        qh, kh, vh, cu_q, cu_k, world * max_q, world * max_k, dropout_p=dropout_p, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_lse=True,
+        qh, kh, vh, cu_q, cu_k, world * sh.max_q, world * sh.max_k, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
     )
     out = _HeadsToSeq.apply(_unpermute(out, q_order, 0).unsqueeze(0), pg, world).squeeze(0)
     with torch.no_grad():

@@ -260,7 +260,7 @@ def _query_tile_fwd(
         tl.static_assert(not CAUSAL, "causal is the window (left, 0): the wrapper passes it as one")
         left = -1 if window_left is None else window_left
         right = -1 if window_right is None else window_right
-        first_key = tl.full((BLOCK_M,), 0, tl.int32)
+        first_key = None  # no left bound: no second compare
         if window_left is not None:
             first_key = offs_m + (len_k - len_q) - left
         if window_right is not None:

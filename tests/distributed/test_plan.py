@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashtile.distributed.plan import segments, step_plan, visible_pairs
+from flashtile.distributed.plan import LAYOUTS, Call, segments, step_plan, visible_pairs
 from flashtile.distributed.sharding import shard_sequence, unshard_sequence
 from flashtile.reference.ring import shard_positions
 from tests._oracle import assert_close
@@ -115,6 +115,74 @@ def test_packed_ring_refusals_name_the_argument():
             call(*args, **kw)
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):
         call()  # the arguments pass: the group comes next
+
+
+def test_packed_schedule_covers_every_visible_pair_once():
+    """Every (query, key) pair the mask lets through, of every sequence, is computed by exactly one packed call of
+    one step (and no pair across sequences, no row or column twice in a call), on random lengths (empty ones
+    too), layouts, 1-4 ranks, windows and causal."""
+    import collections
+    import random
+
+    from flashtile.distributed.ring_varlen import _schedule
+
+    rng = random.Random(0)
+
+    def positions(layout, world, rank, lens):  # (sequence, global position) of each local packed row
+        out = []
+        for s, n in enumerate(lens):
+            pos = [0] * n
+            for g, loc, ln in segments(layout, world, rank, n):
+                pos[loc:loc + ln] = range(g, g + ln)
+            out += [(s, p) for p in pos]
+        return out
+
+    for _ in range(60):
+        layout, world = rng.choice(LAYOUTS), rng.randint(1, 4)
+        step = 2 if layout == "zigzag" else 1
+        lq, lk = ([step * rng.randint(0, 3) for _ in range(3)] for _ in range(2))
+        causal = rng.random() < 0.4
+        left, right = rng.choice([-1, 0, 1, 3, 7]), 0 if causal else rng.choice([-1, 0, 2, 5])
+        for rank in range(world):
+            seen, want = collections.Counter(), collections.Counter()
+            gq = positions(layout, world, rank, lq)
+            for t, calls in enumerate(_schedule(layout, world, rank, tuple(lq), tuple(lk), left, right, "cpu")):
+                gk = positions(layout, world, (rank - t) % world, lk)
+                for c in calls:
+                    rows = range(len(gq)) if c.rows is None else c.rows.tolist()
+                    cols = range(len(gk)) if c.cols is None else c.cols.tolist()
+                    assert len(set(rows)) == len(rows) and len(set(cols)) == len(cols)
+                    cq, ck = c.cu_q.tolist(), c.cu_k.tolist()
+                    for m in range(len(cq) - 1):
+                        sub = Call(cq[m], cq[m + 1], ck[m], ck[m + 1], c.wl, c.wr)
+                        for i, j in visible_pairs(sub):
+                            a, b = gq[rows[i]], gk[cols[j]]
+                            assert a[0] == b[0], "a pair across sequences"
+                            seen[(a, b)] += 1
+            for (s, qp) in gq:
+                nq, nk = world * lq[s], world * lk[s]
+                for kp in range(nk):
+                    d = kp - qp
+                    if (left < 0 or d >= nk - nq - left) and (right < 0 or d <= nk - nq + right):
+                        want[((s, qp), (s, kp))] += 1
+            assert seen == want, (layout, world, rank, lq, lk, left, right)
+
+
+def test_packed_ulysses_refusals_name_the_argument():
+    """Checked before any communication, as the packed ring's."""
+    from flashtile.distributed import ulysses_flash_attn_varlen_func
+
+    q, k = torch.zeros(12, 2, 16), torch.zeros(12, 1, 16)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    call = lambda **kw: ulysses_flash_attn_varlen_func(q, k, k, cu, cu, 8, 8, **kw)  # noqa: E731
+    for kw, err, word in [(dict(layout="striped"), ValueError, "layout"),
+                          (dict(dropout_p=1.0), ValueError, "dropout_p"), (dict(softcap=-1.0), ValueError, "softcap"),
+                          (dict(alibi_slopes=torch.zeros(3)), ValueError, "alibi_slopes"),
+                          (dict(return_lse=1), TypeError, "return_lse")]:
+        with pytest.raises(err, match=word):
+            call(**kw)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        call()
 
 
 def test_merge_partial_is_the_exact_lse_merge_and_never_nan():

@@ -62,6 +62,10 @@ CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) o
           lens_q=[4, 8, 6], lens_k=[8, 12, 2]),
     _case("varlen-zigzag-odd", fn="ring-varlen", layout="zigzag", seqlen=0, seed=24, lens_q=[6, 8],
           expect_error="even"),
+    _case("varlen-lengths-differ", fn="ring-varlen", layout="contiguous", seqlen=0, seed=28, lens_q=[4, 8],
+          expect_error="lengths"),
+    _case("varlen-ulysses-lengths-differ", fn="ulysses-varlen", layout="contiguous", seqlen=0, seed=29, hq=2, hk=2,
+          lens_q=[4, 8], expect_error="lengths"),
     _case("varlen-ulysses-zigzag-causal-mqa", fn="ulysses-varlen", layout="zigzag", seqlen=0, hq=4, hk=1,
           causal=True, seed=26, lens_q=[16, 0, 8, 12]),
     _case("varlen-ulysses-contiguous-window-alibi", fn="ulysses-varlen", layout="contiguous", seqlen=0, hq=4,
@@ -216,6 +220,14 @@ def test_four_ranks(spawned, case):
         _check_varlen(case, spawned[(4, 0)][case["name"]])
     else:
         _check(case, spawned[(4, 0)][case["name"]])
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+@pytest.mark.parametrize("name", ["varlen-lengths-differ", "varlen-ulysses-lengths-differ"])
+def test_varlen_lengths_that_differ_between_ranks_raise_on_every_rank(spawned, pair, name):
+    """One rank's sequences cut elsewhere with the same totals: the lengths' CRC differs, every rank raises."""
+    kind, msg = spawned[(2, pair)][name]
+    assert kind == "ValueError" and "every rank" in msg and "crc32 of the q lengths" in msg
 
 
 @pytest.mark.parametrize("pair", [0, 1])
