@@ -149,17 +149,40 @@ def _block_backward(dout, q, k, v, out, lse, rng, c, ring: _Ring, dq, dk, dv) ->
     )
 
 
-def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+def rotate_backward(k: torch.Tensor, v: torch.Tensor, ring, step) -> torch.Tensor:
+    """The backward's ring: K/V rotate as in the forward, and at step t ``step(t, kv, dkv)`` adds this rank's part
+    of the visiting block's dK, dV into ``dkv`` (float32 (2, *k.shape), zeroed), which then travels with its block
+    and reaches the block's owner after the last step.  Returns this rank's own block's dkv."""
     kv = torch.stack((k, v)) if ring.world > 1 else (k, v)
-    dkv_shape = (2,) + tuple(k.shape)
     dkv_in, dkv_reqs = None, None
-    calls = 0
     for t in range(ring.world):
-        src = (ring.rank - t) % ring.world
         if t + 1 < ring.world:
             kv_next, kv_reqs = _rotate(kv, ring)
-        dkv = torch.zeros(dkv_shape, dtype=torch.float32, device=k.device)
+        dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)
+        step(t, kv, dkv)
+        if dkv_reqs is not None:
+            _wait(dkv_reqs)
+            dkv += dkv_in  # this block's accumulator, from the rank that held it one step ago
+        if ring.world > 1:
+            # after the last step the accumulator goes to the block's owner, rank + 1
+            dkv_in, dkv_reqs = _rotate(dkv, ring)
+        else:
+            dkv_in = dkv
+        if t + 1 < ring.world:
+            _wait(kv_reqs)
+            kv = kv_next
+    if dkv_reqs is not None:
+        _wait(dkv_reqs)
+    return dkv_in
+
+
+def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    calls = 0
+
+    def step(t, kv, dkv):
+        nonlocal calls
+        src = (ring.rank - t) % ring.world
         for index, c in enumerate(ring.plan(src)):
             rows, cols = slice(c.r0, c.r1), slice(c.c0, c.c1)
             dq_c = torch.empty(q[:, rows].shape, dtype=torch.float32, device=q.device)
@@ -176,20 +199,9 @@ def _ring_backward(dout, q, k, v, out, lse, rngs, ring: _Ring):
             if index > 0:
                 dkv[0, :, cols] += dk_c
                 dkv[1, :, cols] += dv_c
-        if dkv_reqs is not None:
-            _wait(dkv_reqs)
-            dkv += dkv_in  # this block's accumulator, from the rank that held it one step ago
-        if ring.world > 1:
-            # after the last step the accumulator goes to the block's owner, rank + 1
-            dkv_in, dkv_reqs = _rotate(dkv, ring)
-        else:
-            dkv_in = dkv
-        if t + 1 < ring.world:
-            _wait(kv_reqs)
-            kv = kv_next
-    if dkv_reqs is not None:
-        _wait(dkv_reqs)
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+    dkv = rotate_backward(k, v, ring, step)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

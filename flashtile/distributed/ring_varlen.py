@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from flashtile.distributed.plan import LAYOUTS, step_plan
-from flashtile.distributed.ring import _bits, _check_agreement, _flag, _rotate, _wait, merge_partial_
+from flashtile.distributed.ring import (_bits, _check_agreement, _flag, _rotate, _wait, merge_partial_,
+                                        rotate_backward)
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
 from flashtile.ops.autograd import _varlen_fwd_impl
@@ -204,13 +205,9 @@ def _call_backward(dout, q, k, v, out, lse, c: _Packed, ring: _VarlenRing, dq, d
 
 def _ring_backward(dout, q, k, v, out, lse, ring: _VarlenRing):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v)) if ring.world > 1 else (k, v)
-    dkv_in, dkv_reqs = None, None
-    for t, calls in enumerate(ring.steps):
-        if t + 1 < ring.world:
-            kv_next, kv_reqs = _rotate(kv, ring)
-        dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=k.device)
-        for c in calls:
+
+    def step(t, kv, dkv):
+        for c in ring.steps[t]:
             q_c = _take(q, c.rows)
             k_c = _take(kv[0], c.cols)
             dq_c = torch.empty(q_c.shape, dtype=torch.float32, device=q.device)
@@ -222,19 +219,9 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _VarlenRing):
                     acc += g
                 else:
                     acc.index_add_(0, index, g)
-        if dkv_reqs is not None:
-            _wait(dkv_reqs)
-            dkv += dkv_in  # this block's accumulator, from the rank that held it one step ago
-        if ring.world > 1:
-            dkv_in, dkv_reqs = _rotate(dkv, ring)  # after the last step it reaches the block's owner
-        else:
-            dkv_in = dkv
-        if t + 1 < ring.world:
-            _wait(kv_reqs)
-            kv = kv_next
-    if dkv_reqs is not None:
-        _wait(dkv_reqs)
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+    dkv = rotate_backward(k, v, ring, step)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingVarlenAttention(torch.autograd.Function):

@@ -106,20 +106,25 @@ def _assemble(shards: Sequence[torch.Tensor], layout: str, dim: int) -> torch.Te
     return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
 
 
+def _shards(x: torch.Tensor | Sequence[torch.Tensor], group: object) -> list[torch.Tensor]:
+    """Every rank's shard in rank order: ``x`` this rank's (gathered over ``group``), or the list itself."""
+    if isinstance(x, torch.Tensor):
+        pg = resolve_group(group)
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(shards, x.contiguous(), group=pg)
+        return shards
+    if isinstance(x, (list, tuple)) and x and all(isinstance(s, torch.Tensor) for s in x):
+        return list(x)
+    raise TypeError("x must be this rank's shard (a torch.Tensor) or a non-empty list of every rank's shard")
+
+
 def unshard_sequence(
     x: torch.Tensor | Sequence[torch.Tensor], group: object = None, *, layout: str = "zigzag", dim: int = 1
 ) -> torch.Tensor:
     """The full sequence from shards: ``x`` this rank's shard (gathered over ``group``, no autograd),
     or the list of every rank's shard in rank order (no communication)."""
     _check_layout(layout)
-    if isinstance(x, torch.Tensor):
-        pg = resolve_group(group)
-        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(shards, x.contiguous(), group=pg)
-    elif isinstance(x, (list, tuple)) and x and all(isinstance(s, torch.Tensor) for s in x):
-        shards = list(x)
-    else:
-        raise TypeError("x must be this rank's shard (a torch.Tensor) or a non-empty list of every rank's shard")
+    shards = _shards(x, group)
     return _assemble(shards, layout, dim)
 
 
@@ -182,14 +187,7 @@ def unshard_packed(x: torch.Tensor | Sequence[torch.Tensor], cu_seqlens: torch.T
     shard (gathered over ``group``, no autograd) or the list of every rank's shard in rank order;
     ``cu_seqlens``: the *local* cumulative lengths."""
     _check_layout(layout)
-    if isinstance(x, torch.Tensor):
-        pg = resolve_group(group)
-        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(pg))]
-        dist.all_gather(shards, x.contiguous(), group=pg)
-    elif isinstance(x, (list, tuple)) and x and all(isinstance(s, torch.Tensor) for s in x):
-        shards = list(x)
-    else:
-        raise TypeError("x must be this rank's shard (a torch.Tensor) or a non-empty list of every rank's shard")
+    shards = _shards(x, group)
     lens = _lengths(cu_seqlens, "cu_seqlens", shards[0].shape[dim])
     seqs, start = [], 0
     for n in lens:
