@@ -1,4 +1,4 @@
-"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train|sm90|configs]`."""
+"""`flashtile` command line: `flashtile demo`, `flashtile bench [attention|decode|io|tune|dispatch|fp8-error|hopper-ablation|ring|train|sm90|configs|banded]`."""
 
 from __future__ import annotations
 
@@ -465,6 +465,47 @@ def _cmd_bench_configs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_banded(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashtile.bench import banded
+    from flashtile.bench.common import write_json
+
+    console = Console()
+    grid = [(d, n, args.window[0], args.window[1], c) for d in args.head_dims for n in args.seqlens
+            for c in args.softcap]
+    try:
+        with console.status("banded") as status:
+            payload = banded.run_banded(grid, tuple(args.providers), rounds=args.rounds,
+                                        progress=lambda what: status.update(what))
+    except (RuntimeError, ValueError) as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    table = Table(title=f"windows / softcap on {payload['env']['device']}: TFLOP/s (x flashtile as dispatched)")
+    names = list(dict.fromkeys(r["provider"] for r in payload["rows"]))
+    for col in ("d", "N", "window", "softcap", *names):
+        table.add_column(col, justify="right")
+    keys = dict.fromkeys((r["head_dim"], r["seqlen"], tuple(r["window"]), r["softcap"]) for r in payload["rows"])
+    for key in keys:
+        at = {r["provider"]: r for r in payload["rows"]
+              if (r["head_dim"], r["seqlen"], tuple(r["window"]), r["softcap"]) == key}
+        base = at.get("flashtile", {}).get("tflops")
+        cells = [str(key[0]), str(key[1]), str(key[2]), str(key[3])]
+        for name in names:
+            r = at.get(name, {})
+            cells.append("—" if "tflops" not in r else f"{r['tflops']:.0f}" + (f" ({r['tflops'] / base:.2f}x)"
+                                                                             if base else ""))
+        table.add_row(*cells)
+    console.print(table)
+    for r in payload["rows"]:
+        if "error" in r:
+            console.print(f"d={r['head_dim']} N={r['seqlen']} {r['provider']}: {r['error']}")
+    path = write_json(payload, args.out, "banded")
+    console.print(f"wrote {path}")
+    return 0
+
+
 def ring_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command `flashtile bench ring` runs: one process per GPU, the options passed through."""
     from flashtile.bench.ring import to_argv
@@ -668,6 +709,18 @@ def build_parser() -> argparse.ArgumentParser:
     cfs.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     cfs.add_argument("--out", default="bench/results")
     cfs.set_defaults(func=_cmd_bench_configs)
+    bnd = bsub.add_parser("banded", help="sliding windows and softcap, forward: the dispatch, the Triton Hopper "
+                                         "kernel's banded forward, FlexAttention, FA3 (softcap)")
+    bnd.add_argument("--head-dims", nargs="+", type=int, default=[128])
+    bnd.add_argument("--seqlens", nargs="+", type=int, default=[16384])
+    bnd.add_argument("--window", nargs=2, type=int, default=[4096, 0], metavar=("LEFT", "RIGHT"),
+                     help="flash-attn's window_size (-1 unbounded; (L, 0) is causal with a window)")
+    bnd.add_argument("--softcap", nargs="+", type=float, default=[0.0])
+    bnd.add_argument("--providers", nargs="+", default=["flashtile", "hopper-banded", "flex", "fa3"],
+                     choices=["flashtile", "hopper-banded", "flex", "fa3"])
+    bnd.add_argument("--rounds", type=int, default=3)
+    bnd.add_argument("--out", default="bench/results")
+    bnd.set_defaults(func=_cmd_bench_banded)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
                                              "block and Hadamard-rotated FP8 attention on outlier inputs")
     fp8.add_argument("--batch", type=int, default=1)
