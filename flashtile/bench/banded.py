@@ -141,7 +141,7 @@ def _point_rows(d, n, b, h, left, right, softcap, q, k, v, providers: dict, roun
         def call(fn=fn, got=got):
             got[:] = [fn(q, k, v)]
 
-        check_row(row, call, lambda got=got: [got[0][0, idx, :2].transpose(0, 1)], [ref], timed)
+        check_row(row, call, lambda got=got: [got[0][0, idx, :2].transpose(0, 1)], [ref], timed, against="fp32")
     time_rounds(timed, rounds, flops, timer=median_ms)
     return rows
 

@@ -99,16 +99,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / den)
 
 
-def check_row(row: dict, call, got, ref, timed: list) -> None:
+def check_row(row: dict, call, got, ref, timed: list, against: str = "fa2") -> None:
     """Run ``call`` once; its outputs ``got()`` within 2e-2 of each of ``ref``'s max|x| put (row, call) in ``timed``,
-    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects)."""
+    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects).
+    ``against`` names the reference in the row (``max_rel_err_vs_<against>``) and the message."""
     try:
         call()
         torch.cuda.synchronize()
         err = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got(), ref))
-        row["max_rel_err_vs_fa2"] = err
+        row[f"max_rel_err_vs_{against}"] = err
         if err > 2e-2:
-            row["error"] = f"output differs from FA2's by {err:.3g} of max|out|: not timed"
+            row["error"] = f"output differs from the {against} reference by {err:.3g} of max|out|: not timed"
         else:
             timed.append((row, call))
     except Exception as e:
