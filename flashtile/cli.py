@@ -423,9 +423,31 @@ def _cmd_bench_sm90(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ratio_table(title: str, rows: list[dict], point_cols: tuple[str, ...], point, column: str, base: str):
+    """A rich table with a line per point (``point(row)``: its cells) and a column per ``row[column]``: TFLOP/s and
+    the ratio to the ``base`` column's, "failed" where the row recorded an error, "—" where there is no row."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    names = list(dict.fromkeys(r[column] for r in rows))
+    for col in (*point_cols, *names):
+        table.add_column(col, justify="right")
+    for key in dict.fromkeys(point(r) for r in rows):
+        at = {r[column]: r for r in rows if point(r) == key}
+        ref = at.get(base, {}).get("tflops")
+        cells = [str(x) for x in key]
+        for name in names:
+            r = at.get(name, {})
+            if "tflops" not in r:
+                cells.append("[red]failed[/red]" if "error" in r else "—")
+            else:
+                cells.append(f"{r['tflops']:.0f}" + (f" ({r['tflops'] / ref:.2f}x)" if ref else ""))
+        table.add_row(*cells)
+    return table
+
+
 def _cmd_bench_configs(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from flashtile.bench import configs
     from flashtile.bench.common import write_json
@@ -441,22 +463,10 @@ def _cmd_bench_configs(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
-    table = Table(title=f"{args.routine} on {payload['env']['device']}: TFLOP/s (x the dispatched config)")
-    names = list(dict.fromkeys(r["variant"] for r in payload["rows"]))
-    for col in ("d", "N", "causal", *names):
-        table.add_column(col, justify="right")
-    for d, n, causal in dict.fromkeys((r["head_dim"], r["seqlen"], r["causal"]) for r in payload["rows"]):
-        at = {r["variant"]: r for r in payload["rows"] if (r["head_dim"], r["seqlen"], r["causal"]) == (d, n, causal)}
-        base = at.get("dispatch", {}).get("tflops")
-        cells = [str(d), str(n), "y" if causal else "n"]
-        for name in names:
-            r = at.get(name, {})
-            if "tflops" not in r:
-                cells.append("[red]failed[/red]" if "error" in r else "—")
-            else:
-                cells.append(f"{r['tflops']:.0f}" + (f" ({r['tflops'] / base:.2f}x)" if base else ""))
-        table.add_row(*cells)
-    console.print(table)
+    console.print(_ratio_table(f"{args.routine} on {payload['env']['device']}: TFLOP/s (x the dispatched config)",
+                               payload["rows"], ("d", "N", "causal"),
+                               lambda r: (r["head_dim"], r["seqlen"], "y" if r["causal"] else "n"), "variant",
+                               "dispatch"))
     for r in payload["rows"]:
         if "error" in r:
             console.print(f"d={r['head_dim']} N={r['seqlen']} causal={r['causal']} {r['variant']}: {r['error']}")
@@ -467,7 +477,6 @@ def _cmd_bench_configs(args: argparse.Namespace) -> int:
 
 def _cmd_bench_banded(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from flashtile.bench import banded
     from flashtile.bench.common import write_json
@@ -482,22 +491,10 @@ def _cmd_bench_banded(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
-    table = Table(title=f"windows / softcap on {payload['env']['device']}: TFLOP/s (x flashtile as dispatched)")
-    names = list(dict.fromkeys(r["provider"] for r in payload["rows"]))
-    for col in ("d", "N", "window", "softcap", *names):
-        table.add_column(col, justify="right")
-    keys = dict.fromkeys((r["head_dim"], r["seqlen"], tuple(r["window"]), r["softcap"]) for r in payload["rows"])
-    for key in keys:
-        at = {r["provider"]: r for r in payload["rows"]
-              if (r["head_dim"], r["seqlen"], tuple(r["window"]), r["softcap"]) == key}
-        base = at.get("flashtile", {}).get("tflops")
-        cells = [str(key[0]), str(key[1]), str(key[2]), str(key[3])]
-        for name in names:
-            r = at.get(name, {})
-            cells.append("—" if "tflops" not in r else f"{r['tflops']:.0f}" + (f" ({r['tflops'] / base:.2f}x)"
-                                                                             if base else ""))
-        table.add_row(*cells)
-    console.print(table)
+    title = f"windows / softcap on {payload['env']['device']}: TFLOP/s (x flashtile as dispatched)"
+    console.print(_ratio_table(title, payload["rows"], ("d", "N", "window", "softcap"),
+                               lambda r: (r["head_dim"], r["seqlen"], tuple(r["window"]), r["softcap"]), "provider",
+                               "flashtile"))
     for r in payload["rows"]:
         if "error" in r:
             console.print(f"d={r['head_dim']} N={r['seqlen']} {r['provider']}: {r['error']}")

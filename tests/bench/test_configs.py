@@ -141,3 +141,17 @@ def test_gpu_one_point(tmp_path):
     assert set(rows) == {"dispatch", "named"}
     for row in rows.values():
         assert "tflops" in row and row["max_rel_err_vs_fa2"] < 2e-2, row
+
+
+def test_ratio_table_pivots_points_and_marks_failures():
+    """The configs / banded CLI table: a line per point, a column per variant with TFLOP/s and the ratio to the
+    base column, "failed" for a recorded error, "—" for a missing row."""
+    from rich.console import Console
+
+    rows = [dict(d=64, variant="dispatch", tflops=400.0), dict(d=64, variant="named", tflops=420.0),
+            dict(d=64, variant="bad", error="x"), dict(d=128, variant="dispatch", tflops=500.0)]
+    console = Console(width=200, record=True)
+    console.print(cli._ratio_table("t", rows, ("d",), lambda r: (r["d"],), "variant", "dispatch"))
+    lines = [ln for ln in console.export_text().splitlines() if ln.startswith("│")]
+    assert [[c.strip() for c in ln.split("│")[1:-1]] for ln in lines] == [
+        ["64", "400 (1.00x)", "420 (1.05x)", "failed"], ["128", "500 (1.00x)", "—", "—"]]
