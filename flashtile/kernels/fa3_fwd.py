@@ -101,12 +101,13 @@ def _kv_step(
     if softcap is not None:
         qk = tanh_(qk * softcap[0]) * softcap[1]
     if MASKED:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # per-row bounds moved to the tile's own columns: no per-element key offset
+        cols = tl.arange(0, BLOCK_N)
         if first_key is not None:
-            seen = (offs_n[None, :] <= last_key[:, None]) & (offs_n[None, :] >= first_key[:, None])
+            seen = (cols[None, :] <= (last_key - start_n)[:, None]) & (cols[None, :] >= (first_key - start_n)[:, None])
             qk = tl.where(seen, qk, float("-inf"))
         else:
-            qk = tl.where(offs_n[None, :] <= last_key[:, None], qk, float("-inf"))
+            qk = tl.where(cols[None, :] <= (last_key - start_n)[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
         # a row with no allowed key so far keeps m = -inf: subtract 0, never -inf - -inf
