@@ -360,7 +360,9 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
     stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
     cfg = _host_desc_or_not(cfg, q, k, v, dout, stats, None)
-    descs = functools.partial(host_descriptors, cfg=cfg) if cfg.host_desc else lambda *views: (None,) * 6
+    # the planning views' (B, H, N, d) geometry: run() gets the op's tensors, (B, N, H, d) in flash-attn's layout
+    descs = (functools.partial(host_descriptors, cfg=cfg, geometry=desc_geometry(q, k, v, dout)) if cfg.host_desc
+             else lambda *views: (None,) * 6)
     kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, acc, causal, cfg)
     p_grid, p_static = post_args(acc, dq)
     stats_run = launcher(stats_preprocess_kernel, s_grid, (out, dout, lse, stats, acc, lse), s_static, num_warps=4,
@@ -557,22 +559,34 @@ def host_desc_fits(q, k, v, dout, stats_numel: int) -> bool:
     return stats_numel < 2 ** 31 and all(_desc_strides(x) is not None for x in (q, k, v, dout))
 
 
-def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig) -> tuple:
+def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig, geometry=None) -> tuple:
     """The narrow kernel's ``HOST_DESC`` descriptors (QDesc, KDesc, VDesc, DODesc, StatsDesc, DQDesc) over these
     views (:func:`host_desc_fits`): rank 4 over (B, H, N, d) with [1, 1, 64, block_d] boxes in the kernel's tiles'
     swizzle (K's in half rows with ``dq_split``), rank 1 over the statistics (64-float boxes; None without
     ``stats_smem``), rank 3 over the (B * Hq, rows, block_d) accumulator with the dQ staging tiles' boxes and swizzle
-    (None without ``dq_tma``).  The kernel's arguments were checked: built bare (``fa3_gluon.bare_descriptor``)."""
-    from flashtile.runtime.fa3_gluon import _desc_strides, bare_descriptor
+    (None without ``dq_tma``).  ``geometry``: :func:`desc_geometry` of the (B, H, N, d) views q, k, v, dout were
+    planned on, whose addresses they have in any layout (a plan's call passes the op's own tensors); None: these
+    views' own.  The kernel's arguments were checked: built bare (``fa3_gluon.bare_descriptor``)."""
+    from flashtile.runtime.fa3_gluon import bare_descriptor
 
     (box4, l4, lk), stats_l, (dq_box, dq_l) = _desc_layouts(block_d(q.shape[3]), q.dtype, cfg.dq_split, cfg.dq_tma,
                                                             cfg.dq_swizzle32, cfg.stats_smem)
-    descs = [bare_descriptor(x, list(x.shape), _desc_strides(x), box4, lk if i == 1 else l4)
-             for i, x in enumerate((q, k, v, dout))]
+    xs = (q, k, v, dout)
+    geometry = geometry or desc_geometry(*xs)
+    descs = [bare_descriptor(x, shape, strides, box4, lk if i == 1 else l4)
+             for i, (x, (shape, strides)) in enumerate(zip(xs, geometry))]
     descs.append(None if stats_l is None else bare_descriptor(stats, [stats.numel()], [1], [64], stats_l))
     descs.append(None if dq_l is None else bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), dq_box,
                                                            dq_l))
     return tuple(descs)
+
+
+def desc_geometry(*views) -> tuple:
+    """(shape, descriptor strides) of each (B, H, N, d) view, as :func:`host_descriptors` lays its rank-4
+    descriptors over them."""
+    from flashtile.runtime.fa3_gluon import _desc_strides
+
+    return tuple((list(x.shape), _desc_strides(x)) for x in views)
 
 
 @functools.lru_cache(maxsize=None)

@@ -299,6 +299,37 @@ def test_plan_builds_host_descriptors_per_call(monkeypatch):
                                                             "DQDesc"))
 
 
+def test_plan_host_descriptors_over_the_planned_layout(monkeypatch):
+    """The op's plan calls ``run`` with its own (B, N, H, d) tensors (flash-attn's layout): the host descriptors
+    keep the (B, H, N, d) geometry the kernel indexes ([b, head, row, 0]) with each call's addresses, as the
+    kernel's own strides do."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    import flashtile.runtime.launch as launch_mod
+    from flashtile.ops import plan as plan_mod
+
+    runs = []
+    monkeypatch.setattr(launch_mod, "launcher",
+                        lambda kernel, grid, dynamic, static, **kw: lambda *dyn: runs.append((kernel, dyn, static)))
+    monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
+    cfg = replace(gluon_bwd_config(128, True), host_desc=True)
+    monkeypatch.setattr(fa3_gluon_bwd, "_config_for", lambda q, k, causal: cfg)
+    monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *a, **kw: True)
+    b, n, h, d = 2, 300, 4, 128
+    x = torch.zeros(b, n, h, d, dtype=BF16)
+    lse = torch.zeros(b, h, n)
+    plan = plan_mod._make_backward(x, x, x, x, x, lse, True, (-1, 0), True)
+    for y in (x, torch.zeros_like(x)):
+        runs.clear()
+        plan(y, y, y, y, y, lse, 0.125)
+        kernel, dyn, static = runs[1]
+        bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dyn, *static)))
+        for name in ("QDesc", "KDesc", "VDesc", "DODesc"):
+            desc = bound[name]
+            assert desc.base.data_ptr() == y.data_ptr()
+            assert desc.shape == [b, h, n, d] and desc.strides == list(y.transpose(1, 2).stride()), name
+        assert [bound["stride_qb"], bound["stride_qh"], bound["stride_qm"]] == bound["QDesc"].strides[:3]
+
+
 def test_launcher_group_loop(monkeypatch):
     """``group_loop`` (GQA): one program per (batch, kv head, kv tile), GROUP_LOOP set, dK / dV written straight
     into the kv heads' gradients in q's dtype (no fp32 partials, no sum on the host); refused without stats_smem
