@@ -404,17 +404,22 @@ def _cmd_bench_sm90(args: argparse.Namespace) -> int:
         console.print(f"[red]{e}[/red]")
         return 2
     table = Table(title=f"{args.routine} compiled for sm_90a (Triton {environment()['triton']}, offline)")
-    for col in ("d", "causal", "kernel", "registers", "spills st / ld (B)", "bar.sync / bar.arrive", "shared (B)"):
+    cols = ["d", "causal", "kernel", "registers", "spills st / ld (B)", "bar.sync / bar.arrive", "shared (B)"]
+    if args.sass and args.dump:
+        cols.append("inner loops: instr (local ops)")
+    for col in cols:
         table.add_column(col, justify="right")
     for row in rows:
         for k in row["kernels"]:
             if "error" in k:
                 table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"],
-                              f"[red]{k['error']}[/red]", "", "", "")
+                              f"[red]{k['error']}[/red]", *[""] * (len(cols) - 4))
             else:
+                loops = [" ".join(f"{x['instructions']}" + (f" ({x['local']})" if x["local"] else "")
+                                  for x in k["inner_loops"])] if "inner_loops" in k else []
                 table.add_row(str(row["head_dim"]), "y" if row["causal"] else "n", k["kernel"], str(k["registers"]),
                               f"{k['spill_stores']} / {k['spill_loads']}", f"{k['bar_sync']} / {k['bar_arrive']}",
-                              str(k["shared_bytes"]))
+                              str(k["shared_bytes"]), *loops)
     console.print(table)
     if args.out:
         env = dict(environment(), device="offline-sm90a")

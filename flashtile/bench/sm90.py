@@ -4,7 +4,8 @@ Triton's own compiler runs against a stand-in driver that reports an sm_90 targe
 wrappers make for CPU tensors of the requested shape (recorded at ``runtime.launch``, never run); ``ptxas -v``
 from the installed Triton then reports each kernel's registers and spills, and the PTX its barrier instructions.
 This answers, at no device time: does a config compile on this Triton, does it spill, did a change leave a
-kernel's PTX as it was (``--dump``: the PTX, and the SASS with ``--sass``, per kernel, to compare two trees).
+kernel's PTX as it was (``--dump``: the PTX, and the SASS with ``--sass``, per kernel, to compare two trees; with
+``--sass`` each kernel's innermost loops, their instructions and spill traffic, :func:`sass_loops`).
 
 Routines: ``fa2-fwd`` / ``fa2-bwd`` (the FA2 kernels' dispatched tiles), ``hopper-fwd`` (the Triton Hopper forward,
 ``fa3_fwd.fa3_config``), ``gluon-fwd`` (the Gluon forward, the dispatch's ``GluonConfig`` for the shape) and
@@ -27,7 +28,7 @@ from unittest import mock
 
 import torch
 
-__all__ = ["ROUTINES", "offline_sm90", "parse_overrides", "compile_routine", "ptxas_report"]
+__all__ = ["ROUTINES", "offline_sm90", "parse_overrides", "compile_routine", "ptxas_report", "sass_loops"]
 
 ROUTINES = ("fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-bwd")
 SMS = 132  # an H100 SXM's multiprocessors: the persistent grids' size
@@ -184,6 +185,34 @@ def ptxas_report(ptx: str) -> dict[str, Any]:
                 bar_arrive=len(re.findall(r"\b(?:bar|barrier)(?:\.cta)?\.arrive\b", ptx)))
 
 
+_SASS_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_SASS_BACK = re.compile(r"\bBRA\b[^;]*?\b0x([0-9a-f]+)")
+
+
+def sass_loops(sass: str, min_size: int = 64) -> list[dict[str, int]]:
+    """The innermost loops of a ``cuobjdump -sass`` listing: spans closed by a branch to a lower address, at least
+    ``min_size`` instructions long, holding no other such span (barrier spin loops are shorter), in address order,
+    each as ``{"start", "instructions", "local"}`` (``local``: spill traffic, LDL / STL, inside the loop)."""
+    loops = []
+    for body in re.split(r"\n\s*Function\s*:", sass):
+        instrs = [(int(m.group(1), 16), m.group(2)) for m in _SASS_INSTR.finditer(body)]
+        if len(instrs) < 2:
+            continue
+        step = instrs[1][0] - instrs[0][0]
+        spans = []
+        for addr, text in instrs:
+            m = _SASS_BACK.search(text)
+            if m and int(m.group(1), 16) < addr and (addr - int(m.group(1), 16)) // step + 1 >= min_size:
+                spans.append((int(m.group(1), 16), addr))
+        for lo, hi in spans:
+            if any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in spans):
+                continue  # holds a loop: not innermost
+            local = sum(1 for addr, text in instrs if lo <= addr <= hi and re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b",
+                                                                                   text.strip()))
+            loops.append(dict(start=lo, instructions=(hi - lo) // step + 1, local=local))
+    return sorted(loops, key=lambda x: x["start"])
+
+
 def _summary(e: BaseException) -> str:
     """One line for a compile failure: the innermost cause's last line that is not source or a caret (Triton's
     CompilationError chains one frame per inlined call, the reason at the bottom)."""
@@ -236,6 +265,7 @@ def compile_routine(routine: str, d: int, causal: bool, n: int = 4096, overrides
                     out = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True)
                     stem.with_suffix(".sass").write_text(out.stdout)
                     cubin.unlink()
+                    entry["inner_loops"] = sass_loops(out.stdout)
             kernels.append(entry)
     row["kernels"] = kernels
     return row

@@ -76,3 +76,24 @@ def test_cli_refuses_bad_overrides(tmp_path):
     assert res.returncode == 2 and "fa2-bwd takes no config overrides" in res.stdout, res.stdout + res.stderr
     res = _cli("gluon-bwd", "--head-dims", "256", "--set", "named_bars=True", tmp_path=tmp_path)
     assert res.returncode == 2 and "named_bars" in res.stdout, res.stdout + res.stderr  # the config check's refusal
+
+
+def _listing(lines: list[str]) -> str:
+    return "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(lines))
+
+
+def test_sass_loops_innermost_spans_and_spill_traffic():
+    body = ["NOP"] * 300
+    body[10] = "STL [R1+0x4], R2"  # before any loop: not counted
+    body[120] = "@P0 LDL R3, [R1+0x4]"
+    body[130] = "STL.64 [R1+0x8], R4"
+    body[150] = f"@!P1 BRA 0x{16 * 140:x}"  # a 11-instruction spin loop inside the inner loop: too short to count
+    body[199] = f"@P2 BRA 0x{16 * 100:x}"  # inner loop: 100 .. 199
+    body[260] = f"BRA 0x{16 * 50:x}"  # outer loop holding the inner one
+    body[280] = f"BRA.U 0x{16 * 290:x}"  # a forward branch
+    fn_b = ["NOP"] * 80
+    fn_b[79] = "BRA 0x0"  # a second function's loop, addresses from 0 again
+    loops = sm90.sass_loops(_listing(body) + "\n\tFunction : second\n" + _listing(fn_b))
+    assert loops == [dict(start=0, instructions=80, local=0), dict(start=16 * 100, instructions=100, local=2)]
+    assert sm90.sass_loops(_listing(body), min_size=5)[0] == dict(start=16 * 140, instructions=11, local=0)
+    assert sm90.sass_loops("") == []
