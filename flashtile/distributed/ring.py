@@ -268,8 +268,6 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
     dropout_p = validate.check_dropout(dropout_p)
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use ulysses_flash_attn_func)")
     _flag(deterministic, "deterministic")
     _flag(return_attn_probs, "return_attn_probs")
     _flag(return_lse, "return_lse")
@@ -279,8 +277,11 @@ def _run(q, k, v, names, group, dropout_p, softmax_scale, causal, window_size, s
     left, right = validate.unbind_window(left, right, world * dims.seqlen_q, world * dims.seqlen_k)
     sig = (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_k, dims.head_dim,
            LAYOUTS.index(layout), left, right, validate.SUPPORTED_DTYPES.index(q.dtype),
-           *(_bits(x) for x in (scale, softcap, dropout_p)), int(deterministic))
+           *(_bits(x) for x in (scale, softcap, dropout_p)), int(deterministic), int(alibi_slopes is not None))
     _check_agreement(pg, q.device, sig)
+    # refused after the agreement: a rank raising alone would leave the others waiting in a collective
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use ulysses_flash_attn_func)")
     # shape checks after the agreement: no rank raises while the others wait in a collective
     if layout == "zigzag":
         for name, n in ((names[0], dims.seqlen_q), (names[1], dims.seqlen_k)):

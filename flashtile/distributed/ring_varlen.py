@@ -280,15 +280,17 @@ def ring_flash_attn_varlen_func(
     """
     shards = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, causal,
                           window_size, softmax_scale, softcap, dropout_p, deterministic, return_attn_probs, return_lse)
+    pg = resolve_group(group)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    # the refusals after the agreement (ALiBi's presence in it): a rank raising alone would leave the others
+    # waiting in a collective
+    _check_agreement(pg, q.device, shards.signature(layout, q.dtype, deterministic, int(alibi_slopes is not None)),
+                     kind="ring-varlen", fields=SIGNATURE_FIELDS, every_call=True)
     if shards.dropout_p > 0:
         raise NotImplementedError("dropout_p: the packed ring has no dropout yet (ulysses_flash_attn_varlen_func has)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes is not supported by ring attention yet (use "
                                   "ulysses_flash_attn_varlen_func)")
-    pg = resolve_group(group)
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    _check_agreement(pg, q.device, shards.signature(layout, q.dtype, deterministic), kind="ring-varlen",
-                     fields=SIGNATURE_FIELDS, every_call=True)
     check_zigzag_lengths(layout, shards)
     ring = _VarlenRing(
         group=pg, rank=rank, world=world, send_to=dist.get_global_rank(pg, (rank + 1) % world),

@@ -61,6 +61,8 @@ def _run_varlen(case, q, k, v, dout, cu_q, cu_k, group, me, size):
               softcap=case.get("softcap", 0.0), layout=layout, return_lse=True)
     if case.get("alibi"):
         kw["alibi_slopes"] = torch.tensor(case["alibi"], dtype=torch.float32, device=q.device)
+    if case.get("expect_error") == "dropout" and me == 0:  # an option only the other ranks refuse with it
+        kw["dropout_p"] = 0.1
     out, lse = fn(*leaves, cq, ck, max_q, max_k, group, **kw)
     out.backward(ds)
     gather = lambda x, cu, dim=0: sharding.unshard_packed(  # noqa: E731
@@ -163,6 +165,8 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                 n = q.shape[1] // size + (2 if me == 0 and case["expect_error"] == "unequal" else 0)
                 if case["expect_error"] == "softcap" and me == 0:  # one rank's options differ
                     case = {**case, "softcap": 2.0}
+                if case["expect_error"] == "alibi" and me == 0:  # one rank passes what the ring refuses
+                    case = {**case, "alibi": [0.5] * case.get("hq", 2)}
                 try:
                     _call(case, fns[case["fn"]], q[:, :n], k[:, :n], v[:, :n], group)
                     results[case["name"]] = "no error"

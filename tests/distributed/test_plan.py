@@ -107,8 +107,6 @@ def test_packed_ring_refusals_name_the_argument():
         ((q, k, k, torch.tensor([0, 4, 10], dtype=torch.int32), cu, 8, 8), {}, ValueError, "cu_seqlens_q"),
         ((q.view(12, 32), k, k, cu, cu, 8, 8), {}, ValueError, "q must be 3-D"),
         ((), dict(layout="striped"), ValueError, "layout"),
-        ((), dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
-        ((), dict(alibi_slopes=torch.zeros(2)), NotImplementedError, "alibi_slopes"),
         ((), dict(window_size=(2,)), ValueError, "window_size"),
     ]:
         with pytest.raises(err, match=word):
@@ -235,6 +233,19 @@ def test_one_rank_equals_flash_attn_func_and_compiles_with_a_graph_break(one_ran
     assert_close(out, want, what="out")
     for name, a, x in zip("qkv", grads, (q, k, v)):
         assert_close(a, x.grad, what=f"d{name}")
+
+
+def test_packed_ring_refusals_after_the_agreement(one_rank):
+    """The packed ring's dropout and ALiBi refusals come after the ranks' agreement (one rank raising alone would
+    leave the others waiting): on a group they name the argument."""
+    from flashtile.distributed import ring_flash_attn_varlen_func
+
+    q, k = torch.zeros(12, 2, 16), torch.zeros(12, 1, 16)
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        ring_flash_attn_varlen_func(q, k, k, cu, cu, 8, 8, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        ring_flash_attn_varlen_func(q, k, k, cu, cu, 8, 8, alibi_slopes=torch.zeros(2))
 
 
 def test_argument_errors_name_the_argument(one_rank):

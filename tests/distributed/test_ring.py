@@ -49,6 +49,7 @@ CASES_2 = [
           seed=8),
     _case("unequal-shards", layout="zigzag", seqlen=16, causal=True, expect_error="unequal"),
     _case("options-differ", layout="zigzag", seqlen=16, causal=True, expect_error="softcap"),
+    _case("alibi-on-one-rank", layout="zigzag", seqlen=16, causal=True, expect_error="alibi"),
     _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
 ]
 CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) or P (contiguous); empty sequences
@@ -62,6 +63,8 @@ CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) o
           lens_q=[4, 8, 6], lens_k=[8, 12, 2]),
     _case("varlen-zigzag-odd", fn="ring-varlen", layout="zigzag", seqlen=0, seed=24, lens_q=[6, 8],
           expect_error="even"),
+    _case("varlen-dropout-on-one-rank", fn="ring-varlen", layout="contiguous", seqlen=0, seed=30, lens_q=[4, 8],
+          expect_error="dropout"),
     _case("varlen-lengths-differ", fn="ring-varlen", layout="contiguous", seqlen=0, seed=28, lens_q=[4, 8],
           expect_error="lengths"),
     _case("varlen-ulysses-lengths-differ", fn="ulysses-varlen", layout="contiguous", seqlen=0, seed=29, hq=2, hk=2,
@@ -206,6 +209,15 @@ def test_unequal_shards_raise_on_every_rank(spawned, pair):
 def test_options_that_differ_between_ranks_raise_on_every_rank(spawned, pair):
     kind, msg = spawned[(2, pair)]["options-differ"]
     assert kind == "ValueError" and "softcap" in msg
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+@pytest.mark.parametrize("name", ["alibi-on-one-rank", "varlen-dropout-on-one-rank"])
+def test_a_refusal_on_one_rank_raises_on_every_rank(spawned, pair, name):
+    """An option the ring refuses (ALiBi, the packed ring's dropout) passed by one rank only: the agreement fails on
+    every rank before that rank's refusal, so no rank waits alone in a collective."""
+    kind, msg = spawned[(2, pair)][name]
+    assert kind == "ValueError" and "every rank" in msg
 
 
 @pytest.mark.parametrize("pair", [0, 1])
