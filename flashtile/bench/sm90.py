@@ -62,7 +62,8 @@ class _Sm90Driver:
 def offline_sm90():
     """Within: Triton targets sm_90 whatever the machine, and every launch of the runtime's wrappers is recorded in
     the yielded list instead of run (with the device guard, descriptor allocator, SM count and the Gluon
-    kernels' device checks stood in); on exit all of it is restored."""
+    kernels' device checks stood in); on exit all of it is restored (and each compiled kernel's device cache by
+    compile_routine)."""
     from triton.runtime import driver
 
     from flashtile.runtime import fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
@@ -94,6 +95,23 @@ def offline_sm90():
             yield calls
         finally:
             driver._active = previous
+
+
+@contextlib.contextmanager
+def _own_device_cache(fn):
+    """``fn``'s cache for the stand-in driver's device (0) set aside while it compiles for sm_90a and put back
+    after: a real GPU's binaries are not reused for the stand-in target, nor sm_90a's launched on the GPU later."""
+    while not hasattr(fn, "device_caches"):  # autotuner / heuristics wrappers hold the JITFunction as .fn
+        fn = fn.fn
+    caches = fn.device_caches
+    had = 0 in caches
+    saved = caches.pop(0, None)
+    try:
+        yield
+    finally:
+        caches.pop(0, None)
+        if had:
+            caches[0] = saved
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -243,8 +261,9 @@ def compile_routine(routine: str, d: int, causal: bool, n: int = 4096, overrides
             fn = call.kernel if hasattr(call.kernel, "warmup") else getattr(call.kernel, "fn", call.kernel)
             entry: dict[str, Any] = dict(kernel=_name(call.kernel))
             try:
-                compiled = fn.warmup(*call.dynamic, *call.static, grid=call.grid, num_warps=call.num_warps,
-                                     num_stages=call.num_stages)
+                with _own_device_cache(fn):
+                    compiled = fn.warmup(*call.dynamic, *call.static, grid=call.grid, num_warps=call.num_warps,
+                                         num_stages=call.num_stages)
             except Exception as e:  # the compiler's refusal is the answer (an API this Triton lacks, a resource)
                 entry["error"] = _summary(e)
                 kernels.append(entry)

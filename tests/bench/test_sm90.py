@@ -97,3 +97,30 @@ def test_sass_loops_innermost_spans_and_spill_traffic():
     assert loops == [dict(start=0, instructions=80, local=0), dict(start=16 * 100, instructions=100, local=2)]
     assert sm90.sass_loops(_listing(body), min_size=5)[0] == dict(start=16 * 140, instructions=11, local=0)
     assert sm90.sass_loops("") == []
+
+
+_CACHE_SCRIPT = """
+from flashtile.bench import sm90
+from flashtile.kernels.fa2_fwd import _fa2_fwd_kernel as jit
+while not hasattr(jit, "device_caches"):
+    jit = jit.fn
+caches = jit.device_caches
+assert 0 not in caches
+row = sm90.compile_routine("fa2-fwd", 32, False, 256)
+assert "error" not in row["kernels"][0], row
+assert 0 not in caches, "sm_90a binaries left in the cache for device 0"
+marker = caches[0] = ("a real GPU's cache",)
+sm90.compile_routine("fa2-fwd", 32, False, 256)
+assert caches[0] is marker, "device 0's cache not put back"
+print("ok")
+"""
+
+
+def test_compiles_leave_the_kernels_device_caches_as_they_were(tmp_path):
+    """The sm_90a binaries stay out of the kernel's cache for device 0 (a process using a GPU afterwards would
+    launch them there), and an entry it had before comes back (compiled, so in a process without the
+    interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
