@@ -40,8 +40,12 @@ def check_tiles(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.conste
 
 @triton.jit
 def tanh_(x):
-    """tanh through exp (portable: also runs in the interpreter); saturates to +-1."""
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """tanh through exp (portable: also runs in the interpreter); saturates to +-1.  Below |x| = 1/8 its odd series
+    to x^5 (truncation < 2e-7 relative): 1 - 2 / (e^2x + 1) cancels there to an absolute error of ~6e-8, which a
+    softcap c multiplies in c * tanh(s / c) (c = 1e6 was 0.06 off)."""
+    x2 = x * x
+    series = x + x * x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0))
+    return tl.where(tl.abs(x) < 0.125, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
 @triton.jit

@@ -200,11 +200,18 @@ def check_softmax_scale(scale: object, head_dim: int, *, name: str = "softmax_sc
     return s
 
 
+SOFTCAP_MAX = 1e30  # s / c underflows fp32 below |s| ~ 1e-8 here; c * log2(e) must stay finite in fp32
+
+
 def check_softcap(softcap: object, *, name: str = "softcap") -> float:
-    """softcap >= 0; 0 disables it (s = softcap * tanh(s / softcap) otherwise)."""
+    """0 <= softcap <= SOFTCAP_MAX; 0 disables it (s = softcap * tanh(s / softcap) otherwise).  A larger cap
+    changes no score below 1e26 at fp32 precision (relative change s^2 / 3c^2): 0 is the same, exactly."""
     c = _real(softcap, name)
     if not (c >= 0.0 and math.isfinite(c)):
         raise ValueError(f"{name} must be a finite float >= 0 (0 disables it), got {c}")
+    if c > SOFTCAP_MAX:
+        raise ValueError(f"{name} must be at most {SOFTCAP_MAX:g} (a larger cap changes no fp32 score below 1e26: "
+                         f"pass 0 to disable it), got {c:g}")
     return c
 
 

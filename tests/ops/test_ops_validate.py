@@ -65,6 +65,7 @@ FLASH_CASES = {
     "window_float": (lambda: fa(window_size=(1.5, 2)), ValueError, r"window_size must be a pair of ints"),
     "causal_type": (lambda: fa(causal="yes"), TypeError, r"causal must be a bool"),
     "softcap_neg": (lambda: fa(softcap=-1.0), ValueError, r"softcap must be a finite float >= 0"),
+    "softcap_huge": (lambda: fa(softcap=3e38), ValueError, r"softcap must be at most 1e\+30"),
     "softcap_type": (lambda: fa(softcap="1"), TypeError, r"softcap must be a float \(a Python or NumPy real scalar\), got str"),
     "dropout_one": (lambda: fa(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
     "dropout_neg": (lambda: fa(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\)"),
