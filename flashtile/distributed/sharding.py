@@ -188,6 +188,9 @@ def unshard_packed(x: torch.Tensor | Sequence[torch.Tensor], cu_seqlens: torch.T
     ``cu_seqlens``: the *local* cumulative lengths."""
     _check_layout(layout)
     shards = _shards(x, group)
+    for s in shards:
+        if s.shape != shards[0].shape:
+            raise ValueError(f"shards must have one shape, got {tuple(shards[0].shape)} and {tuple(s.shape)}")
     lens = _lengths(cu_seqlens, "cu_seqlens", shards[0].shape[dim])
     seqs, start = [], 0
     for n in lens:

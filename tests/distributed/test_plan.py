@@ -84,6 +84,8 @@ def test_packed_shards_round_trip_and_refuse_bad_lengths():
             want = torch.cat([x[a:a + n][shard_positions(n, 2, r, layout)] for a, n in zip(starts, lens)])
             assert torch.equal(s, want)
         assert torch.equal(unshard_packed([s for s, _ in shards], shards[0][1], layout=layout), x)
+    with pytest.raises(ValueError, match="shards must have one shape"):
+        unshard_packed([shards[0][0], shards[1][0][:-2]], shards[0][1])
     with pytest.raises(ValueError, match=r"sequence 2\).*multiple of 4"):
         shard_packed(x[:46], torch.tensor([0, 16, 16, 22, 46], dtype=torch.int32), (0, 2))
     with pytest.raises(ValueError, match="end at the packed length 48"):
