@@ -324,7 +324,9 @@ def ring_flash_attn_func(
     this rank's shards in ``layout`` ("zigzag": chunks r and 2P - 1 - r of 2P, the balanced
     layout for causal; "contiguous": tokens [r N / P, (r + 1) N / P)); make them with
     :func:`~flashtile.distributed.zigzag_shard` / :func:`~flashtile.distributed.contiguous_shard`.
-    Every rank passes the same shapes and options.  ``group``: None (the default group), a
+    Every rank passes the same shapes and options (ALiBi included, which raises on every rank), checked by one
+    all_gather at a group's first call only (a per-call check would cost a host sync); a rank that differs
+    later waits in the ring.  ``group``: None (the default group), a
     ProcessGroup or a 1-D DeviceMesh.  causal, window_size, softcap, softmax_scale, GQA and
     deterministic mean what they mean in ``flash_attn_func`` over the *full* sequences
     (bottom-right aligned); ``dropout_p`` draws one Philox state per call from the device's default
