@@ -553,8 +553,8 @@ def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexp
     with FP8 made so per tile).  FP8: P~ = 2^8 exp(S - m) spans e4m3's [0, 256] (FA3's Max_offset; l carries
     the 2^8 too)."""
     if MASKED:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1), s, float("-inf"))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - start_n, 1), s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if MASKED:
         # a row with no allowed key so far keeps m = -inf: subtract 0, never -inf - -inf

@@ -485,11 +485,12 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         lse_cols = gl.convert_layout(lse_v, col_s)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
-        cols = m0 + gl.arange(0, 64, layout=col_s)
-        # key n is seen by row m iff n < Nk and, causal, n <= m + Nk - Nq (bottom-right)
+        cols = gl.arange(0, 64, layout=col_s)
+        # key n is seen by row m0 + c iff n < Nk and, causal, n - (Nk - Nq) - m0 <= c (bottom-right): one
+        # per-row bound against the columns' constants (no per-element offset)
         keep = gl.expand_dims(kv_rows < seqlen_k, 1)
         if CAUSAL:
-            keep = keep & (gl.expand_dims(kv_rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+            keep = keep & (gl.expand_dims(kv_rows - (seqlen_k - seqlen_q) - m0, 1) <= gl.expand_dims(cols, 0))
         pt = gl.where(keep, pt, 0.0)
     # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
     # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait

@@ -191,11 +191,12 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
     lse_cols = stats_smem.index(2 * slot).load(col_s)  # +inf past Nq and on rows that see no key: P = 0 there
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
-        cols = m0 + gl.arange(0, 64, layout=col_s)
-        # key n is seen by row m iff n < Nk and, causal, n <= m + Nk - Nq (bottom-right)
+        cols = gl.arange(0, 64, layout=col_s)
+        # key n is seen by row m0 + c iff n < Nk and, causal, n - (Nk - Nq) - m0 <= c (bottom-right): one
+        # per-row bound against the columns' constants (no per-element offset)
         keep = gl.expand_dims(kv_rows < seqlen_k, 1)
         if CAUSAL:
-            keep = keep & (gl.expand_dims(kv_rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+            keep = keep & (gl.expand_dims(kv_rows - (seqlen_k - seqlen_q) - m0, 1) <= gl.expand_dims(cols, 0))
         pt = gl.where(keep, pt, 0.0)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if DQ_TMA:
@@ -275,11 +276,11 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     lse_cols = stats_smem.index(2 * slot).slice(WG * 32, 32).load(col_s)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
-        cols = m0 + WG * 32 + gl.arange(0, 32, layout=col_s)
+        cols = gl.arange(0, 32, layout=col_s)
         rows = gl.convert_layout(kv_rows, gl.SliceLayout(1, s_layout))  # the same rows per thread at N = 32
         keep = gl.expand_dims(rows < seqlen_k, 1)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(rows, 1) <= gl.expand_dims(cols + (seqlen_k - seqlen_q), 0))
+        if CAUSAL:  # one per-row bound against the columns' constants (no per-element offset)
+            keep = keep & (gl.expand_dims(rows - (seqlen_k - seqlen_q) - m0 - WG * 32, 1) <= gl.expand_dims(cols, 0))
         pt = gl.where(keep, pt, 0.0)
     # the buffer's readers of DS_BUFS steps ago (both warpgroups) retired; the first round passes on fresh barriers
     mbarrier.wait(ds_empty.index(buf), ((it // DS_BUFS) & 1) ^ 1)
