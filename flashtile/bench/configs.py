@@ -2,7 +2,7 @@
 
 A tuning probe for the Hopper kernels, one GPU call: per (head dim, N, causal) the dispatched config
 (``gluon-fwd``: :func:`flashtile.runtime.fa3_fwd.gluon_dispatch_config` for the shape, host descriptors, persistent
-and dynamic grids included; ``gluon-bwd``: :func:`flashtile.runtime.fa3_gluon_bwd.gluon_bwd_config`) is the row
+and dynamic grids included; ``gluon-bwd``: :func:`flashtile.runtime.fa3_gluon_bwd.dispatch_config`) is the row
 ``dispatch``, and each variant is that config with some fields replaced (``--variant "name: field=value ..."``).
 Every row is first checked against FA2's kernel on the same inputs (outputs, or dQ / dK / dV, within 2e-2 of
 each one's max), then the rows that pass, with FA3's forward as a peer where its wheel imports (``gluon-fwd``), are
@@ -55,7 +55,7 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
         base = fa3_fwd.gluon_dispatch_config(qv, kv, causal)
         ref = [out_ref]
     else:
-        base = fa3_gluon_bwd.gluon_bwd_config(d, causal)
+        base = fa3_gluon_bwd.dispatch_config(qv, kv, causal)
         ref = fa2_backward(dov, qv, kv, vv, out_ref, lse, softmax_scale=scale, causal=causal)
         flops *= 2.5
     rows, timed = [], []

@@ -507,7 +507,8 @@ def gluon_dispatch_config(q, k, causal: bool):
     d, nq, nk = q.shape[3], q.shape[2], k.shape[2]
     big = q.shape[0] * q.shape[1] * nq * nk * d >= HOST_DESC_MIN_WORK
     lo, hi = NARROW_TWO_WG_KEYS
-    return gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi, nk < NARROW_PERSISTENT_MAX_KEYS)
+    return gluon_config(d, causal, big, nk >= DYNAMIC_MIN_KEYS, lo <= nk < hi, nk < NARROW_PERSISTENT_MAX_KEYS,
+                        nk >= NARROW_PERSISTENT_MAX_KEYS)
 
 
 def forward_plan(q, k, v, out, lse, causal: bool):

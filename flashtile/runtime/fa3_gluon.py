@@ -152,7 +152,7 @@ NARROW_TWO_WG_KEYS = (4096, 8192)
 
 @functools.lru_cache(maxsize=None)  # per call of fa3_forward: a table lookup, memoised
 def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool = False,
-                 mid_keys: bool = False, few_keys: bool = False) -> GluonConfig:
+                 mid_keys: bool = False, few_keys: bool = False, long_keys: bool = False) -> GluonConfig:
     """The config for head dim ``d`` (a table per tile width, CPU-testable).  The head dim is split
     (``head_split``) where that narrows the tiles (d = 40, 48, 72-96, 136-192), not where the two parts are
     as wide as ``block_d(d)`` (24, 56, 104-120, 200-248).  Rows by width, from the H100 probes (bf16,
@@ -175,8 +175,11 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
     48, also GQA 32 / 8; bench/NOTES.md "d = 64 / 48 causal forward", ``results/g64gqa-fwd-probe_*.json``); from
     8k that row wins (428 vs 400 TFLOP/s).  Widths 33-128 carry P packed (``pack_p``; interleaved rounds, 4k-16k,
     packed / not: d = 64 1.006-1.096 in 24 of 24 samples, d = 128 0.95-1.05, median 1.015, d = 96 median 1.003;
-    d = 192 / 256 medians 0.99-1.0: not there; bench/NOTES.md "P carried packed").  ``host_desc``: the caller's
-    choice (``HOST_DESC_MIN_WORK``)."""
+    d = 192 / 256 medians 0.99-1.0: not there; bench/NOTES.md "P carried packed").  Non-causal at width 64 with
+    ``long_keys`` (the caller's Nk >= ``NARROW_PERSISTENT_MAX_KEYS``): the three consumers over dynamically claimed
+    tiles, 1.09x one program per
+    tile at d = 64, 16k (1.00x at 4k; bench/NOTES.md "Masked tiles"; widths 33-63 not timed, left as they were).
+    ``host_desc``: the caller's choice (``HOST_DESC_MIN_WORK``)."""
     if d not in GLUON_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon forward covers head dims multiple of 8 up to 256, got {d}")
     d0, d1 = head_split(d)
@@ -198,6 +201,8 @@ def gluon_config(d: int, causal: bool, host_desc: bool = False, many_keys: bool 
         cfg = replace(cfg, pack_p=True)
     if not causal and (width >= 128 or (few_keys and width > 32)):
         cfg = replace(cfg, persistent=True)
+    elif not causal and long_keys and width == 64:
+        cfg = replace(cfg, persistent=True, dynamic=True)
     elif causal and many_keys and width > 64:
         cfg = replace(cfg, persistent=True, dynamic=True)
     elif causal and mid_keys and 32 < width <= 64:

@@ -144,8 +144,8 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
     d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
     one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
-    :func:`group_loop_wins`.  ``named_bars`` and ``host_desc`` stay off: compiled offline, GPU tests and
-    timing pending (bench/NOTES.md "Gluon backward: named barriers and host descriptors")."""
+    :func:`group_loop_wins`.  ``named_bars`` stays off (0.97-1.01x, bench/NOTES.md "Gluon backward: named
+    barriers and host descriptors"); ``host_desc`` is the caller's (:func:`dispatch_config`)."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -290,8 +290,7 @@ def fa3_gluon_backward(
         _check_config(config, d, q.element_size())
         cfg = config
     else:
-        cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
-                               group_loop_wins(causal, b, hk, nk, q.device.index))
+        cfg = dispatch_config(q, k, causal)
     from flashtile.runtime.fa3_bwd import grad_buffers, grad_outputs, write_back
 
     rets = grad_outputs(dq, dk, dv, q, k, v)
@@ -318,7 +317,7 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
         for grad in (dq, dk, dv):
             grad.zero_()
         return
-    cfg = _config_for(q, k, causal)
+    cfg = dispatch_config(q, k, causal)
     if hq == hk or cfg.group_loop:
         _launch_all(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, cfg)
         return
@@ -329,13 +328,35 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, cau
     write_back((dq, dk, dv), bufs, True)
 
 
-def _config_for(q, k, causal: bool) -> GluonBwdConfig:
+# keys up to which a backward with 64-wide tiles takes host-built descriptors (``host_desc_wins``)
+HOST_DESC_NARROW_MAX_KEYS = 1024
+
+
+def host_desc_wins(d: int, b: int, hq: int, nq: int, nk: int, group_loop: bool) -> bool:
+    """Whether the narrow kernel's descriptors are built on the host (``host_desc``): H100, bf16, B*N = 16k,
+    H*d = 2048, 5 interleaved rounds (bench/NOTES.md "Gluon backward: named barriers and host descriptors"),
+    backward alone host / in-kernel descriptors: d = 128 1.00-1.08x at 1k-16k (1.04 / 1.08 at 1k non-causal /
+    causal; d = 72-120 share its 128-wide tiles, not timed), d = 64 1.04 / 1.11 at 1k but 0.92-0.99 from 4k, so
+    64-wide tiles up to ``HOST_DESC_NARROW_MAX_KEYS`` keys only; from ``fa3_gluon.HOST_DESC_MIN_WORK`` (the
+    launch encodes each descriptor on the host, tens of us a call); not with ``group_loop`` (not timed there)."""
+    from flashtile.runtime.fa3_gluon import HOST_DESC_MIN_WORK
+
+    if group_loop or d in WIDE_HEAD_DIMS or block_d(d) <= 32 or b * hq * nq * nk * d < HOST_DESC_MIN_WORK:
+        return False
+    return block_d(d) > 64 or nk <= HOST_DESC_NARROW_MAX_KEYS
+
+
+def dispatch_config(q, k, causal: bool) -> GluonBwdConfig:
     """:func:`gluon_bwd_config` of a backward on these (B, H, N, d) views: the group loop under GQA up to d = 128
-    where :func:`group_loop_wins`."""
-    b, hq, _, d = q.shape
+    where :func:`group_loop_wins`, host descriptors where :func:`host_desc_wins` (the launch keeps them only where
+    they fit)."""
+    b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    return gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
-                            group_loop_wins(causal, b, hk, nk, q.device.index))
+    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
+                           group_loop_wins(causal, b, hk, nk, q.device.index))
+    if host_desc_wins(d, b, hq, nq, nk, cfg.group_loop):
+        cfg = replace(cfg, host_desc=True)
+    return cfg
 
 
 def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
@@ -352,7 +373,7 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     hk, nk = k.shape[1], k.shape[2]
     if b * hq * nq == 0 or nk == 0:
         return None
-    cfg = _config_for(q, k, causal)
+    cfg = dispatch_config(q, k, causal)
     if not (hq == hk or cfg.group_loop) or not cfg.stats_smem:
         return None
     s_grid, s_static, stats_shape, acc_shape = stats_args(out, dout, lse, True)

@@ -50,7 +50,13 @@ def test_config_table_fits():
     # without a mask, narrower than 128 below 8k keys: static persistent too; causal rows unchanged by few_keys
     for d in (40, 64, 80, 96):  # d = 112: 128-wide tiles (64 + 64 saves nothing)
         assert gluon_config(d, False, few_keys=True) == replace(gluon_config(d, False), persistent=True)
-        assert not gluon_config(d, False).persistent and gluon_config(d, True, few_keys=True) == gluon_config(d, True)
+        assert gluon_config(d, True, few_keys=True) == gluon_config(d, True)
+    # from 8k keys without a mask (long_keys): one program per tile, but at width 64 the three consumers claim
+    # tiles dynamically
+    assert not any(gluon_config(d, False, long_keys=True).persistent for d in (40, 48, 80, 96))
+    assert not gluon_config(64, False).persistent and not gluon_config(64, True, long_keys=True).persistent
+    assert gluon_config(64, False, long_keys=True) == replace(gluon_config(64, False, few_keys=True), dynamic=True)
+    assert gluon_config(56, False, long_keys=True).dynamic  # 56 runs 64-wide tiles (32 + 24 parts save nothing)
     assert gluon_config(128, False, few_keys=True) == gluon_config(128, False)  # persistent from width 128 anyway
     assert gluon_config(112, False, few_keys=True) == gluon_config(112, False)
     assert not gluon_config(32, False, few_keys=True).persistent  # no schedule at width <= 32: not measured there
@@ -867,11 +873,15 @@ def test_forward_passes_many_keys_from_dynamic_min_keys(monkeypatch):
         k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
         fa3_fwd.forward_checked(q, k, k, 0.1, causal)
     assert [(cfg.num_wg, cfg.dynamic) for _, cfg in seen] == [(3, False), (2, True), (2, True), (3, False), (3, False)]
-    seen.clear()  # without a mask below NARROW_PERSISTENT_MAX_KEYS keys: persistent (static) under width 128
-    for nk in (fa3_gluon.NARROW_PERSISTENT_MAX_KEYS - 1, fa3_gluon.NARROW_PERSISTENT_MAX_KEYS):
-        k = torch.zeros(1, 2, nk, 64, dtype=torch.bfloat16)
-        fa3_fwd.forward_checked(q, k, k, 0.1, False)
-    assert [(cfg.persistent, cfg.dynamic) for _, cfg in seen] == [(True, False), (False, False)]
+    seen.clear()  # without a mask below NARROW_PERSISTENT_MAX_KEYS keys: persistent (static) under width 128; from
+    # there one program per tile, but dynamically claimed tiles at width 64
+    for d in (64, 48):
+        q = torch.zeros(1, 2, 64, d, dtype=torch.bfloat16)
+        for nk in (fa3_gluon.NARROW_PERSISTENT_MAX_KEYS - 1, fa3_gluon.NARROW_PERSISTENT_MAX_KEYS):
+            k = torch.zeros(1, 2, nk, d, dtype=torch.bfloat16)
+            fa3_fwd.forward_checked(q, k, k, 0.1, False)
+    assert [(cfg.persistent, cfg.dynamic) for _, cfg in seen] == [(True, False), (True, True), (True, False),
+                                                                  (False, False)]
 
 
 def test_fp8_v_operand_permutes_keys_per_chunk():

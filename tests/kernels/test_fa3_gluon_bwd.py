@@ -283,7 +283,7 @@ def test_plan_builds_host_descriptors_per_call(monkeypatch):
     lse = torch.zeros(b, h, n)
     for host in (True, False):
         cfg = replace(gluon_bwd_config(d, True), host_desc=host)
-        monkeypatch.setattr(fa3_gluon_bwd, "_config_for", lambda q, k, causal, cfg=cfg: cfg)
+        monkeypatch.setattr(fa3_gluon_bwd, "dispatch_config", lambda q, k, causal, cfg=cfg: cfg)
         run = fa3_gluon_bwd.backward_plan(q1, q1, q1, q1, q1, lse, q1, q1, q1, True)
         for q in (q1, q2):
             runs.clear()
@@ -299,6 +299,28 @@ def test_plan_builds_host_descriptors_per_call(monkeypatch):
                                                             "DQDesc"))
 
 
+def test_host_descriptors_where_they_win():
+    """``dispatch_config`` takes host descriptors on the narrow kernel from HOST_DESC_MIN_WORK: 128-wide tiles at
+    every length, 64-wide up to HOST_DESC_NARROW_MAX_KEYS keys; never with the group loop, the wide kernel or
+    32-wide tiles."""
+    from flashtile.runtime.fa3_gluon import HOST_DESC_MIN_WORK
+
+    wins = fa3_gluon_bwd.host_desc_wins
+    top = fa3_gluon_bwd.HOST_DESC_NARROW_MAX_KEYS
+    assert wins(128, 16, 16, 1024, 1024, False) and wins(128, 1, 16, 16384, 16384, False) and wins(96, 4, 8, 4096,
+                                                                                                   4096, False)
+    assert wins(64, 16, 32, 1024, top, False) and not wins(64, 4, 32, 4096, top + 1, False)
+    assert not wins(128, 16, 16, 1024, 1024, True)  # group loop
+    assert not wins(192, 16, 16, 1024, 1024, False) and not wins(32, 16, 16, 1024, 1024, False)
+    n = 256  # work just under and at the host-encoding threshold
+    b = HOST_DESC_MIN_WORK // (n * n * 128)
+    assert wins(128, b, 1, n, n, False) and not wins(128, b - 1, 1, n, n, False)
+    q = torch.zeros(16, 16, 1024, 128, dtype=BF16)
+    assert fa3_gluon_bwd.dispatch_config(q, q, True) == replace(gluon_bwd_config(128, True), host_desc=True)
+    q = torch.zeros(1, 2, 64, 128, dtype=BF16)
+    assert fa3_gluon_bwd.dispatch_config(q, q, False) == gluon_bwd_config(128, False)
+
+
 def test_plan_host_descriptors_over_the_planned_layout(monkeypatch):
     """The op's plan calls ``run`` with its own (B, N, H, d) tensors (flash-attn's layout): the host descriptors
     keep the (B, H, N, d) geometry the kernel indexes ([b, head, row, 0]) with each call's addresses, as the
@@ -312,7 +334,7 @@ def test_plan_host_descriptors_over_the_planned_layout(monkeypatch):
                         lambda kernel, grid, dynamic, static, **kw: lambda *dyn: runs.append((kernel, dyn, static)))
     monkeypatch.setattr(fa3_fwd, "ensure_allocator", lambda: None)
     cfg = replace(gluon_bwd_config(128, True), host_desc=True)
-    monkeypatch.setattr(fa3_gluon_bwd, "_config_for", lambda q, k, causal: cfg)
+    monkeypatch.setattr(fa3_gluon_bwd, "dispatch_config", lambda q, k, causal: cfg)
     monkeypatch.setattr(fa3_gluon_bwd, "prefer_gluon_bwd", lambda *a, **kw: True)
     b, n, h, d = 2, 300, 4, 128
     x = torch.zeros(b, n, h, d, dtype=BF16)
