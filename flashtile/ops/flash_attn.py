@@ -263,6 +263,9 @@ def _run_varlen(
     dropout_p = validate.check_dropout(dropout_p)
     if alibi_slopes is not None:
         validate.check_alibi(alibi_slopes, q, validate.AttnDims(batch, hq, hk, max_q, max_k, d))
+    # the kernels index cu_seqlens and block_table rows with unit strides (no copy when they already are)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    block_table = block_table.contiguous() if paged else None
     out, lse, _ = varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, softmax_scale=scale, causal=causal, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, block_table=block_table,

@@ -198,6 +198,33 @@ def test_paged_forward_matches_oracle(device):
         flash_attn_varlen_func(q.requires_grad_(), k_cache, v_cache, cu_q, cu_k, max(lq), max(lk), block_table=table)
 
 
+def test_strided_cu_seqlens_and_block_table(device):
+    """cu_seqlens and block_table with the right values but not unit strides (a column of a wider tensor, a
+    transposed copy, an expanded row) give the contiguous tensors' results: the kernels read them as contiguous."""
+    lq, lk, page, hk = [7, 0, 19], [40, 16, 23], 16, 2
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = (torch.randn(12, page, hk, 16, generator=gen).to(device) for _ in range(2))
+    table = torch.randperm(12, generator=gen)[:9].view(3, 3).to(torch.int32).to(device)
+    q = torch.randn(sum(lq), 4, 16, generator=gen).to(device)
+    cu_q, cu_k = _cu(lq, device), _cu(lk, device)
+    strided = lambda cu: torch.stack([cu, torch.full_like(cu, 10**6)], 1)[:, 0]  # noqa: E731 - stride 2, junk between
+    want = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lq), max(lk), block_table=table, causal=True)
+    got = flash_attn_varlen_func(q, k_cache, v_cache, strided(cu_q), strided(cu_k), max(lq), max(lk),
+                                 block_table=table.t().contiguous().t(), causal=True)
+    assert not strided(cu_q).is_contiguous() and torch.equal(got, want)
+    one_page = torch.tensor([[1], [3], [5]], dtype=torch.int32, device=device).expand(3, 2)  # stride (1, 0)
+    want = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, _cu([16, 0, 10], device), max(lq), 16,
+                                  block_table=one_page.contiguous())
+    got = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, _cu([16, 0, 10], device), max(lq), 16, block_table=one_page)
+    assert torch.equal(got, want)
+    qf, kf, vf, dout = _packed(LENS_Q, LENS_K, 2, 2, 16, device)
+    want = _run(qf, kf, vf, dout, _cu(LENS_Q, device), _cu(LENS_K, device), max(LENS_Q), max(LENS_K), causal=True)
+    got = _run(qf, kf, vf, dout, strided(_cu(LENS_Q, device)), strided(_cu(LENS_K, device)), max(LENS_Q),
+               max(LENS_K), causal=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_reference_twin_matches_oracle():
     """flashtile.reference.varlen (FA2 Algorithm 1 per sequence) against the oracle, paged and not."""
     q, k, v, _ = _packed(LENS_Q, LENS_K, 4, 2, 8, "cpu", dtype=torch.float64, seed=11)
