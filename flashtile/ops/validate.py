@@ -190,12 +190,17 @@ def _real(x: object, name: str) -> float:
     return float(x)
 
 
+def _finite(x: float) -> bool:
+    """``math.isfinite`` by comparisons (NaN fails both), which torch.compile traces on a symbolic float."""
+    return -math.inf < x < math.inf
+
+
 def check_softmax_scale(scale: object, head_dim: int, *, name: str = "softmax_scale") -> float:
     """None -> 1/sqrt(d); otherwise a finite real number.  ``name``: the caller's argument name."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     s = _real(scale, name)
-    if not math.isfinite(s):
+    if not _finite(s):
         raise ValueError(f"{name} must be a finite float (or None for 1/sqrt(head_dim)), got {s}")
     return s
 
@@ -207,7 +212,7 @@ def check_softcap(softcap: object, *, name: str = "softcap") -> float:
     """0 <= softcap <= SOFTCAP_MAX; 0 disables it (s = softcap * tanh(s / softcap) otherwise).  A larger cap
     changes no score below 1e26 at fp32 precision (relative change s^2 / 3c^2): 0 is the same, exactly."""
     c = _real(softcap, name)
-    if not (c >= 0.0 and math.isfinite(c)):
+    if not (c >= 0.0 and _finite(c)):
         raise ValueError(f"{name} must be a finite float >= 0 (0 disables it), got {c}")
     if c > SOFTCAP_MAX:
         raise ValueError(f"{name} must be at most {SOFTCAP_MAX:g} (a larger cap changes no fp32 score below 1e26: "

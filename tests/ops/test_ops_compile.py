@@ -98,3 +98,16 @@ def test_compile_fullgraph_flash_attn_fidelity_options(device):
     assert compiled[0].transpose(1, 2).is_contiguous() and eager[0].transpose(1, 2).is_contiguous()
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-6)
+
+
+def test_compile_fullgraph_with_changing_float_options(device):
+    """softmax_scale and softcap that change between calls of one compiled function: after the first recompile
+    dynamo passes them as symbolic floats, which the finiteness checks must trace (math.isfinite does not)."""
+    q, k, v = _leaves(device, 4)
+
+    def f(q, k, v, scale, cap):
+        return flash_attn_func(q, k, v, softmax_scale=scale, softcap=cap, causal=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for scale, cap in ((0.1, 1.0), (0.2, 2.0), (0.3, 3.0)):
+        torch.testing.assert_close(compiled(q, k, v, scale, cap), f(q, k, v, scale, cap), rtol=1e-5, atol=1e-5)
