@@ -13,6 +13,7 @@ import triton.language as tl
 
 from flashtile.kernels._common import LN2, LOG2E, e4m3_exact, mma, multiple16, unfold_pid
 from flashtile.kernels.block_info import kv_block_range
+from flashtile.kernels.fa3_fwd import ERR_DESCALE
 from flashtile.kernels.mask import allowed, score_mods
 
 __all__ = [
@@ -36,9 +37,18 @@ _FLAG_OVERFLOW = tl.constexpr(FLAG_OVERFLOW)
 # bits of the per-device error word: a length outside [0, capacity], a used block-table entry outside [0, num_pages)
 ERR_SEQLENS, ERR_BLOCK_TABLE = 1, 2
 _ERR_SEQLENS, _ERR_BLOCK_TABLE = tl.constexpr(ERR_SEQLENS), tl.constexpr(ERR_BLOCK_TABLE)
-# a cache_batch_idx entry outside [0, cache batch); cu_seqlens_q not monotone within [0, total_q] or a span > max_seqlen_q
+# a cache_batch_idx entry outside [0, cache batch); a cu_seqlens_q span outside [0, total_q] or > max_seqlen_q, or
+# cu_seqlens_q not running from 0 to total_q
 ERR_BATCH_IDX, ERR_CU_SEQLENS_Q = 4, 8
 _ERR_BATCH_IDX, _ERR_CU_SEQLENS_Q = tl.constexpr(ERR_BATCH_IDX), tl.constexpr(ERR_CU_SEQLENS_Q)
+# an FP8 cache's k or v descale of (batch element, kv head) not finite and > 0 (the FP8 forward's bit)
+_ERR_DESCALE = tl.constexpr(ERR_DESCALE)
+
+
+@triton.jit
+def _descale_ok(x):
+    """Whether a descale is finite and > 0 (NaN fails every comparison)."""
+    return (x > 0.0) & (x < float("inf"))
 
 
 @triton.jit
@@ -98,22 +108,51 @@ def _cache_row(CacheBatchIdx, off_b, n_cache_batch, HAS_BATCH_IDX: tl.constexpr)
 
 
 @triton.jit
-def _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q: tl.constexpr):
-    """``(start, n, bad)``: element b's query rows ``[start, start + n)`` (int64 start): with ``VARLEN_Q``
+def _q_span(CuSeqlensQ, off_b, last_b, seqlen_q, total_q, VARLEN_Q: tl.constexpr):
+    """``(start, n, end, bad)``: element b's query rows ``[start, start + n)`` (int64 start): with ``VARLEN_Q``
     from ``cu_seqlens_q[b:b + 2]`` clamped to ``[0, total_q]`` and ``n <= seqlen_q`` (= max_seqlen_q),
-    ``bad`` when clamping changed them; else ``(0, seqlen_q, False)`` (q carries a batch stride)."""
+    ``end`` = ``cu_seqlens_q[b + 1]`` clamped to ``[0, total_q]``, ``bad`` when clamping changed them or
+    when ``cu_seqlens_q[0] != 0`` (b = 0) or ``cu_seqlens_q[B] != total_q`` (b = ``last_b``): packed rows
+    outside every span (:func:`_store_empty_rows` covers them); else ``(0, seqlen_q, seqlen_q, False)``."""
     if VARLEN_Q:
         lo = tl.load(CuSeqlensQ + off_b.to(tl.int64)).to(tl.int64)
         hi = tl.load(CuSeqlensQ + off_b.to(tl.int64) + 1).to(tl.int64)
         start = tl.minimum(tl.maximum(lo, 0), total_q)
+        end = tl.minimum(tl.maximum(hi, 0), total_q)
         n = tl.minimum(tl.minimum(tl.maximum(hi - start, 0), seqlen_q), total_q - start)
-        bad = (start != lo) | (n != hi - lo)
+        bad = (start != lo) | (n != hi - lo) | ((off_b == 0) & (lo != 0)) | ((off_b == last_b) & (hi != total_q))
         n = n.to(tl.int32)
     else:
         start = off_b.to(tl.int64) * 0
         n = seqlen_q
+        end = start + seqlen_q
         bad = off_b < 0  # False
-    return start, n, bad
+    return start, n, end, bad
+
+
+@triton.jit
+def _store_empty_rows(
+    Out, LSE, off_b, last_b, start, stop, end, off_hk, kv_group, stride_om, stride_oh, total_q, head_dim,
+    BLOCK_D: tl.constexpr,
+):
+    """Out 0 and lse -inf on the packed rows element ``off_b`` leaves uncomputed, for kv head ``off_hk``'s q heads:
+    ``[stop, end)`` (``stop = start + n``, ``(start, n, end)`` of :func:`_q_span`), for element 0 also
+    ``[0, start)`` and for the last (``last_b``) ``[end, total_q)``.  Every row of ``[0, total_q)`` then lies in
+    some element's span or in one of these (a row ``r`` in ``[cu[0], cu[B])`` has some b with
+    ``cu[b] <= r < cu[b + 1]``), whatever ``cu_seqlens_q`` holds."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    zero = tl.zeros((BLOCK_D,), dtype=Out.dtype.element_ty)
+    for part in range(0, 3):
+        lo = tl.where(part == 0, stop, tl.where(part == 1, 0, end))
+        first = tl.where(off_b == 0, start, 0)
+        tail = tl.where(off_b == last_b, total_q, 0)
+        hi = tl.where(part == 0, end, tl.where(part == 1, first, tail))
+        for g in range(0, kv_group):
+            h = (off_hk * kv_group + g).to(tl.int64)
+            for tok in range(lo, hi):
+                tl.store(Out + tok * stride_om + h * stride_oh + offs_d, zero, mask=d_ok)
+                tl.store(LSE + h * total_q + tok, float("-inf"))
 
 
 @triton.jit
@@ -309,7 +348,7 @@ def _merge_rows(
     L1 (``.cg``): the partials were written by other SMs during this launch.  ``VARLEN_Q``: rows
     past the element's query count are padding (neither merged nor stored)."""
     offs_d = tl.arange(0, BLOCK_D)
-    q_start, q_len, _bad_span = _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q)
+    q_start, q_len, _end, _bad_span = _q_span(CuSeqlensQ, off_b, -1, seqlen_q, total_q, VARLEN_Q)
     for r0 in range(r_lo, r_hi, MERGE_M):
         offs_r = r0 + tl.arange(0, MERGE_M)
         r_ok = offs_r < r_hi
@@ -419,6 +458,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
     KV_ALIGNED: tl.constexpr,  # 16 divides the per-call K/V strides (the divisibility specialisation gave)
     FULL_LENGTH: tl.constexpr,  # no cache_seqlens: every element attends to all `capacity` slots (SeqlensK unread)
+    WIDE_TILE: tl.constexpr,  # in-tile K/V offsets need 64 bits (runtime.decode.wide_tile)
 ):
     """One split of one (batch element, kv head) for ``BLOCK_M`` packed (head, token) rows;
     with ``FUSED`` the split that finishes last for those rows also merges all their splits.
@@ -432,7 +472,10 @@ def _decode_split_kernel(
     ORs its bit into ``Err`` (once per (batch element, kv head) program of split 0, row tile 0).
     So does a ``cache_batch_idx`` entry outside ``[0, n_cache_batch)`` (the element reads no key)
     and, with ``VARLEN_Q``, a ``cu_seqlens_q`` span outside ``[0, total_q]`` or longer than
-    ``seqlen_q`` (= max_seqlen_q; clamped, :func:`_q_span`).
+    ``seqlen_q`` (= max_seqlen_q; clamped, :func:`_q_span`), or ``cu_seqlens_q[0] != 0`` or
+    ``cu_seqlens_q[B] != total_q``; then packed rows no span computes are stored as out 0, lse -inf
+    (:func:`_store_empty_rows`).  ``KV_FP8``: a k or v descale of (b, kv head) not finite and > 0 ORs
+    ERR_DESCALE, and the program reads no key (its rows output 0, lse -inf).
 
     ``HAS_LEFTPAD``: keys below ``cache_leftpad[b]`` (clamped to ``[0, L]``) are masked and their
     tiles skipped.  ``ROTARY``: q is rotated on load (:func:`_rotary_load`) at position
@@ -459,16 +502,20 @@ def _decode_split_kernel(
     if bad_len & reporter:
         tl.atomic_or(Err, _ERR_SEQLENS)
     cache_b, bad_row = _cache_row(CacheBatchIdx, off_b, n_cache_batch, HAS_BATCH_IDX)
-    q_start, q_len, bad_span = _q_span(CuSeqlensQ, off_b, seqlen_q, total_q, VARLEN_Q)
+    q_start, q_len, _q_end, _bad_span = _q_span(CuSeqlensQ, off_b, -1, seqlen_q, total_q, VARLEN_Q)
     if HAS_BATCH_IDX:
         if bad_row & reporter:
             tl.atomic_or(Err, _ERR_BATCH_IDX)
-    if VARLEN_Q:
-        if bad_span & reporter:
-            tl.atomic_or(Err, _ERR_CU_SEQLENS_Q)
     base_len = seqlen_k - seqlen_add  # cache_seqlens[b] (clamped): the first new token's position
     if HAS_BATCH_IDX:
         seqlen_k = tl.where(bad_row, 0, seqlen_k)  # an absent cache row: no key is read
+    if KV_FP8:
+        k_ds = tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + off_hk.to(tl.int64) * stride_kds_h)
+        v_ds = tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + off_hk.to(tl.int64) * stride_vds_h)
+        ds_ok = _descale_ok(k_ds) & _descale_ok(v_ds)
+        if (ds_ok == 0) & reporter:
+            tl.atomic_or(Err, _ERR_DESCALE)
+        seqlen_k = tl.where(ds_ok, seqlen_k, 0)  # a bad descale: no key is read, the rows output 0 / lse -inf
     key_lo = seqlen_k * 0
     if HAS_LEFTPAD:
         key_lo = tl.minimum(tl.maximum(tl.load(LeftPad + off_b.to(tl.int64)), 0), seqlen_k)
@@ -501,7 +548,8 @@ def _decode_split_kernel(
         q, q_row = _pow2_rows(q)
     slope = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if HAS_ALIBI:
-        sl = tl.load(Alibi + off_b * stride_alibi_b + offs_h * stride_alibi_h, mask=row_ok, other=0.0)
+        sl = tl.load(Alibi + off_b.to(tl.int64) * stride_alibi_b + offs_h.to(tl.int64) * stride_alibi_h, mask=row_ok,
+                     other=0.0)
         slope = sl.to(tl.float32)[:, None]
 
     # keys any token may see: [L - Nq - left, L - 1 + right] (token 0's left edge, token Nq-1's right edge)
@@ -522,11 +570,14 @@ def _decode_split_kernel(
     if not PAGED:
         k_head += cache_b * stride_kb
         v_head += cache_b * stride_vb
-    k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
-    v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (N, D)
+    tile_n = tl.arange(0, BLOCK_N)
+    if WIDE_TILE:
+        tile_n = tile_n.to(tl.int64)  # (BLOCK_N - 1) * row stride + BLOCK_D reaches 2^31: 64-bit in-tile offsets
+    k_tile = tile_n[None, :] * stride_kn + offs_d[:, None]  # (D, N): K^T
+    v_tile = tile_n[:, None] * stride_vn + offs_d[None, :]  # (N, D)
     if KV_FP8:
         # s = sm_scale (q . k_descale k8): the k descale is one scalar of this program, folded into the scale
-        sm_scale = sm_scale * tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + off_hk.to(tl.int64) * stride_kds_h)
+        sm_scale = sm_scale * tl.where(ds_ok, k_ds, 1.0)
 
     acc, l_i, m_i, flag, bad_page = _sweep(
         q, k_head, v_head, k_tile, v_tile, BlockTable, off_b, start, end, offs_t, row_ok, d_ok,
@@ -560,7 +611,9 @@ def _decode_split_kernel(
     o_part = acc / l_safe[:, None]
     if KV_FP8:
         # P (v_descale v8) = v_descale (P v8): the v descale scales the partial once, outside the key loop
-        o_part = o_part * tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + off_hk.to(tl.int64) * stride_vds_h)
+        # (a bad one read no key: its partial 0 is scaled by 0, not by NaN or inf)
+        v_ds = tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + off_hk.to(tl.int64) * stride_vds_h)
+        o_part = o_part * tl.where(_descale_ok(v_ds), v_ds, 0.0)
     l_part = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
     row = (off_b.to(tl.int64) * n_heads_q + offs_h) * seqlen_q + offs_t  # index into (B, Hq, Nq), 64-bit
     if WRITE_OUT:
@@ -594,6 +647,15 @@ def _decode_split_kernel(
                     stride_ob, stride_om, stride_oh, n_heads_q, kv_group, seqlen_q, head_dim, n_splits, lse_offset,
                     MERGE_M, MERGE_S, BLOCK_D, UNIFIED, CuSeqlensQ, total_q, VARLEN_Q,
                 )
+    if VARLEN_Q:
+        if reporter:
+            last_b = tl.num_programs(0) // n_heads_k - 1
+            q_start, q_len, q_end, bad_span = _q_span(CuSeqlensQ, off_b, last_b, seqlen_q, total_q, VARLEN_Q)
+            if bad_span:
+                tl.atomic_or(Err, _ERR_CU_SEQLENS_Q)
+                # every packed row outside the computed spans gets out 0 / lse -inf
+                _store_empty_rows(Out, LSE, off_b, last_b, q_start, q_start + q_len, q_end, off_hk, kv_group,
+                                  stride_om, stride_oh, total_q, head_dim, BLOCK_D)
 
 
 @triton.jit
@@ -627,7 +689,8 @@ def _append_kernel(
     the row goes to cache row ``CacheBatchIdx[b]``, and one outside ``[0, n_cache_batch)`` writes nothing
     and ORs ERR_BATCH_IDX.  ``ROTARY``: the key row is rotated at its position ``SeqlensK[b] + i``
     before it is stored (the capacity is at most the cos/sin rows, checked on the host).  ``QUANT``: k and v
-    (k after rotary) are quantised to e4m3 with the descales of element b before the store."""
+    (k after rotary) are quantised to e4m3 with the descales of element b before the store; a descale not
+    finite and > 0 stores nothing and ORs ERR_DESCALE."""
     tl.static_assert(not (PAGED and HAS_BATCH_IDX), "cache_batch_idx indexes a contiguous cache only")
     t, off_b = unfold_pid()
     if off_b >= n_batch:
@@ -657,7 +720,12 @@ def _append_kernel(
     if QUANT:
         # the (B, Hk) descales belong to q's batch element b (FA3's), also when cache_batch_idx picks the row
         k_ds = tl.load(KDescale + off_b.to(tl.int64) * stride_kds_b + h.to(tl.int64) * stride_kds_h)
-        vn = _quantize_e4m3(vn, tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + h.to(tl.int64) * stride_vds_h))
+        v_ds = tl.load(VDescale + off_b.to(tl.int64) * stride_vds_b + h.to(tl.int64) * stride_vds_h)
+        ds_ok = _descale_ok(k_ds) & _descale_ok(v_ds)
+        ok = ok & ds_ok  # a bad descale: nothing of the row is stored
+        if (ds_ok == 0) & (i == 0):
+            tl.atomic_or(Err, _ERR_DESCALE)
+        vn = _quantize_e4m3(vn, v_ds)
     w_ok = offs_d < tl.where(ok, head_dim, 0)  # nothing of a rejected row is stored
     k_dst = K + k_off + h.to(tl.int64) * stride_kh
     if ROTARY:

@@ -156,6 +156,52 @@ def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.At
     return int(k.shape[1])
 
 
+def _reach(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The largest element offset from the first element of a tensor of this shape and these strides, or None
+    when two of its indices share an element (a sufficient test: each stride, over the dims longer than 1 in
+    increasing order, exceeds the offset the smaller ones reach; a stride 0 from ``expand`` fails it)."""
+    reach = 0
+    if 0 in shape:
+        return 0
+    for stride, size in sorted((st, n) for n, st in zip(shape, strides) if n > 1):
+        if stride <= reach:
+            return None
+        reach += (size - 1) * stride
+    return reach
+
+
+def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """With new k/v the caches are written in place: each must have distinct elements.  Returns their reaches."""
+    reaches = []
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        reach = _reach(tuple(x.shape), x.stride())
+        if reach is None:
+            raise ValueError(
+                f"{name} has elements shared between indices (strides {tuple(x.stride())} for shape {tuple(x.shape)}, "
+                "e.g. a stride 0 from expand()), so appending k/v into it in place would be ambiguous; pass a cache "
+                "with distinct elements (e.g. .contiguous())"
+            )
+        reaches.append(reach)
+    return reaches[0], reaches[1]
+
+
+def _check_apart(k_cache: torch.Tensor, v_cache: torch.Tensor, reaches: tuple[int, int]) -> None:
+    """With new k/v: no element of k_cache is one of v_cache.  Per call (it depends on the addresses): one
+    comparison when their spans are disjoint; else, for equal strides, the two as one tensor with a leading
+    axis of stride ``v - k`` must have distinct elements (a K/V pair interleaved in one allocation passes)."""
+    size = k_cache.element_size()
+    delta = v_cache.data_ptr() - k_cache.data_ptr()
+    if delta >= (reaches[0] + 1) * size or -delta >= (reaches[1] + 1) * size or k_cache.numel() == 0:
+        return
+    if delta % size == 0 and k_cache.stride() == v_cache.stride():
+        if _reach((2, *k_cache.shape), (abs(delta) // size, *k_cache.stride())) is not None:
+            return
+    raise ValueError(
+        "k_cache and v_cache share memory (their elements overlap), so appending k and v into them in place "
+        "would overwrite one with the other; pass separate caches"
+    )
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -388,7 +434,9 @@ def check_errors() -> None:
         if bits & ERR_DESCALE:
             msgs.append(
                 f"FP8 descales out of range on {device}: some q_descale * k_descale not in (0, inf) or a "
-                "non-finite v_descale (flash_attn_func with float8_e4m3fn inputs); those heads output 0"
+                "non-finite v_descale (flash_attn_func with float8_e4m3fn inputs), or a k_descale / v_descale of "
+                "a float8_e4m3fn KV cache not finite and > 0 (flash_attn_with_kvcache: nothing was appended for "
+                "that head); those heads output 0"
             )
         if bits & ERR_BLOCK_TABLE:
             msgs.append(
@@ -403,7 +451,8 @@ def check_errors() -> None:
         if bits & ERR_CU_SEQLENS_Q:
             msgs.append(
                 f"cu_seqlens_q out of range on {device}: a span [cu_seqlens_q[b], cu_seqlens_q[b + 1]) left "
-                "[0, total_q] or was longer than max_seqlen_q; it was clamped"
+                "[0, total_q] or was longer than max_seqlen_q (it was clamped), or cu_seqlens_q[0] != 0 or "
+                "cu_seqlens_q[-1] != total_q; q rows outside every span output 0 with lse -inf"
             )
         if bits & ERR_CU_SEQLENS:
             msgs.append(
@@ -444,6 +493,7 @@ class _Call(NamedTuple):
     grown: tuple | None = None
     # capacities (lo, hi] whose plan is the launch's (the split count follows the count of BLOCK_N-key tiles)
     plan_span: tuple[int, int] = (1, 0)
+    reaches: tuple[int, int] = (0, 0)  # with new k/v: k_cache's and v_cache's largest element offsets (_check_apart)
 
 
 def prepare_call(
@@ -471,6 +521,7 @@ def prepare_call(
     if paged:
         _check_block_table(block_table, q, dims.batch)
     n_new = _check_new_kv(k, v, k_cache, dims, q.dtype if fp8 else k_cache.dtype)
+    reaches = _check_writable(k_cache, v_cache) if n_new else (0, 0)
     left, right = validate.check_window(_check_flag(causal, "causal"), window_size)
     scale = validate.check_softmax_scale(softmax_scale, dims.head_dim)
     softcap = validate.check_softcap(softcap)
@@ -514,7 +565,7 @@ def prepare_call(
     return _Call(
         dims, n_new, left, right, scale, softcap, paged, page_size, capacity, unified, want_lse, launch, append, fp8,
         features, window, None if paged else (capacity, k_cache.stride(), v_cache.stride()),
-        _plan_span(plan.block_n, capacity, num_splits),
+        _plan_span(plan.block_n, capacity, num_splits), reaches,
     )
 
 
@@ -573,6 +624,7 @@ def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes
         dims=call.dims._replace(seqlen_k=capacity), left=left, right=right, page_size=capacity, capacity=capacity,
         unified=unified, launch=launch, append=append, grown=(capacity, ks, vs),
         plan_span=_plan_span(plan.block_n, capacity, num_splits),
+        reaches=_check_writable(k_cache, v_cache) if call.n_new else (0, 0),
     )
 
 
@@ -742,12 +794,15 @@ def flash_attn_with_kvcache(
     partial output by ``v_descale`` once.  New k, v are quantised on the append with the
     same descales: ``(x / descale)`` in fp32, saturated to ±448, rounded to nearest even.
     The descales' values are not read on the host (they must be finite and > 0; ``debug``
-    checks them).  Both are required with an FP8 cache and rejected with any other.  They
-    combine with every option above: a rotated new key is quantised after its rotation, and
+    checks them; without it a bad one's (batch element, kv head) appends nothing and outputs 0
+    with lse -inf, and :func:`check_errors` reports it).  Both are required with an FP8 cache
+    and rejected with any other.  They combine with every option above: a rotated new key is quantised after its rotation, and
     with ``cache_batch_idx`` the descales stay indexed by q's batch element (FA3's).
 
     Bad shapes, dtypes, devices and Python values raise before the cache is
-    written, and so does an out-of-range int ``cache_seqlens``.  Out-of-range
+    written, and so does an out-of-range int ``cache_seqlens``, and, with new k/v, a
+    ``k_cache`` / ``v_cache`` whose elements are shared between indices (``expand``) or
+    with the other cache (the append writes them in place).  Out-of-range
     values *inside* a tensor ``cache_seqlens`` or ``block_table`` never make a
     kernel touch memory outside its tensors; without ``debug`` they are
     reported by :func:`check_errors` (``flashtile.check_errors()``), not by
@@ -781,6 +836,8 @@ def flash_attn_with_kvcache(
             _remember(key, call)
         if type(cache_seqlens) is int:
             _check_lengths([cache_seqlens], call.n_new, call.capacity, None, 0, 0)
+    if call.n_new:
+        _check_apart(k_cache, v_cache, call.reaches)
     extra = None
     if call.features is not NO_FEATURES:
         extra = tuple(
@@ -806,13 +863,18 @@ def _run(
     if call.paged and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if debug and isinstance(cache_seqlens, torch.Tensor) and not capturing:
-        _check_lengths(lens.tolist(), call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
+    host_lens = None
+    if debug and not capturing:
+        # debug checks the block table's used pages whatever cache_seqlens is (tensor, int or None)
+        if isinstance(cache_seqlens, torch.Tensor):
+            host_lens = cache_seqlens.tolist()
+        else:
+            host_lens = [call.capacity if cache_seqlens is None else cache_seqlens] * call.dims.batch
+        _check_lengths(host_lens, call.n_new, call.capacity, block_table, k_cache.shape[0], call.page_size)
     if debug and descales is not None and not capturing:
         _check_descale_values(descales)
     idx, pad, cu, cos, sin = extra if extra is not None else (None,) * 5
     if debug and extra is not None and not capturing:
-        host_lens = lens.tolist() if lens is not None else [call.capacity] * call.dims.batch
         _check_extras(
             host_lens, call.n_new, idx, k_cache.shape[0], pad, cu, call.dims.seqlen_q, q.shape[0] if cu is not None else 0
         )

@@ -33,6 +33,7 @@ __all__ = [
     "DecodePlan",
     "decode_launch",
     "aligned16",
+    "wide_tile",
     "DecodeLaunch",
     "append_launch",
     "AppendLaunch",
@@ -536,6 +537,7 @@ class DecodeLaunch:
     ) -> None:
         s = plan.n_splits
         self.full_length = full_length
+        self.empty = b * hq * nq == 0  # no output row: nothing to launch
         self.err = error_flags(device)
         self.write_out = s == 1  # one split is the answer: no workspace, no merge
         self.rows = b * hq * nq * s  # partials: one per (batch element, head, token, split)
@@ -590,6 +592,7 @@ class DecodeLaunch:
         flags = (
             ("KV_FP8", fp8), ("KV_F16_MMA", f16_mma), ("KV_V_SMEM16", fp8 and plan.v_smem16), *feature_flags,
             ("KV_ALIGNED", kv_aligned), ("FULL_LENGTH", full_length),
+            ("WIDE_TILE", wide_tile(plan.block_n, plan.block_d, *kv_row_strides)),
         )
         check = _check_slots(SPLIT_DYNAMIC, _CALLER_TENSORS, {
             "KDescale": fp8, "VDescale": fp8, "CacheBatchIdx": features.batch_idx, "LeftPad": features.leftpad,
@@ -612,7 +615,8 @@ class DecodeLaunch:
             self.arguments.update(split=split, merge=merge_args)
             self.split = split.bind(grid, options, check=check)
             merge_check = _check_slots(MERGE_DYNAMIC, (), {"CuSeqlensQ": features.varlen_q is not None})
-            self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=merge_check)
+            if b:  # an empty batch launches nothing (__call__ returns first)
+                self.merge = merge_args.bind(fold_grid(hq // hk * nq, b * hk), dict(num_warps=warps), check=merge_check)
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
@@ -630,6 +634,8 @@ class DecodeLaunch:
         cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin) of this signature's
         :class:`KVFeatures`, None where absent (or ``extra`` None: all absent).  Absent tensors'
         slots get ``lse`` (an aligned allocation, so their alignment is not checked per call)."""
+        if self.empty:
+            return
         flags = lse if flags is None else flags
         if self.full_length:  # the kernel reads no length: its slots get an aligned allocation
             seqlens_k = lse
@@ -733,6 +739,11 @@ def aligned16(*strides: int) -> bool:
     return acc & 15 == 0
 
 
+def wide_tile(block_n: int, block_d: int, *row_strides: int) -> bool:
+    """Whether a K/V tile's largest in-tile offset, ``(block_n - 1) * row stride + block_d - 1``, passes int32."""
+    return (block_n - 1) * max(row_strides) + block_d - 1 >= 2**31
+
+
 def _descale_strides(descales: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[int, int, int, int] | None:
     """(k_descale strides, v_descale strides) of an FP8 cache's (B, Hk) descales, or None."""
     return None if descales is None else (*descales[0].stride(), *descales[1].stride())
@@ -770,8 +781,10 @@ class AppendLaunch:
             "KDescale": quant, "VDescale": quant, "CacheBatchIdx": batch_idx,
             "RotCos": rotary is not None, "RotSin": rotary is not None,
         })
-        # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there)
-        self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=check)
+        # Nnew * Hk rows fastest, batch elements folded past 65535 (y, z stop there); nothing to append: no launch
+        self.launcher = None
+        if b * n_new * hk:
+            self.launcher = self.arguments.bind(fold_grid(n_new * hk, b), dict(num_warps=1), check=check)
 
     def __call__(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -781,6 +794,8 @@ class AppendLaunch:
     ) -> None:
         # APPEND_DYNAMIC; descales: an FP8 cache's (k_descale, v_descale); absent tensors' slots get the
         # error word (an aligned allocation, so their alignment is not checked per call)
+        if self.launcher is None:
+            return
         err = self.err
         self.launcher(
             k_cache, v_cache, k, v, seqlens_k if block_table is None else block_table, seqlens_k, err,

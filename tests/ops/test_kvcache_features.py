@@ -235,6 +235,48 @@ def test_bad_batch_idx_and_cu_seqlens_are_never_dereferenced(device):
         check_errors()
 
 
+UNCOVERED = [  # (cu_seqlens_q, max_seqlen_q) over 5 packed rows
+    ([1, 2, 5], 3),  # starts past 0
+    ([0, 1, 3], 2),  # ends before total_q
+    ([0, 2, 2], 2),  # ends before total_q after an empty span
+    ([0, 4, 5], 2),  # a span longer than max_seqlen_q: rows 2, 3 in the middle
+    ([0, 3, 1], 3),  # decreasing
+    ([-3, 2, 9], 3),  # outside [0, total_q] at both ends
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("cu, max_q", UNCOVERED, ids=[str(c) for c, _ in UNCOVERED])
+def test_rows_outside_every_cu_seqlens_q_span_are_empty(device, monkeypatch, cu, max_q, splits):
+    """Packed q rows that no clamped span computes come back as out 0 and lse -inf (not the memory of
+    torch.empty, poisoned with NaN here), the computed ones are finite, and check_errors names cu_seqlens_q."""
+    hq, hk, d, n = 4, 2, 16, 48
+    kc, vc = rand(2, n, hk, d, device=device, seed=70), rand(2, n, hk, d, device=device, seed=71)
+    q = rand(5, hq, d, device=device, seed=72)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = real_empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=ints([20, 40], device), cu_seqlens_q=ints(cu, device),
+                                       max_seqlen_q=max_q, num_splits=splits, return_lse=True, causal=True)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        check_errors()
+    covered = torch.zeros(5, dtype=torch.bool)
+    for b in range(2):
+        start = min(max(cu[b], 0), 5)
+        covered[start : start + min(max(cu[b + 1] - start, 0), max_q, 5 - start)] = True
+    out, lse = out.cpu(), lse.cpu()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[~covered], torch.zeros_like(out[~covered]))
+    assert bool((lse[:, ~covered] == float("-inf")).all())
+    if cu == sorted(cu):  # decreasing spans overlap other elements' rows, which then race (each value defined)
+        assert bool(lse[:, covered].isfinite().all())
+
+
 def _base(device):
     b, n, hq, hk, d = 2, 32, 4, 2, 16
     return dict(

@@ -234,6 +234,42 @@ def test_fp8_debug_checks_descale_values(device):
     assert torch.equal(args["k_cache"].view(torch.uint8), before.view(torch.uint8))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy divides by the bad descale
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("which", ["k_descale", "v_descale"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0], ids=["nan", "inf", "zero", "negative"])
+def test_fp8_bad_descale_values_output_empty_rows(device, which, bad, splits):
+    """Without debug, a k or v descale of (element 0, kv head 1) that is not finite and > 0: that head's rows
+    output 0 with lse -inf and append nothing, every other head is bit for bit the result with a good descale,
+    and check_errors names the descales."""
+    from flashtile import check_errors
+
+    b, n, hq, hk, d = 2, 40, 4, 2, 16
+    q, k8, v8, kd, vd, kn, vn, _, _ = fp8_problem(b, n, hq, hk, d, 1, device, seed=20)
+    lens = torch.tensor([17, 30], dtype=torch.int32, device=device)
+    ref_caches = k8.clone(), v8.clone()
+    ref, ref_lse = flash_attn_with_kvcache(q, *ref_caches, kn, vn, cache_seqlens=lens, k_descale=kd, v_descale=vd,
+                                           num_splits=splits, return_lse=True)
+    descales = dict(k_descale=kd.clone(), v_descale=vd.clone())
+    descales[which][0, 1] = bad
+    caches = k8.clone(), v8.clone()
+    out, lse = flash_attn_with_kvcache(q, *caches, kn, vn, cache_seqlens=lens, **descales, num_splits=splits,
+                                       return_lse=True)
+    with pytest.raises(ValueError, match="FP8 descales"):
+        check_errors()
+    heads = slice(2, 4)  # the q heads of kv head 1
+    assert torch.equal(out[0, :, heads].float().cpu(), torch.zeros(1, 2, d))
+    assert bool((lse[0, heads] == float("-inf")).all())
+    keep = torch.ones(b, hq, dtype=torch.bool)
+    keep[0, heads] = False
+    assert torch.equal(out.transpose(1, 2)[keep], ref.transpose(1, 2)[keep]) and torch.equal(lse[keep], ref_lse[keep])
+    for cache, ref_cache, x8 in zip(caches, ref_caches, (k8, v8)):
+        as_bytes = lambda x: x.view(torch.uint8).cpu()  # noqa: E731
+        assert torch.equal(as_bytes(cache[0, :, 1]), as_bytes(x8[0, :, 1])), "the bad head appended nothing"
+        assert torch.equal(as_bytes(cache[:, :, 0]), as_bytes(ref_cache[:, :, 0]))
+        assert torch.equal(as_bytes(cache[1]), as_bytes(ref_cache[1]))
+
+
 # --------------------------------------------------------------------------- #
 # GPU: at scale, in a CUDA graph, under inference_mode
 # --------------------------------------------------------------------------- #

@@ -10,6 +10,7 @@ outside shows up as a non-finite output and a write outside as a changed guard.
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 
 import pytest
@@ -429,6 +430,97 @@ def test_gpu_bad_values_inside_cuda_graph():
                                     num_splits=2)
     assert torch.equal(static_out, eager)
     check_errors()
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+@pytest.mark.parametrize("kind", ["tensor", "int", "paged", "none"])
+def test_empty_batch_launches_nothing(device, kind, splits):
+    """q of batch 0: empty out / lse of the right shapes, no launch (nor append), whatever the split count."""
+    e = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+    paged = kind == "paged"
+    kc, vc = (rand(4, PAGE, HK, D, device=device, seed=95) for _ in range(2)) if paged else (e(0, 64, HK, D), e(0, 64, HK, D))
+    kv = {} if kind == "none" else dict(k=e(0, N_NEW, HK, D), v=e(0, N_NEW, HK, D))
+    seqlens = {"tensor": torch.zeros(0, dtype=torch.int32, device=device), "int": 3, "paged": 3, "none": None}[kind]
+    table = torch.zeros(0, 2, dtype=torch.int32, device=device) if paged else None
+    before = kc.clone()
+    out, lse = flash_attn_with_kvcache(e(0, 1, HQ, D), kc, vc, cache_seqlens=seqlens, block_table=table,
+                                       num_splits=splits, return_lse=True, **kv)
+    assert out.shape == (0, 1, HQ, D) and lse.shape == (0, HQ, 1)
+    assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("lens", ["tensor", "int", "none"])
+def test_debug_checks_the_block_table_for_every_kind_of_lengths(device, lens):
+    """debug=True reads the used block-table entries whether cache_seqlens is a tensor, an int or None, and
+    raises naming block_table before the append writes anything."""
+    _, pool, table = guarded_pool(device)
+    table[0, 1] = pool.shape[0] + 5  # used by element 0 (length 20 after the append; every page with None)
+    before = pool.clone()
+    q = rand(B, 1, HQ, D, device=device, seed=90)
+    kv = {} if lens == "none" else dict(k=rand(B, N_NEW, HK, D, device=device, seed=91),
+                                        v=rand(B, N_NEW, HK, D, device=device, seed=92))
+    seqlens = {"tensor": torch.tensor([19, 19], dtype=torch.int32, device=device), "int": 19, "none": None}[lens]
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]"):
+        flash_attn_with_kvcache(q, pool, pool.clone(), cache_seqlens=seqlens, block_table=table, debug=True, **kv)
+    assert torch.equal(pool, before)
+
+
+def test_append_refuses_caches_with_shared_elements(device):
+    """With new k/v the caches are written in place: an expanded or self-overlapping k_cache / v_cache, or
+    caches sharing elements, raise naming them before anything is written (also on the memoised path); a K/V
+    pair interleaved in one allocation and a read-only expanded cache are fine."""
+    k, v = rand(B, 1, HK, D, device=device, seed=80), rand(B, 1, HK, D, device=device, seed=81)
+    q = rand(B, 1, HQ, D, device=device, seed=82)
+    kc, vc = rand(B, CAP, HK, D, device=device, seed=83), rand(B, CAP, HK, D, device=device, seed=84)
+    base = rand(1, CAP, HK, D, device=device, seed=85)
+    snapshot = base.clone(), kc.clone(), vc.clone()
+    lens = torch.tensor([4, 4], dtype=torch.int32, device=device)
+    wide = rand(1, CAP + 1, HK, D, device=device, seed=87)
+    rows = wide.view(-1).as_strided((B, CAP, HK, D), (HK * D, HK * D, D, 1))  # element b's row i is row i + b
+    for name, caches in (("k_cache", (base.expand(B, -1, -1, -1), vc)), ("v_cache", (kc, base.expand(B, -1, -1, -1))),
+                         ("k_cache", (rows, vc))):
+        with pytest.raises(ValueError, match=name):
+            flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens)
+    flash_attn_with_kvcache(q, kc, vc.clone(), k, v, cache_seqlens=lens)  # the signature, memoised
+    kc.copy_(snapshot[1])
+    big = rand(B, CAP + 1, HK, D, device=device, seed=88)
+    for caches in ((kc, kc), (big[:, :CAP], big[:, 1:])):
+        with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+            flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens)
+    assert torch.equal(base, snapshot[0]) and torch.equal(kc, snapshot[1]) and torch.equal(vc, snapshot[2])
+    pool = rand(4, PAGE, HK, D, device=device, seed=86)
+    table = torch.tensor([[0, 1, 2], [3, 0, 1]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="k_cache has elements shared"):
+        flash_attn_with_kvcache(q, pool[:1].expand(4, -1, -1, -1), pool.clone(), k, v, cache_seqlens=lens, block_table=table)
+    # one (B, CAP, 2, HK, D) allocation holding K and V interleaved: distinct elements, appended exactly
+    kv = torch.stack([snapshot[1], snapshot[2]], dim=2)
+    out = flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], k, v, cache_seqlens=lens, return_lse=True)[0]
+    kc2, vc2 = snapshot[1].clone(), snapshot[2].clone()
+    ref = flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=lens)
+    assert torch.equal(out, ref) and torch.equal(kv[:, :, 0], kc2) and torch.equal(kv[:, :, 1], vc2)
+    # no new k/v: nothing is written, an expanded cache is read as it is
+    shared = base.expand(B, -1, -1, -1)
+    out = flash_attn_with_kvcache(q, shared, shared, cache_seqlens=lens)
+    assert torch.equal(out, flash_attn_with_kvcache(q, shared.contiguous(), shared.contiguous(), cache_seqlens=lens))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_row_stride_past_int32_in_a_tile(device, splits):
+    """Key rows 2^28 elements apart (views of one lazily allocated storage of 2^31 + 32 elements): from key 8 on
+    the tile's in-tile offsets pass 2^31, so they must be 64-bit (32-bit ones wrapped and read outside)."""
+    d, n_keys, stride = 16, 10, 2**28
+    store = torch.empty((n_keys - 1) * stride + 2 * d, dtype=torch.float16, device=device)  # pages touched: the rows
+    kc = store.as_strided((1, n_keys, 1, d), (n_keys * stride, stride, d, 1))
+    vc = store.as_strided((1, n_keys, 1, d), (n_keys * stride, stride, d, 1), d)
+    g = torch.Generator().manual_seed(0)
+    keys, vals = torch.randn(n_keys, d, generator=g).half(), torch.randn(n_keys, d, generator=g).half()
+    for n in range(n_keys):
+        kc[0, n, 0], vc[0, n, 0] = keys[n].to(device), vals[n].to(device)
+    q = torch.randn(1, 1, 2, d, generator=g).half().to(device)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n_keys, num_splits=splits, return_lse=True)
+    s = q[0, 0].double().cpu() @ keys.double().T / math.sqrt(d)
+    torch.testing.assert_close(out[0, 0].double().cpu(), torch.softmax(s, -1) @ vals.double(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[0, :, 0].double().cpu(), torch.logsumexp(s, -1), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
