@@ -21,17 +21,21 @@ handed to the kernels as (batch, seqlen, heads, head_dim) views, no copy):
   :func:`flashtile.flash_attn_varlen_func` runs on it, and the output is scattered back (padded
   query rows get 0).  Queries are the last ``q_len`` columns of the mask, so left padding with a
   cache works; a static cache's unused tail (keys past the mask) is never read.
-* packed sequences: no mask, ``position_ids`` restarting inside a row (a new document wherever a
-  position is not its predecessor + 1, transformers' rule) -> one ragged batch, document by
-  document, through the varlen function; ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments
-  (transformers' ``FlashAttentionKwargs``, e.g. from ``DataCollatorWithFlattening``) are used as
-  given, with no device read.
-* a 4-D mask (a model's own mask, or mask functions that are not causal / sliding / padding): the
-  dense mask through :func:`flashtile.scaled_dot_product_attention`.
+* packed sequences: where transformers itself keeps documents apart (its mask function carries
+  ``packed_sequence_mask_function``: ``position_ids`` restarting inside a row, no 2-D mask, no cache),
+  the mask function returns the documents' ragged plan and the attention function runs it document by
+  document through the varlen function; ``position_ids`` alone never split a row.  With no mask,
+  ``cu_seq_lens_q/k`` + ``max_length_q/k`` keyword arguments (transformers' ``FlashAttentionKwargs``, e.g.
+  from ``DataCollatorWithFlattening``) are used as given, with no device read.
+* a 4-D mask (a model's own mask, or mask functions other than causal / sliding / padding / packing,
+  e.g. or/and overlays, block-wise image overlays, chunked attention): the dense mask through
+  :func:`flashtile.scaled_dot_product_attention`.
 
-The ragged plans (indices, cumulative lengths, max lengths: one host read each) are computed once
-per mask / ``position_ids`` tensor and reused by every layer of the forward (keyed on the tensor's
-identity and version counter).
+Ragged plans (indices, cumulative lengths, max lengths: one host read each) are computed once per
+forward: a packed plan in the mask function; a padding plan at the first layer, reused by the others for
+the mask view the mask function returned (a fresh view per forward, so a later write to the caller's
+mask, bumping its version counter or not, is read by the next forward).  A 2-D mask that did not come
+from the mask function is planned at every call.
 
 Window convention: transformers' causal ``sliding_window = w`` lets query i see keys
 ``i - w < j <= i`` (w keys, itself included), which is flash-attn's ``window_size=(w - 1, 0)``;
@@ -71,23 +75,45 @@ class _Ragged(NamedTuple):
     max_k: int
 
 
-# (kind, id(tensor), nq, nk) -> (weakref to the tensor, its version, plan); the layers of one forward share them
+class _PackedMask:
+    """flashtile_mask's answer where transformers packs documents: their plan over a (batch, n) grid."""
+
+    __slots__ = ("batch", "n", "plan")
+
+    def __init__(self, batch: int, n: int, plan: _Ragged):
+        self.batch, self.n, self.plan = batch, n, plan
+
+
+# id(view) -> (weakref, {spec: plan}); flashtile_mask makes a new view each forward: no content check, no sync
 _PLANS: dict = {}
 _PLAN_SLOTS = 16
 
 
-def _memo(kind: str, t: torch.Tensor, nq: int, nk: int, build):
-    if t.is_inference() or torch.compiler.is_compiling():  # no version counter / no host reads to save
-        return build()
-    key = (kind, id(t), nq, nk)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
-    plan = build()
+def _own(mask: torch.Tensor) -> torch.Tensor:
+    """Register a view flashtile_mask returns (new each forward) so that the layers share its plans."""
+    if torch.compiler.is_compiling():
+        return mask
+    key = id(mask)
+
+    def drop(ref, key=key):  # no lock: it may run from a garbage collection inside a locked block
+        if _PLANS.get(key, (None,))[0] is ref:
+            _PLANS.pop(key, None)
+
     with _LOCK:
         if len(_PLANS) >= _PLAN_SLOTS:
             _PLANS.clear()
-        _PLANS[key] = (weakref.ref(t), t._version, plan)
+        _PLANS[key] = (weakref.ref(mask, drop), {})
+    return mask
+
+
+def _mask_plan(mask: torch.Tensor, causal: bool, nq: int, nk: int) -> _Ragged:
+    entry = _PLANS.get(id(mask))
+    if entry is None or entry[0]() is not mask:  # not a view of this forward's mask function: plan it now
+        return _padding_plan(mask, nq, nk, causal)
+    spec = (causal, tuple(mask.shape), nq, nk)
+    plan = entry[1].get(spec)
+    if plan is None:
+        plan = entry[1][spec] = _padding_plan(mask, nq, nk, causal)
     return plan
 
 
@@ -126,12 +152,12 @@ def _padding_plan(mask: torch.Tensor, nq: int, nk: int, causal: bool = True) -> 
     return _Ragged(q_index, k_index, keys, _cumulative(q_lens), _cumulative(k_lens), max_q, max_k)
 
 
-def _packed_plan(position_ids: torch.Tensor, batch: int, n: int) -> _Ragged | None:
-    """Plan for documents packed along each row (a document starts where a position is not its
-    predecessor + 1, and at every row start); None when each row is one document."""
-    pos = position_ids.expand(batch, n)
-    starts = torch.ones(batch, n, dtype=torch.bool, device=pos.device)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+def _packed_plan(doc_ids: torch.Tensor) -> _Ragged | None:
+    """Plan for transformers' (batch, n) packed-sequence ids (a document starts where the id changes,
+    and at every row start); None when each row is one document."""
+    batch, n = doc_ids.shape
+    starts = torch.ones(batch, n, dtype=torch.bool, device=doc_ids.device)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     first = starts.flatten().nonzero().squeeze(1)
     if first.numel() == batch:
         return None
@@ -211,25 +237,25 @@ def flashtile_attention_forward(
     d, dv = query.shape[-1], value.shape[-1]
     if dv < d:  # the kernels need value's head dim = query's (e.g. MLA): pad, then crop the output
         value = torch.nn.functional.pad(value, (0, d - dv))
-    if attention_mask is not None and attention_mask.dim() == 4:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         return _dense(query, key, value, attention_mask, dropout, scaling, softcap)[..., :dv], None
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,
                 window_size=_window(sliding_window, causal), softcap=float(softcap or 0.0))
-    plan = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be a 2-D (batch, keys) padding mask or a 4-D mask, "
+    if isinstance(attention_mask, _PackedMask):
+        if (b, nq, nk) != (attention_mask.batch, attention_mask.n, attention_mask.n):
+            raise ValueError(f"packed-sequence plan covers batch {attention_mask.batch} x {attention_mask.n} tokens, "
+                             f"got batch {b} with {nq} queries and {nk} keys")
+        plan = attention_mask.plan
+    elif attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
+            raise ValueError(f"attention_mask must be a 2-D (batch={b}, keys) padding mask or a 4-D mask, "
                              f"got shape {tuple(attention_mask.shape)}")
-        plan = _memo("pad" if causal else "pad-keys", attention_mask, nq, nk,
-                     lambda: _padding_plan(attention_mask, nq, nk, causal))
+        plan = _mask_plan(attention_mask, causal, nq, nk)
     else:
         plan = _given_plan(kwargs, nk)
-        position_ids = kwargs.get("position_ids")
-        if plan is None and position_ids is not None and nq == nk > 1:
-            plan = _memo("packed", position_ids, nq, nk, lambda: _packed_plan(position_ids, b, nq))
     if plan is None and _decoding_step(module, q, k, v, dropout):
         from flashtile import flash_attn_with_kvcache
 
@@ -260,25 +286,82 @@ def _decoding_step(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dr
     return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
+_MASK_CODES: tuple | None = None  # (codes of the mask functions expressed here, packed_sequence_mask_function's)
+
+
+def _mask_codes() -> tuple:
+    global _MASK_CODES
+    if _MASK_CODES is None:
+        from transformers import masking_utils as mu
+
+        made = [lambda: mu.causal_mask_function, lambda: mu.bidirectional_mask_function,
+                lambda: mu.and_masks(mu.causal_mask_function), lambda: mu.sliding_window_overlay(1),
+                lambda: mu.sliding_window_bidirectional_overlay(1),
+                lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None)]
+        known = set()
+        for make in made:
+            try:
+                known.add(make().__code__)
+            except AttributeError:  # an older transformers without it: such masks go dense
+                pass
+        try:
+            packed = mu.packed_sequence_mask_function(None).__code__
+            known.add(packed)
+        except AttributeError:
+            packed = None
+        _MASK_CODES = (frozenset(known), packed)
+    return _MASK_CODES
+
+
+def _read_mask_function(fn) -> tuple[bool, torch.Tensor | None]:
+    """(whether every function composed into ``fn`` is causal / bidirectional / sliding / packing, which the
+    kernels express; transformers' packed-sequence ids where it packs documents, else None)."""
+    known, packed_code = _mask_codes()
+    packed, todo = None, [fn]
+    while todo:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code not in known:
+            return False, None
+        for cell in f.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if code is packed_code:
+                packed = value
+            elif isinstance(value, (tuple, list)):
+                todo.extend(x for x in value if callable(x))
+            elif callable(value):
+                todo.append(value)
+    return True, packed
+
+
 def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length: int | None = None,
-                   use_vmap: bool = False, **kwargs) -> torch.Tensor | None:
-    """transformers' mask-interface function: the 2-D (batch, keys) padding mask, its last
-    ``kv_length`` columns, or None when no key is padded (the attention function then runs the
-    fixed-length kernel; causal and sliding windows are the kernels' own).  Mask functions that are
-    not causal / sliding / padding / packing (``use_vmap``: a model's ``or``/``and`` overlays) get
-    transformers' dense SDPA mask, which the attention function runs through the masked path."""
-    if use_vmap:
+                   use_vmap: bool = False, mask_function=None, **kwargs):
+    """transformers' mask-interface function: a view of the 2-D (batch, keys) padding mask's last
+    ``kv_length`` columns, or None when no key is padded (the attention function then runs the fixed-length
+    kernel; causal and sliding windows are the kernels' own); where transformers packs documents (no 2-D
+    mask, no cache, ``position_ids`` restarting), their ragged plan.  Any other mask function (``use_vmap``:
+    a model's ``or``/``and`` overlays; block-wise, chunked or unknown ones) gets transformers' dense SDPA
+    mask, which the attention function runs through the masked path."""
+    expressible, packed = (True, None) if mask_function is None else _read_mask_function(mask_function)
+    if use_vmap or not expressible or (packed is not None and attention_mask is not None):
         from transformers.masking_utils import sdpa_mask
 
-        return sdpa_mask(*args, attention_mask=attention_mask, kv_length=kv_length, use_vmap=True,
+        if mask_function is not None:
+            kwargs["mask_function"] = mask_function
+        return sdpa_mask(*args, attention_mask=attention_mask, kv_length=kv_length, use_vmap=use_vmap,
                          **{**kwargs, "allow_is_causal_skip": False})
+    if packed is not None:
+        plan = _packed_plan(packed.to(kwargs.get("device") or packed.device))
+        return None if plan is None else _PackedMask(packed.shape[0], packed.shape[1], plan)
     if attention_mask is None:
         return None
-    if kv_length is not None:
-        attention_mask = attention_mask[:, -kv_length:]
+    attention_mask = attention_mask[:, -kv_length:] if kv_length is not None else attention_mask[:, :]
     if (kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all()):
         return None
-    return attention_mask
+    return _own(attention_mask)
 
 
 def _guard_flash_preload() -> None:

@@ -336,24 +336,97 @@ def test_bad_masks_raise():
                                        k_cache=q, v_cache=q)
 
 
-def test_plans_are_shared_by_the_layers(monkeypatch):
-    """One forward computes the padding plan once (its host reads), not once per layer; an in-place
-    change of the mask computes a new one."""
+def test_padding_plan_once_per_forward(monkeypatch):
+    """One forward computes the padding plan once (its host reads), not once per layer; the next forward
+    plans again and reads the mask as it is then (here rewritten in place without a version bump)."""
     calls = []
     real = ft._padding_plan
+    monkeypatch.setattr(ft, "_padding_plan", lambda *a: calls.append(1) or real(*a))
+    ours, theirs = _models("llama")
+    ids = _ids(2, 8, seed=11)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], dtype=torch.bool)
+    for step in range(2):
+        if step:
+            mask.numpy()[1, :3] = False
+        with torch.no_grad():
+            a = ours(ids, attention_mask=mask, use_cache=False).logits
+            b = theirs(ids, attention_mask=mask, use_cache=False).logits
+        assert_close(a[mask], b[mask], what=f"forward {step}")
+        assert len(calls) == step + 1
 
-    def counting(*a):
-        calls.append(1)
-        return real(*a)
 
-    monkeypatch.setattr(ft, "_padding_plan", counting)
-    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    first = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
-    again = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
-    assert again is first and len(calls) == 1
-    mask[1, 0] = 0
-    changed = ft._memo("pad", mask, 4, 4, lambda: ft._padding_plan(mask, 4, 4))
-    assert len(calls) == 2 and changed.cu_k.tolist() == [0, 3, 6]
+def test_padding_mask_rewritten_in_place_is_reread():
+    """A 2-D mask handed to the attention function directly, rewritten between calls by writes that leave
+    its version counter alone (numpy, ``.data``): each call attends to the mask as it is then."""
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 2, 6, 16, generator=g) for _ in range(3))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    for write in (None, lambda m: m.numpy().__setitem__((1, slice(0, 3)), False),
+                  lambda m: m.data.__setitem__((0, slice(0, 4)), False)):
+        if write is not None:
+            write(mask)
+        out, _ = ft.flashtile_attention_forward(Module(), q, k, v, mask)
+        dense = torch.ones(6, 6, dtype=torch.bool).tril() & mask[:, None, None, :]
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                               attn_mask=dense).transpose(1, 2)
+        assert_close(out[mask], ref[mask], what=f"mask {mask.int().tolist()}")
+
+
+@pytest.mark.parametrize("change", ["batch", "rewrite"])
+def test_packed_position_ids_reread_every_forward(change):
+    """One position_ids object at batch 1 then at batch 2, or rewritten in place without a version bump
+    (numpy): each forward's logits equal SDPA's (a plan kept for the object covered batch 1's rows only,
+    or the old documents)."""
+    ours, theirs = _models("llama")
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    for step, batch in enumerate((1, 2) if change == "batch" else (2, 2)):
+        if step and change == "rewrite":
+            pos.numpy()[:] = [[0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+        ids = _ids(batch, 12, seed=13 + step)
+        with torch.no_grad():
+            a = ours(ids, position_ids=pos, use_cache=False).logits
+            b = theirs(ids, position_ids=pos, use_cache=False).logits
+        assert_close(a, b, what=f"forward {step}, batch {batch}")
+
+
+@pytest.mark.parametrize("mask, use_cache", [(True, False), (False, True), (True, True)])
+def test_position_ids_jump_splits_no_row_where_transformers_keeps_one(mask, use_cache):
+    """transformers splits rows at position_ids jumps only with no 2-D mask and no cache; with either
+    (a tokenizer's all-ones mask, or use_cache=True) each row stays one sequence, as under SDPA."""
+    ours, theirs = _models("llama")
+    ids = _ids(2, 12, seed=16)
+    pos = torch.cat([torch.arange(6), torch.arange(100, 106)])[None].expand(2, 12)
+    kw = dict(position_ids=pos, use_cache=use_cache, attention_mask=torch.ones_like(ids) if mask else None)
+    with torch.no_grad():
+        assert_close(ours(ids, **kw).logits, theirs(ids, **kw).logits, what=f"mask={mask} use_cache={use_cache}")
+
+
+def test_mask_functions_the_kernels_cannot_express_go_dense():
+    """A mask function with a part other than causal / sliding / packing (here transformers' block-wise
+    image overlay and its chunked attention, which it hands over with use_vmap off) gets SDPA's dense mask;
+    transformers' packed-sequence function gets the documents' plan."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    if not all(hasattr(mu, n) for n in ("blockwise_overlay", "chunked_causal_mask_function",
+                                        "packed_sequence_mask_function", "remap_positions_for_packed_sequence")):
+        pytest.skip("transformers without block-wise / chunked / packed mask functions")
+    kw = dict(batch_size=1, q_length=8, kv_length=8, q_offset=0, kv_offset=0, attention_mask=None, device="cpu")
+    blocks = torch.tensor([[-1, 0, 0, 0, -1, -1, 1, 1]])
+    for fn in (mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks)),
+               mu.chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))):
+        got = ft.flashtile_mask(**kw, mask_function=fn)
+        want = mu.sdpa_mask(**kw, mask_function=fn, allow_is_causal_skip=False)
+        assert got is not None and got.dim() == 4 and torch.equal(got, want)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    docs = mu.find_packed_sequence_indices(pos)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(2), pos),
+                      mu.packed_sequence_mask_function(docs))
+    got = ft.flashtile_mask(**kw, mask_function=fn)
+    assert isinstance(got, ft._PackedMask) and got.plan.cu_q.tolist() == [0, 3, 5, 8] and got.plan.max_q == 3
+    assert ft.flashtile_mask(**kw, mask_function=mu.sliding_window_causal_mask_function(2)) is None
 
 
 def test_mask_function_passes_padding_only():
