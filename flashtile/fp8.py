@@ -53,6 +53,7 @@ __all__ = [
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 1.75 * 2^8
 FP8 = torch.float8_e4m3fn
+HADAMARD_MAX = 4096  # the largest order hadamard_matrix builds (a d x d float64 matrix: 128 MiB)
 _LAYOUTS = ("bhnd", "bnhd")
 
 
@@ -65,12 +66,16 @@ def _check_input(x: object, name: str, ndim: int | None = None) -> torch.Tensor:
     """``x`` a finite floating tensor (of rank ``ndim`` when given); TypeError / ValueError naming ``name``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype == FP8:
-        raise TypeError(f"{name} must be a floating-point tensor (not already float8_e4m3fn), got dtype {x.dtype}")
+    if not x.is_floating_point() or x.element_size() == 1:
+        raise TypeError(f"{name} must be a 16-, 32- or 64-bit floating-point tensor (not already float8), got dtype "
+                        f"{x.dtype}")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} must be finite: it has inf or NaN entries, which have no e4m3 scale")
+    if x.dtype == torch.float64 and x.numel() and float(x.abs().amax()) > torch.finfo(torch.float32).max:
+        raise ValueError(f"{name} has entries beyond float32's range (max |x| = {float(x.abs().amax()):g}): "
+                         f"the descales are float32")
     return x
 
 
@@ -98,10 +103,12 @@ def _to_bhnd(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _descale(amax: torch.Tensor) -> torch.Tensor:
-    """``amax / 448`` in float32, 1 where amax = 0 (an all-zero group quantises to zeros)."""
+    """``amax / 448`` in float32, 1 where amax = 0 (an all-zero group quantises to zeros), amax itself where the
+    quotient underflows to 0 (subnormal groups: x / amax stays within [-1, 1])."""
     amax = amax.to(torch.float32)
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (1 ulp off the CPU's quotient)
-    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    d = amax / torch.full_like(amax, E4M3_MAX)
+    return torch.where(d > 0, d, torch.where(amax > 0, amax, torch.ones_like(amax)))
 
 
 def _cast(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
@@ -243,6 +250,14 @@ def hadamard_matrix(d: int, signs: torch.Tensor | None = None, *, dtype: torch.d
     d = _positive_int(d, "d")
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for a Hadamard rotation, got {d}")
+    if d > HADAMARD_MAX:
+        raise ValueError(f"d must be at most {HADAMARD_MAX} (the matrix is d x d float64), got {d}")
+    if signs is not None:
+        if not isinstance(signs, torch.Tensor) or tuple(signs.shape) != (d,):
+            got = tuple(signs.shape) if isinstance(signs, torch.Tensor) else type(signs).__name__
+            raise ValueError(f"signs must be a ({d},) tensor of +-1, got {got}")
+        if not bool((signs.abs() == 1).all()):
+            raise ValueError("signs must hold +-1 only (other values make the matrix not orthogonal)")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -275,13 +290,16 @@ def hadamard_rotate(
     d = q.shape[-1]
     if k.shape[-1] != d:
         raise ValueError(f"k head_dim {k.shape[-1]} must equal q head_dim {d}")
-    if d & (d - 1) or d == 0:
-        raise ValueError(f"head_dim of q and k must be a power of two for a Hadamard rotation, got {d}")
+    if d & (d - 1) or d == 0 or d > HADAMARD_MAX:
+        raise ValueError(f"head_dim of q and k must be a power of two up to {HADAMARD_MAX} for a Hadamard rotation, "
+                         f"got {d}")
     if seed is not None and generator is not None:
         raise ValueError("pass seed or generator, not both")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {seed}")
         generator = torch.Generator().manual_seed(int(seed))
     elif generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -130,10 +130,14 @@ def test_quantiser_errors_name_the_argument():
             fn(bad)
         with pytest.raises(ValueError, match="^x must be finite"):
             fn(torch.full_like(x, math.nan))
-        with pytest.raises(TypeError, match="^x must be a floating"):
+        with pytest.raises(TypeError, match="^x must be a 16-, 32- or 64-bit floating"):
             fn(x.long())
-        with pytest.raises(TypeError, match="^x must be a floating"):
+        with pytest.raises(TypeError, match="float8"):
             fn(x.to(FP8))
+        with pytest.raises(TypeError, match="float8"):
+            fn(x.to(torch.float8_e5m2))
+        with pytest.raises(ValueError, match="^x has entries beyond float32"):
+            fn(x.double().index_fill(-1, torch.tensor([0]), 1e300))
         with pytest.raises(TypeError, match="^x must be a torch.Tensor"):
             fn([1.0])
     with pytest.raises(ValueError, match="^x must be 4-D"):
@@ -216,6 +220,24 @@ def test_hadamard_errors_name_the_argument():
         hadamard_rotate(q, q, seed=0, generator=torch.Generator())
     with pytest.raises(ValueError, match="^head_dim"):
         hadamard_matrix(12)
+    with pytest.raises(ValueError, match="^d must be at most"):
+        hadamard_matrix(2**40)  # not built: it would be 2^80 float64s
+    with pytest.raises(ValueError, match="^head_dim of q and k must be a power of two up to"):
+        hadamard_rotate(torch.randn(1, 8192), torch.randn(1, 8192))
+    with pytest.raises(ValueError, match="^signs must be a"):
+        hadamard_matrix(8, torch.ones(4))
+    with pytest.raises(ValueError, match="^signs must hold"):
+        hadamard_matrix(8, torch.full((8,), 5.0))
+    with pytest.raises(ValueError, match="^seed must be in"):
+        hadamard_rotate(q, q, seed=2**70)
+
+
+def test_subnormal_groups_get_a_nonzero_descale():
+    """amax / 448 underflows for subnormal-only data: the descale is then amax itself, never 0 (which would
+    turn every value into +-448 and a zero head downstream)."""
+    x = torch.tensor([1e-44, -1e-44, 0.0, 5e-45])
+    x8, d = quantize_per_tensor(x)
+    assert float(d) > 0 and torch.equal(dequantize(x8, d), x)  # subnormal steps: every value lands back exactly
 
 
 def test_public_names_are_exported_lazily():
