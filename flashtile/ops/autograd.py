@@ -342,6 +342,7 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: a graph through it raises, not drops terms
     def backward(ctx, dout, _dlse, _drng):
         if dout is None:  # out's gradient undefined (materialisation off): nothing flows back
             return (None,) * (6 + len(ctx.options))
@@ -553,6 +554,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: a graph through it raises, not drops terms
     def backward(ctx, dout, _dlse, _drng):
         if dout is None:
             return (None,) * (7 + len(ctx.options))

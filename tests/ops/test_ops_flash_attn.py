@@ -313,3 +313,20 @@ def test_forward_without_gradients_skips_autograd_function(device, monkeypatch):
     assert out.grad_fn is not None and torch.equal(out.detach(), want)
     out.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_double_backward_raises_instead_of_dropping_terms(device):
+    """A gradient taken with create_graph=True cannot be differentiated again (no double backward): the second
+    backward raises rather than treating dq as a constant (which silently dropped the penalty's gradient)."""
+    from flashtile.ops import flash_attn_varlen_func, scaled_dot_product_attention
+
+    q, k, v = (torch.randn(2, 9, 2, 16, device=device, requires_grad=True) for _ in range(3))
+    calls = [lambda: flash_attn_func(q, k, v),
+             lambda: scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+             lambda: flash_attn_varlen_func(q[0], k[0], v[0], *(torch.tensor([0, 4, 9], dtype=torch.int32,
+                                                                             device=device),) * 2, 5, 5)]
+    for call in calls:
+        o = call()
+        gq, = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (o.sum() + gq.square().sum()).backward()
