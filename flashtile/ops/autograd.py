@@ -117,6 +117,42 @@ def _check_op_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_maj
                          "with q's heads a multiple of theirs")
 
 
+def _check_op_options(q, k, seq_major: bool, bias, alibi_slopes, block_mask, mask_block_q: int,
+                      mask_block_k: int) -> None:
+    """A direct call's optional tensors as ops.validate checks them for the public functions: ALiBi slopes of
+    shape (Hq,) or (B, Hq), a floating bias broadcasting to (B, Hq, Nq, Nk), a block mask of 16-multiple blocks."""
+    if bias is None and alibi_slopes is None and block_mask is None:
+        return
+    from flashtile.ops import validate
+
+    b, hq, nq, d = _bhnd(q, seq_major).shape
+    hk, nk = _bhnd(k, seq_major).shape[1:3]
+    dims = validate.AttnDims(b, hq, hk, nq, nk, d)
+    if alibi_slopes is not None:
+        validate.check_alibi(alibi_slopes, q, dims)
+    if bias is not None:
+        full = (b, hq, nq, nk)
+        if (not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.device != q.device
+                or bias.dim() > 4 or any(m not in (1, f) for m, f in zip(reversed(bias.shape), reversed(full)))):
+            raise ValueError(f"bias must be a floating tensor on q's device broadcasting to (B, Hq, Nq, Nk) = {full}, "
+                             f"got {getattr(bias, 'shape', type(bias).__name__)}")
+    if block_mask is not None:
+        validate.check_block_mask(_block_mask(block_mask, mask_block_q, mask_block_k), dims)
+
+
+def _check_op_stats(q, out, lse, seq_major: bool) -> None:
+    """A direct backward call's ``out`` (q's shape, dtype, device) and ``lse`` (contiguous float32 (B, Hq, Nq)):
+    the kernels read them at q's row offsets."""
+    b, hq, nq, _ = _bhnd(q, seq_major).shape
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, dtype {q.dtype} and device {q.device}, "
+                         f"got {getattr(out, 'shape', type(out).__name__)}")
+    if (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, hq, nq) or lse.dtype != torch.float32
+            or lse.device != q.device or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape (B, Hq, Nq) = {(b, hq, nq)} on q's "
+                         f"device, got {getattr(lse, 'shape', type(lse).__name__)}")
+
+
 def _block_mask(mask: Optional[torch.Tensor], mask_block_q: int, mask_block_k: int) -> Optional[BlockMask]:
     return None if mask is None else BlockMask(mask, (mask_block_q, mask_block_k))
 
@@ -172,6 +208,7 @@ def _fwd_impl(q, k, v, bias, alibi_slopes, block_mask, mask_block_q, mask_block_
             out, lse = plan(q, k, v, softmax_scale)
             return out, lse, torch.zeros(2, dtype=torch.int64)
     _check_op_tensors(q, k, v, seq_major)
+    _check_op_options(q, k, seq_major, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     qb, kb, vb = _bhnd(q, seq_major), _bhnd(k, seq_major), _bhnd(v, seq_major)
@@ -256,6 +293,8 @@ def _bwd_impl(dout, q, k, v, out, lse, rng_state, bias, alibi_slopes, block_mask
         raise ValueError(f"dout must have out's shape {tuple(out.shape)}, dtype {out.dtype} and device {out.device}, "
                          f"got {getattr(dout, 'shape', type(dout).__name__)}")
     _check_op_tensors(q, k, v, seq_major)
+    _check_op_stats(q, out, lse, seq_major)
+    _check_op_options(q, k, seq_major, bias, alibi_slopes, block_mask, mask_block_q, mask_block_k)
     if dout.stride(-1) != 1:  # autograd may hand over an expanded or transposed gradient
         dout = dout.contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

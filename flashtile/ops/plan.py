@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from flashtile.ops.autograd import _bhnd, _check_op_tensors, _out_like
+from flashtile.ops.autograd import _bhnd, _check_op_stats, _check_op_tensors, _out_like
 from flashtile.runtime import common, fa2_bwd, fa2_fwd, fa3_bwd, fa3_fwd, fa3_gluon, fa3_gluon_bwd, launch
 
 __all__ = ["forward_plan", "backward_plan", "fp8_plan", "clear"]
@@ -189,6 +189,7 @@ def backward_plan(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int]
     plan = _BWD.get(key)
     if plan is None:
         _check_op_tensors(q, k, v, seq_major)
+        _check_op_stats(q, out, lse, seq_major)
         plan = _make_backward(dout, q, k, v, out, lse, causal, window, seq_major)
         _remember(_BWD, key, _NONE if plan is None else plan)
     return None if plan is _NONE else plan

@@ -264,6 +264,22 @@ def test_direct_op_calls_are_checked_before_any_kernel(device):
     for bad in (out[:, :4], out.double(), out.unsqueeze(0)):
         with pytest.raises(ValueError, match="dout"):
             bwd(bad, q, k, k, out, lse, rng, *opts)
+    # out / lse smaller than q's rows (the kernels would read past them), then the optional tensors
+    small = out[:, :4].contiguous()
+    with pytest.raises(ValueError, match="^out must have q's shape"):
+        bwd(small, q, k, k, small, lse, rng, *opts)
+    for bad_lse in (lse[:, :1].contiguous(), lse.double(), lse.transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match="^lse must be"):
+            bwd(out, q, k, k, out, bad_lse, rng, *opts)
+    slopes = torch.full((1000,), 0.5, device=device)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fwd(q, k, k, None, slopes[:1], *opts[2:])
+    with pytest.raises(ValueError, match="^bias must"):
+        fwd(q, k, k, torch.zeros(3, 8, 8, device=device), *opts[1:])
+    with pytest.raises(ValueError, match="block_size"):
+        fwd(q, k, k, None, None, torch.ones(1, 1, 8, 8, dtype=torch.bool, device=device), 1, 1, *opts[5:])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        bwd(out, q, k, k, out, lse, rng, None, slopes[:1], *opts[2:])
 
 
 def test_backward_with_an_undefined_output_gradient(device):
