@@ -605,12 +605,28 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1 (sizes, rounds)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """argparse type: a seed torch takes, in [0, 2^63)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashtile", description="The FlashAttention family in Python.")
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run every algorithm on random inputs and print errors, IO and FLOP counts")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument("--no-kernels", action="store_true", help="skip the Triton kernel section")
     demo.set_defaults(func=_cmd_demo)
 
@@ -621,8 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     att.add_argument("--providers", nargs="+", default=list(DEFAULT_PROVIDERS), choices=list(PROVIDERS),
                      help="flashtile-fp8 / fa3-fp8 (FP8 forwards) are not in the default set")
-    att.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    att.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    att.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])
+    att.add_argument("--seqlens", nargs="+", type=_positive, default=[1024, 2048, 4096, 8192, 16384])
     att.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     att.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
     att.add_argument("--out", default="bench/results")
@@ -652,8 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune.add_argument("--fwd", action="store_true", help="sweep the forward kernel's tiles")
     tune.add_argument("--bwd", action="store_true", help="sweep the backward kernels' tiles (timed as fwd+bwd)")
-    tune.add_argument("--head-dims", nargs="+", type=int, default=[64, 128], choices=sorted(FWD_CANDIDATES))
-    tune.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096, 16384])
+    tune.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128], choices=sorted(FWD_CANDIDATES))
+    tune.add_argument("--seqlens", nargs="+", type=_positive, default=[1024, 4096, 16384])
     tune.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     tune.add_argument("--out", default="bench/results")
     tune.set_defaults(func=_cmd_bench_tune)
@@ -661,15 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
                                           "checked and timed, next to the path the dispatcher picks")
     from flashtile.bench.dispatch import DEFAULT_HEAD_DIMS, DTYPES
 
-    dsp.add_argument("--head-dims", nargs="+", type=int, default=list(DEFAULT_HEAD_DIMS),
+    dsp.add_argument("--head-dims", nargs="+", type=_positive, default=list(DEFAULT_HEAD_DIMS),
                      help="default: every multiple of 8 up to 256")
-    dsp.add_argument("--seqlens", nargs="+", type=int, default=[1024, 4096])
+    dsp.add_argument("--seqlens", nargs="+", type=_positive, default=[1024, 4096])
     dsp.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     dsp.add_argument("--modes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                      help="bwd: forward + backward, the backward's path forced")
     dsp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    dsp.add_argument("--total-tokens", type=int, default=16384, help="batch x seqlen (batch = max(1, this // N))")
-    dsp.add_argument("--hidden", type=int, default=2048, help="heads x head dim (heads = max(1, this // d))")
+    dsp.add_argument("--total-tokens", type=_positive, default=16384, help="batch x seqlen (batch = max(1, this // N))")
+    dsp.add_argument("--hidden", type=_positive, default=2048, help="heads x head dim (heads = max(1, this // d))")
     dsp.add_argument("--budget-s", type=float, default=540.0,
                      help="wall-clock seconds after which the remaining points are skipped (the JSON is still written)")
     dsp.add_argument("--out", default="bench/results")
@@ -680,9 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     dsp.set_defaults(func=_cmd_bench_dispatch)
     abl = bsub.add_parser("hopper-ablation", help="the Hopper forward with warp specialisation, pipelining stages, "
                                                   "the TMA epilogue and FP8 switched one at a time (FA3's ablation)")
-    abl.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
-    abl.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
-    abl.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds of the Gluon rows (median)")
+    abl.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128, 256])
+    abl.add_argument("--seqlens", nargs="+", type=_positive, default=[4096, 16384])
+    abl.add_argument("--rounds", type=_positive, default=1, help="interleaved timing rounds of the Gluon rows (median)")
     abl.add_argument("--gluon-only", action="store_true", help="the Gluon kernel's schedule rows only")
     abl.add_argument("--backward", action="store_true",
                      help="the Gluon backward's switches instead (JSON hopper-ablation-bwd_<device>.json)")
@@ -691,9 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     s90 = bsub.add_parser("sm90", help="compile a kernel family for sm_90a without a GPU (Triton's compiler, ptxas): "
                                        "registers, spills, barriers per config; --dump writes the PTX / SASS")
     s90.add_argument("routine", choices=["fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-bwd"])
-    s90.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    s90.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])
     s90.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    s90.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence (B * N = 16k, H * d = 2048)")
+    s90.add_argument("--seqlen", type=_positive, default=4096, help="tokens per sequence (B * N = 16k, H * d = 2048)")
     s90.add_argument("--set", nargs="+", metavar="NAME=VALUE", help="config fields of the Hopper routines, e.g. "
                                                                    "named_bars=True num_stages=3")
     s90.add_argument("--dump", default=None, help="folder for each kernel's PTX (debug lines left out)")
@@ -705,32 +721,32 @@ def build_parser() -> argparse.ArgumentParser:
     cfs.add_argument("routine", choices=["gluon-fwd", "gluon-bwd"])
     cfs.add_argument("--variant", action="append", metavar="'NAME: FIELD=VALUE ...'",
                      help="a config variant (repeatable), e.g. '3wg dynamic: num_wg=3 persistent=True dynamic=True'")
-    cfs.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    cfs.add_argument("--seqlens", nargs="+", type=int, default=[4096, 16384])
+    cfs.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])
+    cfs.add_argument("--seqlens", nargs="+", type=_positive, default=[4096, 16384])
     cfs.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    cfs.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
+    cfs.add_argument("--rounds", type=_positive, default=3, help="interleaved timing rounds (median)")
     cfs.add_argument("--out", default="bench/results")
     cfs.set_defaults(func=_cmd_bench_configs)
     bnd = bsub.add_parser("banded", help="sliding windows and softcap, forward: the dispatch, the Triton Hopper "
                                          "kernel's banded forward, FlexAttention, FA3 (softcap)")
-    bnd.add_argument("--head-dims", nargs="+", type=int, default=[128])
-    bnd.add_argument("--seqlens", nargs="+", type=int, default=[16384])
+    bnd.add_argument("--head-dims", nargs="+", type=_positive, default=[128])
+    bnd.add_argument("--seqlens", nargs="+", type=_positive, default=[16384])
     bnd.add_argument("--window", nargs=2, type=int, default=[4096, 0], metavar=("LEFT", "RIGHT"),
                      help="flash-attn's window_size (-1 unbounded; (L, 0) is causal with a window)")
     bnd.add_argument("--softcap", nargs="+", type=float, default=[0.0])
     bnd.add_argument("--providers", nargs="+", default=["flashtile", "hopper-banded", "flex", "fa3"],
                      choices=["flashtile", "hopper-banded", "flex", "fa3"])
-    bnd.add_argument("--rounds", type=int, default=3)
+    bnd.add_argument("--rounds", type=_positive, default=3)
     bnd.add_argument("--out", default="bench/results")
     bnd.set_defaults(func=_cmd_bench_banded)
     fp8 = bsub.add_parser("fp8-error", help="FA3's FP8 error experiment on the CPU: RMSE of fp16/bf16 and per-tensor, "
                                              "block and Hadamard-rotated FP8 attention on outlier inputs")
-    fp8.add_argument("--batch", type=int, default=1)
-    fp8.add_argument("--heads", type=int, default=4)
-    fp8.add_argument("--seqlen", type=int, default=1024)
-    fp8.add_argument("--head-dim", type=int, default=128, help="a power of two (Hadamard rotation)")
+    fp8.add_argument("--batch", type=_positive, default=1)
+    fp8.add_argument("--heads", type=_positive, default=4)
+    fp8.add_argument("--seqlen", type=_positive, default=1024)
+    fp8.add_argument("--head-dim", type=_positive, default=128, help="a power of two (Hadamard rotation)")
     fp8.add_argument("--causal", action="store_true")
-    fp8.add_argument("--seed", type=int, default=0)
+    fp8.add_argument("--seed", type=_seed, default=0)
     fp8.add_argument("--kernels", action="store_true", help="also run our bf16 / FP8 kernels and FA3's FP8 (GPU)")
     fp8.add_argument("--out", default="bench/results")
     fp8.set_defaults(func=_cmd_bench_fp8_error)
@@ -749,8 +765,8 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--providers", nargs="+", default=list(TRAIN_PROVIDERS), choices=list(TRAIN_PROVIDERS))
     trn.add_argument("--size", choices=list(SIZES), default=None, help="model shape (default 1b; --quick: tiny)")
     trn.add_argument("--quick", action="store_true", help="tiny model and shapes: a CPU smoke run through the interpreter")
-    trn.add_argument("--batch", type=int, default=None, help="rows of the packed step and of the inference batch")
-    trn.add_argument("--seqlen", type=int, default=None, help="tokens per packed row (default 8192; --quick: 64)")
+    trn.add_argument("--batch", type=_positive, default=None, help="rows of the packed step and of the inference batch")
+    trn.add_argument("--seqlen", type=_positive, default=None, help="tokens per packed row (default 8192; --quick: 64)")
     trn.add_argument("--out", default="bench/results")
     trn.add_argument("--no-plot", action="store_true")
     trn.set_defaults(func=_cmd_bench_train)
@@ -761,7 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except OSError as e:  # an --out folder that cannot be made or written
+        print(f"flashtile: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
