@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 
@@ -175,9 +176,16 @@ def cascade_attention_with_kvcache(
     _check_prefix(q, prefix_k_cache, prefix_v_cache, k_cache, prefix_block_table)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor (batch, seqlen, nheads, head_dim), got {getattr(q, 'shape', q)}")
-    if isinstance(prefix_seqlen, torch.Tensor) and tuple(prefix_seqlen.shape) != (1,):
-        raise ValueError(f"prefix_seqlen must be an int or a (1,) tensor, got shape {tuple(prefix_seqlen.shape)}")
-    if isinstance(prefix_seqlen, int) and not isinstance(prefix_seqlen, bool):
+    if isinstance(prefix_seqlen, np.integer):
+        prefix_seqlen = int(prefix_seqlen)
+    if isinstance(prefix_seqlen, bool) or not (prefix_seqlen is None or isinstance(prefix_seqlen, (int, torch.Tensor))):
+        raise TypeError(f"prefix_seqlen must be an int, a (1,) int32 / int64 tensor or None, got "
+                        f"{type(prefix_seqlen).__name__}")
+    if isinstance(prefix_seqlen, torch.Tensor) and (tuple(prefix_seqlen.shape) != (1,)
+                                                    or prefix_seqlen.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"prefix_seqlen must be an int or a (1,) int32 / int64 tensor, got shape "
+                         f"{tuple(prefix_seqlen.shape)} and dtype {prefix_seqlen.dtype}")
+    if isinstance(prefix_seqlen, int):
         cap = prefix_k_cache.shape[1] * (1 if prefix_block_table is None else prefix_block_table.shape[1])
         if not 0 <= prefix_seqlen <= cap:
             raise ValueError(f"prefix_seqlen = {prefix_seqlen} must lie in [0, {cap}] (the prefix cache's capacity)")

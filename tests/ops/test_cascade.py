@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from tests._oracle import assert_close, attention_ref
@@ -176,6 +177,10 @@ CASCADE_BAD = [
     ("prefix_block_table must be", lambda a: a.update(prefix_block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError),
     ("prefix_seqlen must be", lambda a: a.update(prefix_seqlen=torch.zeros(2, dtype=torch.int32)), ValueError),
     ("prefix_seqlen = 41 must lie in", lambda a: a.update(prefix_seqlen=41), ValueError),
+    ("prefix_seqlen = 41 must lie in", lambda a: a.update(prefix_seqlen=np.int64(41)), ValueError),
+    ("prefix_seqlen must be an int", lambda a: a.update(prefix_seqlen=2.0), TypeError),
+    ("prefix_seqlen must be an int", lambda a: a.update(prefix_seqlen=True), TypeError),
+    ("prefix_seqlen must be an int or a", lambda a: a.update(prefix_seqlen=torch.tensor([3.0])), ValueError),
     ("not float8_e4m3fn", lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn)), TypeError),
 ]
 
