@@ -614,10 +614,10 @@ def _positive(text: str) -> int:
 
 
 def _seed(text: str) -> int:
-    """argparse type: a seed torch takes, in [0, 2^63)."""
+    """argparse type: a seed torch's manual_seed takes, seed + 1 included: [-2^63, 2^64 - 1)."""
     value = int(text)
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {value}")
+    if not -2**63 <= value < 2**64 - 1:
+        raise argparse.ArgumentTypeError(f"must be in [-2^63, 2^64 - 1), got {value}")
     return value
 
 

@@ -298,8 +298,8 @@ def hadamard_rotate(
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        if not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2^63), got {seed}")
+        if not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be in [-2^63, 2^64) (torch.Generator.manual_seed's range), got {seed}")
         generator = torch.Generator().manual_seed(int(seed))
     elif generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

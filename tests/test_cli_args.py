@@ -15,7 +15,7 @@ from flashtile import cli
     (["bench", "configs", "gluon-fwd", "--rounds", "0"], "--rounds"),
     (["bench", "attention", "--seqlens", "1024", "0"], "--seqlens"),
     (["demo", "--seed", str(2**70)], "--seed"),
-    (["bench", "fp8-error", "--seed", "-1"], "--seed"),
+    (["bench", "fp8-error", "--seed", str(-2**63 - 1)], "--seed"),
 ])
 def test_bad_sizes_and_seeds_are_argument_errors(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

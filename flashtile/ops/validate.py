@@ -275,9 +275,10 @@ def check_attn_mask(mask: object, q: torch.Tensor, dims: AttnDims, query_dim: in
     full = (dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k)[4 - query_dim :]
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and mask.dtype != q.dtype:  # torch's rule: another float would be rounded silently
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule; others would be rounded silently
         raise TypeError(
-            f"attn_mask must be bool (True = take part) or of query's dtype {q.dtype} (added), got {mask.dtype}"
+            f"attn_mask must be bool (True = take part), float32 or of query's dtype {q.dtype} (added), got "
+            f"{mask.dtype}"
         )
     if mask.device != q.device:
         raise ValueError(f"attn_mask must be on the device of query ({q.device}), got {mask.device}")

@@ -147,3 +147,15 @@ def test_three_dim_output_layout(device):
     assert out.shape == (2, 20, 8) and out.transpose(0, 1).is_contiguous()
     ref = F.scaled_dot_product_attention(q.cpu().double(), k.cpu().double(), v.cpu().double())
     assert_close(out, ref, torch.float32, device, "out")
+
+
+def test_float32_mask_on_half_queries(device):
+    """torch's SDPA takes a float32 additive mask with fp16 / bf16 queries (bool, float32 or query's dtype): so does
+    the drop-in, adding it in fp32."""
+    from flashtile.ops import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=g).to(device, torch.float16) for _ in range(3))
+    mask = torch.randn(16, 16, generator=g).to(device)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask).float(), ref, rtol=2e-2, atol=2e-3)
