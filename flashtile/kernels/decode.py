@@ -649,6 +649,7 @@ def _decode_split_kernel(
                 )
     if VARLEN_Q:
         if reporter:
+            # the span read again with its end and the whole-range check: neither stays live across the key loop
             last_b = tl.num_programs(0) // n_heads_k - 1
             q_start, q_len, q_end, bad_span = _q_span(CuSeqlensQ, off_b, last_b, seqlen_q, total_q, VARLEN_Q)
             if bad_span:
