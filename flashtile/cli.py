@@ -706,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     abl.set_defaults(func=_cmd_bench_hopper_ablation)
     s90 = bsub.add_parser("sm90", help="compile a kernel family for sm_90a without a GPU (Triton's compiler, ptxas): "
                                        "registers, spills, barriers per config; --dump writes the PTX / SASS")
-    s90.add_argument("routine", choices=["fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-bwd"])
+    s90.add_argument("routine", choices=["fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-fp8", "gluon-bwd"])
     s90.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])
     s90.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     s90.add_argument("--seqlen", type=_positive, default=4096, help="tokens per sequence (B * N = 16k, H * d = 2048)")

@@ -8,8 +8,8 @@ kernel's PTX as it was (``--dump``: the PTX, and the SASS with ``--sass``, per k
 ``--sass`` each kernel's innermost loops, their instructions and spill traffic, :func:`sass_loops`).
 
 Routines: ``fa2-fwd`` / ``fa2-bwd`` (the FA2 kernels' dispatched tiles), ``hopper-fwd`` (the Triton Hopper forward,
-``fa3_fwd.fa3_config``), ``gluon-fwd`` (the Gluon forward, the dispatch's ``GluonConfig`` for the shape) and
-``gluon-bwd`` (the Gluon backward, ``gluon_bwd_config``); ``overrides`` (``--set name=value``) replace fields of
+``fa3_fwd.fa3_config``), ``gluon-fwd`` (the Gluon forward, the dispatch's ``GluonConfig`` for the shape),
+``gluon-fp8`` (its e4m3 form, ``gluon_fp8_config``) and ``gluon-bwd`` (the Gluon backward, ``gluon_bwd_config``); ``overrides`` (``--set name=value``) replace fields of
 the Hopper routines' configs.  Needs ``TRITON_INTERPRET`` unset (interpreted kernels do not compile).
 """
 
@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["ROUTINES", "offline_sm90", "parse_overrides", "compile_routine", "ptxas_report", "sass_loops"]
 
-ROUTINES = ("fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-bwd")
+ROUTINES = ("fa2-fwd", "fa2-bwd", "hopper-fwd", "gluon-fwd", "gluon-fp8", "gluon-bwd")
 SMS = 132  # an H100 SXM's multiprocessors: the persistent grids' size
 
 
@@ -161,6 +161,13 @@ def _call(routine: str, d: int, causal: bool, n: int, overrides: dict[str, Any])
     elif routine == "gluon-fwd":
         cfg = _replace(fa3_fwd.gluon_dispatch_config(q, q, causal), overrides, routine)
         fa3_gluon.fa3_gluon_forward(q, q, q, softmax_scale=scale, causal=causal, config=cfg)
+    elif routine == "gluon-fp8":
+        q8 = q.to(torch.float8_e4m3fn)
+        cfg = _replace(fa3_gluon.gluon_fp8_config(d, causal, n >= fa3_gluon.FP8_DYNAMIC_MIN_KEYS), overrides, routine)
+        ones = torch.ones(b, h)
+        err = torch.zeros(2, dtype=torch.int32)
+        fa3_gluon.gluon_launch(q8, q8, fa3_gluon.fp8_v_operand(q8), torch.zeros_like(q), lse, scale, causal, cfg,
+                               fp8=((ones, ones, ones), err))
     elif routine == "gluon-bwd":
         cfg = _replace(fa3_gluon_bwd.gluon_bwd_config(d, causal), overrides, routine)
         fa3_gluon_bwd.fa3_gluon_backward(q, q, q, q, q, lse, softmax_scale=scale, causal=causal, config=cfg)

@@ -124,3 +124,27 @@ def test_compiles_leave_the_kernels_device_caches_as_they_were(tmp_path):
     res = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+
+_FP8_SCRIPT = """
+import torch
+from flashtile.bench import sm90
+from flashtile.runtime import fa3_gluon
+with sm90.offline_sm90() as calls:
+    cfg = sm90._call("gluon-fp8", 128, True, 2048, {})
+assert cfg == fa3_gluon.gluon_fp8_config(128, True, True), cfg
+assert [sm90._name(c.kernel) for c in calls] == ["fp8_v_transpose_kernel", "fa3_gluon_kernel"], calls
+q = calls[1].dynamic[0]
+assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (8, 16, 2048, 128), q.shape
+print("ok")
+"""
+
+
+def test_fp8_routine_records_the_fp8_forwards_launches(tmp_path):
+    """``gluon-fp8``: V's operand copy, then the Gluon kernel on e4m3 tiles with the FP8 config of the shape
+    (launches recorded, not compiled; a process without the interpreter, as Gluon needs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _FP8_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
