@@ -29,7 +29,7 @@ import torch.distributed as dist
 from flashtile.distributed.plan import LAYOUTS, step_plan
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
-from flashtile.ops.autograd import _fwd_impl, _philox
+from flashtile.ops.autograd import _first_order_only, _fwd_impl, _philox
 from flashtile.ops.flash_attn import unpack
 from flashtile.runtime.common import on_tensor_device
 from flashtile.runtime.fa2_bwd import fa2_backward
@@ -214,6 +214,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, rngs = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, rngs, ctx.ring)

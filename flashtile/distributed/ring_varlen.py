@@ -28,7 +28,7 @@ from flashtile.distributed.ring import (_bits, _check_agreement, _flag, _rotate,
                                         rotate_backward)
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
-from flashtile.ops.autograd import _varlen_fwd_impl
+from flashtile.ops.autograd import _first_order_only, _varlen_fwd_impl
 from flashtile.runtime.common import on_tensor_device
 from flashtile.runtime.fa2_bwd import fa2_backward
 
@@ -234,6 +234,7 @@ class _RingVarlenAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride(-1) != 1:

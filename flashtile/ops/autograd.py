@@ -31,6 +31,7 @@ recompute it.  :func:`next_philox_state` tells which pair the next call will
 draw.  Without dropout ``rng_state`` is a CPU tensor of zeros (no device work).
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -364,6 +365,26 @@ def _backward(ctx, dout, _dlse, _drng):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _first_order_only(backward):
+    """``backward`` run without grad, its gradients made to raise if differentiated whenever the backward builds a
+    graph (``create_graph``): once_differentiable does so only when the upstream gradient needs grad, and with a
+    constant one returned dq, dk, dv detached from q, k, v (a gradient penalty's term silently dropped)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+            return outputs
+        err = torch._C._functions.DelayedError(b"flashtile attention has no double backward (create_graph=True "
+                                               b"through it); use torch's math SDPA for higher-order gradients",
+                                               len(outputs))
+        aliases = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                   for x in outputs]
+        return err(*aliases)
+
+    return wrapper
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same forward/backward without the custom-op dispatcher, for eager calls.
 
@@ -381,7 +402,7 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward: a graph through it raises, not drops terms
+    @_first_order_only
     def backward(ctx, dout, _dlse, _drng):
         if dout is None:  # out's gradient undefined (materialisation off): nothing flows back
             return (None,) * (6 + len(ctx.options))
@@ -593,7 +614,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward: a graph through it raises, not drops terms
+    @_first_order_only
     def backward(ctx, dout, _dlse, _drng):
         if dout is None:
             return (None,) * (7 + len(ctx.options))

@@ -181,6 +181,14 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                 dist.all_gather_object(states, next_philox_state(device), group=group)
                 results[case["name"] + ":philox"] = states
             out, lse, leaves = _call(case, fns[case["fn"]], shard(q), shard(k), shard(v), group)
+            if case.get("double_backward"):  # a constant upstream gradient, then a penalty on dq: must raise
+                gq, = torch.autograd.grad((out * shard(dout)).sum(), leaves[0], create_graph=True)
+                try:
+                    gq.square().sum().backward()
+                    results[case["name"]] = "no error"
+                except RuntimeError as e:
+                    results[case["name"]] = ("RuntimeError", str(e))
+                continue
             out.backward(shard(dout))
             grads = _grads(case.get("api", "func"), leaves)
             gather = lambda x, dim=1: sharding.unshard_sequence(  # noqa: E731

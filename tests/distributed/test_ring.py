@@ -51,6 +51,7 @@ CASES_2 = [
     _case("options-differ", layout="zigzag", seqlen=16, causal=True, expect_error="softcap"),
     _case("alibi-on-one-rank", layout="zigzag", seqlen=16, causal=True, expect_error="alibi"),
     _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
+    _case("double-backward", layout="zigzag", seqlen=16, causal=True, double_backward=True, seed=9),
 ]
 CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) or P (contiguous); empty sequences
     _case("varlen-zigzag-causal-gqa", fn="ring-varlen", layout="zigzag", seqlen=0, hq=4, hk=2, causal=True, seed=20,
@@ -189,7 +190,8 @@ def spawned(tmp_path_factory):
 
 
 @pytest.mark.parametrize("pair", [0, 1], ids=["ranks01", "ranks23"])
-@pytest.mark.parametrize("case", [c for c in CASES_2 if not c.get("expect_error")], ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", [c for c in CASES_2 if not (c.get("expect_error") or c.get("double_backward"))],
+                         ids=lambda c: c["name"])
 def test_two_ranks(spawned, case, pair):
     got = spawned[(2, pair)]
     if case["fn"].endswith("-varlen"):
@@ -218,6 +220,14 @@ def test_a_refusal_on_one_rank_raises_on_every_rank(spawned, pair, name):
     every rank before that rank's refusal, so no rank waits alone in a collective."""
     kind, msg = spawned[(2, pair)][name]
     assert kind == "ValueError" and "every rank" in msg
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+def test_double_backward_raises(spawned, pair):
+    """dq of the ring taken with create_graph=True and a constant upstream gradient: differentiating it again
+    raises (the ring's backward is first-order only) rather than treating dq as a constant."""
+    kind, msg = spawned[(2, pair)]["double-backward"]
+    assert kind == "RuntimeError" and "no double backward" in msg
 
 
 @pytest.mark.parametrize("pair", [0, 1])

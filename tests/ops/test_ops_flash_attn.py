@@ -342,7 +342,9 @@ def test_double_backward_raises_instead_of_dropping_terms(device):
              lambda: flash_attn_varlen_func(q[0], k[0], v[0], *(torch.tensor([0, 4, 9], dtype=torch.int32,
                                                                              device=device),) * 2, 5, 5)]
     for call in calls:
-        o = call()
-        gq, = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-        with pytest.raises(RuntimeError, match="differentiate twice"):
-            (o.sum() + gq.square().sum()).backward()
+        for upstream in (lambda o: o.square().sum(), lambda o: (o * torch.randn_like(o)).sum()):
+            o = call()  # the second upstream gradient is a constant (once_differentiable let that one through)
+            gq, = torch.autograd.grad(upstream(o), q, create_graph=True)
+            assert gq.requires_grad
+            with pytest.raises(RuntimeError, match="no double backward"):
+                (o.sum() + gq.square().sum()).backward()
