@@ -41,6 +41,8 @@ _MERGE_ELEMENTS = 1024  # rows x BLOCK_D a program merges: ptxas (sm_90a, 4 warp
 def _check_state(o: object, lse: object, on: str, ln: str) -> None:
     if not isinstance(o, torch.Tensor):
         raise TypeError(f"{on} must be a torch.Tensor, got {type(o).__name__}")
+    validate.check_dense(o, on)
+    validate.check_has_data(o, on)
     if o.dtype not in validate.SUPPORTED_DTYPES:
         raise TypeError(f"{on} must have dtype torch.float16, torch.bfloat16 or torch.float32, got {o.dtype}")
     if o.dim() != 4 or not 1 <= o.shape[-1] <= validate.MAX_HEAD_DIM:
@@ -48,6 +50,7 @@ def _check_state(o: object, lse: object, on: str, ln: str) -> None:
                          f"got shape {tuple(o.shape)}")
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"{ln} must be a torch.Tensor, got {type(lse).__name__}")
+    validate.check_dense(lse, ln)
     if lse.dtype != torch.float32:
         raise TypeError(f"{ln} must have dtype torch.float32, got {lse.dtype}")
     b, n, h, _ = o.shape

@@ -35,10 +35,12 @@ def check_fp8_inputs(names, q, k, v, descales, dropout_p, return_attn_probs):
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        validate.check_dense(x, name)
         if x.dtype != FP8:
             raise TypeError(f"{name} must be float8_e4m3fn like {names[0]} (FP8 attention), got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{names[0]} and {name} must be on the same device; got {q.device} and {x.device}")
+    validate.check_has_data(q, names[0])
     if q.device.type == "cpu" and not interpreting():
         raise ValueError(f"{names[0]} is a CPU tensor: the kernels need a CUDA device (or TRITON_INTERPRET=1)")
     dims = validate.check_dims(q, k, v, seq_major=True, names=names)
@@ -57,6 +59,7 @@ def check_fp8_inputs(names, q, k, v, descales, dropout_p, return_attn_probs):
             continue
         if not isinstance(ds, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(ds).__name__}")
+        validate.check_dense(ds, name)
         if ds.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {ds.dtype}")
         if ds.device != q.device:

@@ -140,6 +140,7 @@ def _check_new_kv(k: object, v: object, k_cache: torch.Tensor, dims: validate.At
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+        validate.check_dense(x, name)
         if x.dtype != dtype:
             whose = "q (an FP8 cache takes new rows in q's dtype and quantises them)" if dtype != k_cache.dtype else "k_cache"
             raise TypeError(f"{name} must have the dtype of {whose} ({dtype}), got {x.dtype}")
@@ -219,6 +220,7 @@ def _check_cache_dtypes(q: object, k_cache: object, v_cache: object) -> bool:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q must be torch.float16 or torch.bfloat16 with a float8_e4m3fn cache, got {q.dtype}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        validate.check_dense(x, name)
         if x.device != q.device:
             raise ValueError(f"q and {name} must be on the same device; got {q.device} and {x.device}")
     return True
@@ -241,6 +243,7 @@ def _check_descales(k_descale: object, v_descale: object, fp8: bool, q: torch.Te
             )
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a float32 torch.Tensor of shape (batch, nheads_k), got {type(x).__name__}")
+        validate.check_dense(x, name)
         if x.dtype != torch.float32:
             raise TypeError(f"{name} must have dtype torch.float32, got {x.dtype}")
         if tuple(x.shape) != want:
@@ -263,6 +266,7 @@ def _check_block_table(block_table: object, q: torch.Tensor, b: int) -> None:
             "block_table must be an int32 torch.Tensor of shape (batch, max_pages) or None, "
             f"got {type(block_table).__name__}"
         )
+    validate.check_dense(block_table, "block_table")
     if block_table.dtype != torch.int32:
         raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] == 0:
@@ -281,6 +285,7 @@ def _seqlens_check(cache_seqlens: object, q: torch.Tensor, b: int) -> None:
             "cache_seqlens must be an int, an int32 (or int64) torch.Tensor of shape (batch,) or None, got "
             + (str(cache_seqlens.dtype) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__)
         )
+    validate.check_dense(cache_seqlens, "cache_seqlens")
     if tuple(cache_seqlens.shape) != (b,):
         raise ValueError(f"cache_seqlens must have shape (batch,) = ({b},), got {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != q.device:
@@ -319,6 +324,7 @@ def _check_index_vector(x: object, name: str, q: torch.Tensor, n: int, what: str
     """An int32 tensor of shape (n,) on q's device (cache_batch_idx, cache_leftpad, cu_seqlens_q)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor of shape {what} or None, got {type(x).__name__}")
+    validate.check_dense(x, name)
     if x.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
     if tuple(x.shape) != (n,):
@@ -359,6 +365,7 @@ def _check_rotary(
     for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
+        validate.check_dense(x, name)
         if x.dtype not in (q.dtype, torch.float32):
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}) or torch.float32, got {x.dtype}")
         if x.dim() != 2 or x.shape[1] < 1:

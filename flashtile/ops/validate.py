@@ -30,6 +30,8 @@ from flashtile.runtime.common import interpreting
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "check_dense",
+    "check_has_data",
     "MAX_HEAD_DIM",
     "AttnDims",
     "check_qkv_tensors",
@@ -65,11 +67,26 @@ class AttnDims(NamedTuple):
     head_dim: int
 
 
+def check_dense(x: torch.Tensor, name: str) -> None:
+    """``x`` has memory the kernels can address: a strided layout (not sparse / mkldnn).  A meta tensor (no data)
+    fails the device checks beside q's (q itself: :func:`check_has_data`)."""
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+
+
+def check_has_data(x: torch.Tensor, name: str) -> None:
+    """``x`` is not a meta tensor (shapes without data)."""
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (no data): pass one on a CUDA device (or CPU under "
+                         "TRITON_INTERPRET=1)")
+
+
 def check_qkv_tensors(names: Sequence[str], *tensors: object) -> None:
     """q, k, v (under ``names``) are tensors of one supported dtype on one usable device."""
     for name, x in zip(names, tensors):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        check_dense(x, name)
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
     first = tensors[0]
@@ -80,6 +97,7 @@ def check_qkv_tensors(names: Sequence[str], *tensors: object) -> None:
             )
         if x.device != first.device:
             raise ValueError(f"{names[0]} and {name} must be on the same device; got {first.device} and {x.device}")
+    check_has_data(first, names[0])  # one device by now
     if first.device.type == "cpu" and not interpreting():
         raise ValueError(
             f"{names[0]} is a CPU tensor: the Triton kernels need a CUDA device. Move the tensors to CUDA "
@@ -235,6 +253,7 @@ def check_alibi(slopes: object, q: torch.Tensor, dims: AttnDims) -> None:
         raise TypeError(
             f"alibi_slopes must be a torch.Tensor of shape ({hq},) or ({b}, {hq}), got {type(slopes).__name__}"
         )
+    check_dense(slopes, "alibi_slopes")
     if slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must have dtype torch.float32, got {slopes.dtype}")
     if tuple(slopes.shape) not in ((hq,), (b, hq)):
@@ -254,6 +273,8 @@ def check_block_mask(block_mask: object, dims: AttnDims) -> None:
         raise TypeError(
             f"block_mask must be a flashtile.reference.masks.BlockMask or None, got {type(block_mask).__name__}"
         )
+    check_dense(block_mask.mask, "block_mask.mask")
+    check_has_data(block_mask.mask, "block_mask.mask")  # copied to q's device: any device with data
     br, bc = block_mask.block_size
     if br % 16 or bc % 16:
         raise ValueError(
@@ -275,6 +296,7 @@ def check_attn_mask(mask: object, q: torch.Tensor, dims: AttnDims, query_dim: in
     full = (dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k)[4 - query_dim :]
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    check_dense(mask, "attn_mask")
     if mask.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule; others would be rounded silently
         raise TypeError(
             f"attn_mask must be bool (True = take part), float32 or of query's dtype {q.dtype} (added), got "
@@ -326,6 +348,7 @@ def check_cu_seqlens(cu_seqlens_q: object, cu_seqlens_k: object, q: torch.Tensor
     for name, cu in zip(names, (cu_seqlens_q, cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor of shape (batch + 1,), got {type(cu).__name__}")
+        check_dense(cu, name)
         if cu.dtype != torch.int32:
             raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
         if cu.dim() != 1 or cu.shape[0] < 1:
@@ -353,6 +376,7 @@ def check_block_table(block_table: object, q: torch.Tensor, batch: int) -> None:
     """block_table: int32 (batch, max_pages) on q's device."""
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be an int32 torch.Tensor (batch, max_pages), got {type(block_table).__name__}")
+    check_dense(block_table, "block_table")
     if block_table.dtype != torch.int32:
         raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:

@@ -259,3 +259,79 @@ def test_window_bounds_past_the_sequence_are_unbounded(device):
     base = flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=20)
     for window in ((2**31 - 1, -1), (-1, 2**31 - 1)):
         torch.testing.assert_close(flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=20, window_size=window), base)
+
+
+def _sparse(x):
+    return x.to_sparse()
+
+
+def _kvc(**kw):
+    from flashtile import flash_attn_with_kvcache
+
+    args = dict(q=t(1, 1, 4, 16), k_cache=t(1, 32, 2, 16), v_cache=t(1, 32, 2, 16))
+    args.update(kw)
+    return flash_attn_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+
+
+def _fp8(**kw):
+    from flashtile import flash_attn_func as fa_
+
+    e4 = torch.float8_e4m3fn
+    args = dict(q=t(*Q).to(e4), k=t(*KV).to(e4), v=t(*KV).to(e4))
+    args.update(kw)
+    return fa_(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def _varlen(**kw):
+    from flashtile import flash_attn_varlen_func
+
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    args.update(kw)
+    return flash_attn_varlen_func(t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                  8, 8)
+
+
+def _merge(**kw):
+    from flashtile import merge_attention_states
+
+    args = dict(o1=t(1, 4, 2, 16), lse1=t(1, 2, 4), o2=t(1, 4, 2, 16), lse2=t(1, 2, 4))
+    args.update(kw)
+    return merge_attention_states(**args)
+
+
+NOT_ADDRESSABLE = {  # sparse layouts and meta tensors hold no memory the kernels can read: refused by name
+    "q_sparse": (lambda: fa(q=_sparse(t(*Q))), TypeError, r"^q must be a dense \(strided\) tensor"),
+    "all_meta": (lambda: fa(q=t(*Q, device="meta"), k=t(*KV, device="meta"), v=t(*KV, device="meta")), ValueError,
+                 r"^q is a meta tensor"),
+    "alibi_sparse": (lambda: fa(alibi_slopes=_sparse(t(4))), TypeError, r"^alibi_slopes must be a dense"),
+    "alibi_meta": (lambda: fa(alibi_slopes=t(4, device="meta")), ValueError, r"^alibi_slopes must be on the device"),
+    "block_mask_sparse": (lambda: fa(block_mask=BlockMask(_sparse(torch.ones(2, 3, dtype=torch.bool)), (16, 16))),
+                          TypeError, r"^block_mask.mask must be a dense"),
+    "block_mask_meta": (lambda: fa(block_mask=BlockMask(torch.ones(2, 3, dtype=torch.bool, device="meta"), (16, 16))),
+                        ValueError, r"^block_mask.mask is a meta tensor"),
+    "attn_mask_sparse": (lambda: sd(attn_mask=_sparse(torch.ones(8, 12, dtype=torch.bool))), TypeError,
+                         r"^attn_mask must be a dense"),
+    "cu_seqlens_sparse": (lambda: _varlen(cu_seqlens_k=_sparse(torch.tensor([0, 8], dtype=torch.int32))), TypeError,
+                          r"^cu_seqlens_k must be a dense"),
+    "k_cache_sparse": (lambda: _kvc(k_cache=_sparse(t(1, 32, 2, 16))), TypeError, r"^k_cache must be a dense"),
+    "cache_seqlens_sparse": (lambda: _kvc(cache_seqlens=_sparse(torch.tensor([3], dtype=torch.int32))), TypeError,
+                             r"^cache_seqlens must be a dense"),
+    "cache_batch_idx_meta": (lambda: _kvc(cache_batch_idx=torch.zeros(1, dtype=torch.int32, device="meta")),
+                             ValueError, r"^cache_batch_idx must be on the device of q"),
+    "rotary_sparse": (lambda: _kvc(rotary_cos=_sparse(t(32, 4)), rotary_sin=t(32, 4)), TypeError,
+                      r"^rotary_cos must be a dense"),
+    "new_k_sparse": (lambda: _kvc(k=_sparse(t(1, 1, 2, 16)), v=t(1, 1, 2, 16)), TypeError, r"^k must be a dense"),
+    "fp8_descale_sparse": (lambda: _fp8(k_descale=_sparse(torch.ones(1, 2))), TypeError, r"^k_descale must be a dense"),
+    "fp8_meta": (lambda: _fp8(q=t(*Q, device="meta").to(torch.float8_e4m3fn), k=t(*KV, device="meta").to(
+        torch.float8_e4m3fn), v=t(*KV, device="meta").to(torch.float8_e4m3fn)), ValueError, r"^q is a meta tensor"),
+    "merge_meta": (lambda: _merge(o1=t(1, 4, 2, 16, device="meta")), ValueError, r"^o1 is a meta tensor"),
+    "merge_lse_sparse": (lambda: _merge(lse2=_sparse(t(1, 2, 4))), TypeError, r"^lse2 must be a dense"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_ADDRESSABLE))
+def test_tensors_without_addressable_memory_are_refused(case):
+    call, exc, pattern = NOT_ADDRESSABLE[case]
+    with pytest.raises(exc, match=pattern):
+        call()
