@@ -8,6 +8,10 @@ import triton.language as tl
 
 from flashtile.kernels._common import tanh_
 
+# bound on |slope * distance| (fp32, with headroom for log2(e) and the score): a larger slope is clamped to
+# ALIBI_SCORE_MAX / span, where the gap between distance levels (>= 4e27) already makes the softmax an argmax
+ALIBI_SCORE_MAX = tl.constexpr(1e37)
+
 
 @triton.jit
 def score_mods(
@@ -21,8 +25,9 @@ def score_mods(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
 ):
-    """Softcap then ALiBi, as in reference/masks.py.  Returns (s, t) where t is
-    tanh(s_raw / softcap) when HAS_SOFTCAP (the backward needs 1 - t^2), else s."""
+    """Softcap then ALiBi, as in reference/masks.py (slopes past ``ALIBI_SCORE_MAX`` / span clamped: the same
+    probabilities, the LSE of the clamped slope).  Returns (s, t) where t is tanh(s_raw / softcap) when
+    HAS_SOFTCAP (the backward needs 1 - t^2), else s."""
     t = s
     if HAS_SOFTCAP:
         t = tanh_(s / softcap)
@@ -30,6 +35,10 @@ def score_mods(
     if HAS_ALIBI:
         dist = (offs_m[:, None] + (seqlen_k - seqlen_q)) - offs_n[None, :]
         dist = tl.where(dist < 0, -dist, dist)
+        # every |dist| of the tile, padding rows and columns included, is below span
+        span = (tl.maximum(seqlen_q, seqlen_k) + offs_m.shape[0] + offs_n.shape[0]).to(tl.float32)
+        lim = ALIBI_SCORE_MAX / span
+        slope = tl.where(slope > lim, lim, tl.where(slope < -lim, -lim, slope))  # NaN stays NaN
         s = s - slope * dist.to(tl.float32)
     return s, t
 

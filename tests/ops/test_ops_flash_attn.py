@@ -348,3 +348,35 @@ def test_double_backward_raises_instead_of_dropping_terms(device):
             assert gq.requires_grad
             with pytest.raises(RuntimeError, match="no double backward"):
                 (o.sum() + gq.square().sum()).backward()
+
+
+def test_alibi_slopes_past_fp32_range_give_the_argmax(device):
+    """Slopes whose |slope| * distance overflows fp32 (rows where every key's score would be -inf gave NaN): the
+    kernels clamp them where softmax is already an argmax over distance, so out and the gradients equal the float64
+    oracle's; the LSE equals it where the nearest key is at distance 0, and stays finite elsewhere.  The forward
+    kernel, its backward and the decode kernel (flash_attn_with_kvcache) all take the clamp."""
+    from flashtile import flash_attn_with_kvcache
+
+    gen = torch.Generator().manual_seed(21)
+    nq, nk, h = 40, 24, 4  # Nq > Nk: the first 16 rows' nearest key is at distance 16 - i
+    slopes = torch.tensor([1e38, -1e38, 3e37, 0.25]).to(device)
+    q = _bnhd(1, nq, h, 16, torch.float32, device, gen).requires_grad_()
+    k, v = (_bnhd(1, nk, h, 16, torch.float32, device, gen).requires_grad_() for _ in range(2))
+    out, lse = flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=torch.float32)
+    out.backward(dout)
+    q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
+    ref, ref_lse = attention_ref(q64, k64, v64, scale=0.25, alibi=slopes.cpu())
+    dq, dk, dv = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close(out.transpose(1, 2), ref, torch.float32, device, "out")
+    for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
+        assert_close(got.transpose(1, 2), want, torch.float32, device, name)
+    near = nq - nk  # rows from here have a key at distance 0
+    assert_close(lse[:, [0, 2, 3], near:], ref_lse[:, [0, 2, 3], near:], torch.float32, device, "lse")
+    assert_close(lse[:, 3], ref_lse[:, 3], torch.float32, device, "lse (plain slope)")
+    # decode: 2 new query rows against the 24-key cache, bottom-right aligned as above
+    qd = q.detach()[:, -2:].contiguous()
+    got = flash_attn_with_kvcache(qd, k.detach().contiguous(), v.detach().contiguous(), alibi_slopes=slopes)
+    want, _ = attention_ref(_leaf64(qd), k64.detach(), v64.detach(), scale=0.25, alibi=slopes.cpu())
+    assert_close(got.transpose(1, 2), want, torch.float32, device, "decode out")
