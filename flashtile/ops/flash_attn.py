@@ -16,7 +16,8 @@ matrix, and flash-attn itself fills it only for testing, with dropout
 (``return_softmax and dropout_p > 0``), documenting it as not guaranteed to
 have the right scaling.  As in flash-attn, ``causal=True`` sets the right
 window bound to 0 (a right bound given with it is ignored), and
-``window_size`` may be a 2-element integer tensor.  One convention differs
+``window_size`` may be a 2-element integer tensor (read back on the host: under
+``torch.compile`` a graph break, so ``fullgraph=True`` needs a tuple).  One convention differs
 on purpose: a query row that sees no key has LSE ``-inf`` here (the log of
 an empty sum, which merges correctly with other splits), ``+inf`` in
 flash-attn.  Dropout draws its Philox seed from torch's default generator,
