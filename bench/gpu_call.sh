@@ -29,9 +29,9 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 mapfile -t cmds < <(printf '%s\n' "${RUNS:-}" | grep -v '^\s*$')
 TP=
 if [ -n "${TESTS:-}" ]; then
-  # shellcheck disable=SC2086
-  timeout "${TEST_CAP:-240}" python3 -m pytest -m gpu -rA -p no:cacheprovider -n "${NPROC:-10}" --timeout 250 \
-    $TESTS > "$OUT/tests.log" 2>&1 &
+  # eval: TESTS keeps its shell quoting (-k "a or b"); a later -m in it replaces "gpu"
+  eval "timeout ${TEST_CAP:-240} python3 -m pytest -m gpu -rA -p no:cacheprovider -n ${NPROC:-10} --timeout 250 \
+    $TESTS" > "$OUT/tests.log" 2>&1 &
   TP=$!
 fi
 i=0
