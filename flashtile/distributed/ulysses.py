@@ -19,6 +19,7 @@ from flashtile.distributed.ring import _check_agreement
 from flashtile.distributed.ring_varlen import SIGNATURE_FIELDS, check_packed, check_zigzag_lengths
 from flashtile.distributed.sharding import resolve_group
 from flashtile.ops import validate
+from flashtile.ops.autograd import philox_stream
 
 __all__ = ["ulysses_flash_attn_func", "ulysses_flash_attn_varlen_func"]
 
@@ -132,10 +133,11 @@ def ulysses_flash_attn_func(
     q_order, k_order = _order(layout, world, dims.seqlen_q, q.device), _order(layout, world, dims.seqlen_k, q.device)
     if q_order is not None:
         qh, kh, vh = qh[:, q_order], kh[:, k_order], vh[:, k_order]
-    out, lse = flash_attn_func(
-        qh, kh, vh, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
-    )
+    with philox_stream(rank):  # head groups of ranks seeded alike drop independently
+        out, lse = flash_attn_func(
+            qh, kh, vh, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
+        )
     if q_order is not None:
         # back to rank order: position q_order[g] of the concatenation holds global token g
         out = _unpermute(out, q_order, 1)
@@ -226,11 +228,12 @@ def ulysses_flash_attn_varlen_func(
     k_order = _packed_order(layout, world, sh.lens_k, q.device)
     qh, kh, vh = qh.index_select(0, q_order), kh.index_select(0, k_order), vh.index_select(0, k_order)
     cu_q, cu_k = (c * world for c in (cu_seqlens_q, cu_seqlens_k))
-    out, lse = flash_attn_varlen_func(
-        qh, kh, vh, cu_q, cu_k, world * sh.max_q, world * sh.max_k, dropout_p=dropout_p,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
-    )
+    with philox_stream(rank):
+        out, lse = flash_attn_varlen_func(
+            qh, kh, vh, cu_q, cu_k, world * sh.max_q, world * sh.max_k, dropout_p=dropout_p,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=True,
+        )
     out = _HeadsToSeq.apply(_unpermute(out, q_order, 0).unsqueeze(0), pg, world).squeeze(0)
     with torch.no_grad():
         lse = _unpermute(lse, q_order, 1)  # (Hq / P, P total_q)

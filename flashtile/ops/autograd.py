@@ -31,6 +31,8 @@ recompute it.  :func:`next_philox_state` tells which pair the next call will
 draw.  Without dropout ``rng_state`` is a CPU tensor of zeros (no device work).
 """
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import Optional
@@ -48,13 +50,41 @@ _SEED_MASK = (1 << 62) - 1  # seeds stay positive int64 (they travel in an int64
 # --------------------------------------------------------------------------- #
 # Philox state from torch's default generators
 # --------------------------------------------------------------------------- #
+# a stream index added to every drawn seed (``philox_stream``): ranks whose generators are seeded alike still draw
+# independent keep-masks for different work (Ulysses' head groups); 0 outside
+_STREAM = contextvars.ContextVar("flashtile_philox_stream", default=0)
+_STREAM_STRIDE = 0x9E3779B97F4A7C15 & _SEED_MASK  # odd: distinct streams map to distinct seeds modulo 2^62
+
+
 def _philox(device: torch.device) -> torch.Tensor:
     """The int64 [seed, offset] of one dropout call, drawn on ``device`` from its default generator.
 
     One RNG kernel, no host sync, CUDA-graph safe.  Each call draws a fresh seed (and offset), so
     calls use independent Philox streams; the kernels count elements from the offset in 64 bits.
+    Inside :func:`philox_stream` the seed is moved by the stream's index.
     """
-    return torch.randint(0, _SEED_MASK, (2,), dtype=torch.int64, device=device)
+    rng = torch.randint(0, _SEED_MASK, (2,), dtype=torch.int64, device=device)
+    stream = _STREAM.get()
+    if stream:
+        rng[0] = stream_seed(rng[0], stream)
+    return rng
+
+
+def stream_seed(seed, stream: int):
+    """The seed (an int or an int64 tensor) a draw of ``seed`` becomes in stream ``stream``."""
+    return (seed + stream * _STREAM_STRIDE % (_SEED_MASK + 1)) & _SEED_MASK
+
+
+@contextlib.contextmanager
+def philox_stream(index: int):
+    """Dropout calls within draw their seeds in stream ``index`` (an int >= 0): the same generator state gives
+    different, independent seeds in different streams (a rank's index where every rank is seeded alike but does
+    different work)."""
+    token = _STREAM.set(int(index))
+    try:
+        yield
+    finally:
+        _STREAM.reset(token)
 
 
 def next_philox_state(device: torch.device | str) -> tuple[int, int]:

@@ -19,7 +19,10 @@ def full_inputs(case: dict, device="cpu"):
     b, n, hq, hk, d = case["batch"], case["seqlen"], case["hq"], case["hk"], case["d"]
     dtype = getattr(torch, case.get("dtype", "float32"))
     shapes = ((b, n, hq, d), (b, n, hk, d), (b, n, hk, d), (b, n, hq, d))
-    return tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
+    xs = tuple(torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes)
+    if case.get("same_heads"):  # every head the same inputs: what tells their outputs apart is dropout alone
+        xs = tuple(x[:, :, :1].expand(x.shape).contiguous() for x in xs)
+    return xs
 
 
 def packed_inputs(case: dict, device="cpu"):
@@ -174,6 +177,8 @@ def run(rank: int, world: int, port: int, stages: list, result_path: str, backen
                     results[case["name"]] = (type(e).__name__, str(e))
                 continue
             shard = lambda x: sharding.shard_sequence(x, (me, size), layout=layout)  # noqa: E731
+            if case.get("same_heads"):  # every rank's generators seeded alike, as a training script does
+                torch.manual_seed(case["seed"])
             if case.get("dropout"):
                 from flashtile.ops.autograd import next_philox_state
 

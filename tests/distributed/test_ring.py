@@ -52,6 +52,8 @@ CASES_2 = [
     _case("alibi-on-one-rank", layout="zigzag", seqlen=16, causal=True, expect_error="alibi"),
     _case("ulysses-odd-heads", fn="ulysses", layout="zigzag", seqlen=16, hq=3, hk=1, expect_error="heads"),
     _case("double-backward", layout="zigzag", seqlen=16, causal=True, double_backward=True, seed=9),
+    _case("ulysses-dropout-same-heads", fn="ulysses", layout="contiguous", seqlen=16, hq=4, hk=4, dropout=0.5,
+          same_heads=True, seed=31),
 ]
 CASES_2 += [  # packed batches: global lengths, each a multiple of 2P (zigzag) or P (contiguous); empty sequences
     _case("varlen-zigzag-causal-gqa", fn="ring-varlen", layout="zigzag", seqlen=0, hq=4, hk=2, causal=True, seed=20,
@@ -107,6 +109,17 @@ def _ring_keep_mask(case: dict, world: int, states: list) -> torch.Tensor:
                 cols = shard_positions(n, world, src, layout)[c.c0:c.c1]
                 keep[:, :, rows[:, None], cols[None, :]] = mask
     return keep
+
+
+def _ulysses_keep_mask(case: dict, world: int, states: list) -> torch.Tensor:
+    """The (B, Hq, N, N) keep-mask of a Ulysses call: rank r's head group drew its state in stream r."""
+    from flashtile.ops.autograd import stream_seed
+    from flashtile.runtime.common import dropout_keep_mask
+
+    b, n, hq, p = case["batch"], case["seqlen"], case["hq"], case["dropout"]
+    hh = hq // world
+    return torch.cat([dropout_keep_mask(stream_seed(seed, rank), offset, b, hh, n, n, p, "cpu")
+                      for rank, (seed, offset) in enumerate(states)], dim=1)
 
 
 def _check(case: dict, got: tuple, device: str = "cpu", keep: torch.Tensor | None = None) -> None:
@@ -197,7 +210,10 @@ def test_two_ranks(spawned, case, pair):
     if case["fn"].endswith("-varlen"):
         _check_varlen(case, got[case["name"]])
         return
-    keep = _ring_keep_mask(case, 2, got[case["name"] + ":philox"]) if case.get("dropout") else None
+    keep = None
+    if case.get("dropout"):
+        mask = _ulysses_keep_mask if case["fn"] == "ulysses" else _ring_keep_mask
+        keep = mask(case, 2, got[case["name"] + ":philox"])
     _check(case, got[case["name"]], keep=keep)
 
 
@@ -220,6 +236,18 @@ def test_a_refusal_on_one_rank_raises_on_every_rank(spawned, pair, name):
     every rank before that rank's refusal, so no rank waits alone in a collective."""
     kind, msg = spawned[(2, pair)][name]
     assert kind == "ValueError" and "every rank" in msg
+
+
+@pytest.mark.parametrize("pair", [0, 1])
+def test_ulysses_head_groups_drop_independently(spawned, pair):
+    """Ranks seeded alike (as here) run Ulysses' head groups with the same local head indices: their dropout
+    seeds differ by rank (``philox_stream``), so heads with equal inputs on different ranks keep different
+    elements (identical outputs before), while each group's call is still dropout through the kernels."""
+    out = spawned[(2, pair)]["ulysses-dropout-same-heads"][0]  # (B, N, H, d), heads 0-1 on rank 0, 2-3 on rank 1
+    assert (out[:, :, 0] - out[:, :, 1]).abs().max() > 1e-3  # within a rank: the head index already differs
+    # (the same case in test_two_ranks: out, lse and the gradients against the oracle with these masks)
+    assert (out[:, :, 0] - out[:, :, 2]).abs().max() > 1e-3
+    assert (out[:, :, 1] - out[:, :, 3]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("pair", [0, 1])
