@@ -370,8 +370,11 @@ def test_alibi_slopes_past_fp32_range_give_the_argmax(device):
     dq, dk, dv = grads_ref(ref, (q64, k64, v64), dout.cpu().double().transpose(1, 2))
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_close(out.transpose(1, 2), ref, torch.float32, device, "out")
+    # one-hot rows: dq, dk cancel to 0 up to the rounding of dO.v - D (tf32 on a GPU), so the scale is the gradients'
+    scale = max(float(g.abs().max()) for g in (dq, dk, dv))
     for name, got, want in (("dq", q.grad, dq), ("dk", k.grad, dk), ("dv", v.grad, dv)):
-        assert_close(got.transpose(1, 2), want, torch.float32, device, name)
+        assert_close(got.transpose(1, 2), want, torch.float32, device, name, magnitude=scale)
+        assert_close(got.transpose(1, 2)[:, 3], want[:, 3], torch.float32, device, f"{name} (plain slope)")
     near = nq - nk  # rows from here have a key at distance 0
     assert_close(lse[:, [0, 2, 3], near:], ref_lse[:, [0, 2, 3], near:], torch.float32, device, "lse")
     assert_close(lse[:, 3], ref_lse[:, 3], torch.float32, device, "lse (plain slope)")
