@@ -105,6 +105,7 @@ def _check_layout(
     b, nq, hq, d = q.shape
     if nq < 1:
         raise ValueError(f"q must hold at least one query token (dim 1 >= 1), got shape {tuple(q.shape)}")
+    validate.check_seqlen(nq, "q")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache shape {tuple(k_cache.shape)} must equal v_cache shape {tuple(v_cache.shape)}")
     rows, hk, dk = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -586,8 +587,9 @@ def _plan_span(block_n: int, capacity: int, num_splits: int) -> tuple[int, int]:
 
 
 def _check_capacity(capacity: int) -> None:
-    if capacity >= 2**31:
-        raise ValueError(f"the cache capacity ({capacity} tokens) must be below 2^31")
+    if capacity > validate.MAX_SEQLEN:
+        raise ValueError(f"the cache capacity ({capacity} tokens) must be at most 2^30 (the kernels' int32 tile "
+                         "ranges)")
 
 
 def _regrown(call: _Call, q, k_cache, v_cache, k, v, cache_seqlens, alibi_slopes, num_splits, descales) -> _Call:

@@ -33,6 +33,7 @@ __all__ = [
     "check_dense",
     "check_has_data",
     "MAX_HEAD_DIM",
+    "MAX_SEQLEN",
     "AttnDims",
     "check_qkv_tensors",
     "check_dims",
@@ -53,6 +54,9 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+# longest sequence (and cache) a call may pass: the kernels' tile starts, tile-range and window bounds are int32
+# sums of a length and a tile or of two lengths (a query length of 2^31 + 1 wrapped a tile start negative)
+MAX_SEQLEN = 2**30
 _DTYPE_NAMES = "torch.float16, torch.bfloat16 or torch.float32"
 
 
@@ -125,7 +129,16 @@ def check_dims(
     for name, x in zip(names[1:], (k, v)):
         if x.shape[0] != b:
             raise ValueError(f"batch of {name} ({x.shape[0]}) must equal batch of {names[0]} ({b})")
+    check_seqlen(nq, names[0])
+    check_seqlen(nk, names[1])
     return AttnDims(b, hq, hk, nq, nk, d)
+
+
+def check_seqlen(n: int, name: str) -> None:
+    """A sequence length (or cache capacity) of ``name`` the kernels address: at most ``MAX_SEQLEN``."""
+    if n > MAX_SEQLEN:
+        raise ValueError(f"seqlen of {name} must be at most 2^30 = {MAX_SEQLEN} (the kernels' int32 tile ranges), "
+                         f"got {n}")
 
 
 def _check_heads(names: Sequence[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hq: int, hk: int) -> None:
@@ -367,8 +380,8 @@ def check_max_seqlen(x: object, name: str) -> int:
     """A non-negative Python or NumPy int (a tensor would need a host sync)."""
     if not _is_int(x):
         raise TypeError(f"{name} must be an int (the longest sequence's length), got {type(x).__name__}")
-    if int(x) < 0 or int(x) >= 2**31:
-        raise ValueError(f"{name} must be in [0, 2^31), got {int(x)}")
+    if int(x) < 0 or int(x) > MAX_SEQLEN:
+        raise ValueError(f"{name} must be in [0, 2^30] (the kernels' int32 tile ranges), got {int(x)}")
     return int(x)
 
 

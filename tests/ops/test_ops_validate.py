@@ -335,3 +335,26 @@ def test_tensors_without_addressable_memory_are_refused(case):
     call, exc, pattern = NOT_ADDRESSABLE[case]
     with pytest.raises(exc, match=pattern):
         call()
+
+
+def test_sequences_past_2_30_are_refused():
+    """Lengths the kernels' int32 tile ranges cannot hold (a query length of 2^31 + 1 wrapped a tile start to
+    -2^31 and wrote before the output): refused by name before any launch; stride-0 views, so no memory."""
+    from flashtile import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    big = 2**30 + 1
+    long_q = torch.zeros(1, 1, 1, 8).expand(1, big, 1, 8)
+    short = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match=r"^seqlen of q must be at most 2\^30"):
+        flash_attn_func(long_q, short, short)
+    with pytest.raises(ValueError, match=r"^seqlen of k must be at most 2\^30"):
+        flash_attn_func(short, long_q, long_q)
+    with pytest.raises(ValueError, match=r"^query.* must be at most 2\^30|^seqlen of query"):
+        scaled_dot_product_attention(long_q.transpose(1, 2), short.transpose(1, 2), short.transpose(1, 2))
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k must be in \[0, 2\^30\]"):
+        flash_attn_varlen_func(short[0], short[0], short[0], cu, cu, 4, big)
+    with pytest.raises(ValueError, match=r"capacity \(1073741825 tokens\) must be at most 2\^30"):
+        flash_attn_with_kvcache(short[:, :1], long_q, long_q, cache_seqlens=3)
+    with pytest.raises(ValueError, match=r"^seqlen of q must be at most 2\^30"):
+        flash_attn_with_kvcache(long_q, short, short)
