@@ -748,3 +748,11 @@ def _append_kernel(
         bits = tl.where(len_ok & (bad_row != 0), _ERR_BATCH_IDX, bits)
     if (bits != 0) & (h == 0):
         tl.atomic_or(Err, bits)
+
+
+@triton.jit
+def _clear_error_bits_kernel(Err, keep0, keep1):
+    """Error words &= keep, atomically: a bit a kernel on another stream sets meanwhile survives (a plain zero-fill
+    could drop it between the host's read and the clear)."""
+    tl.atomic_and(Err, keep0)
+    tl.atomic_and(Err + 1, keep1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import nullcontext
 import threading
 from typing import NamedTuple, Sequence
 
@@ -20,7 +21,7 @@ from flashtile.kernels._common import LOG2E
 from flashtile.kernels.decode import (
     ERR_BLOCK_TABLE, ERR_SEQLENS, FLAG_ABOVE, FLAG_BELOW, FLAG_OVERFLOW,
     ERR_BATCH_IDX, ERR_CU_SEQLENS_Q,
-    _append_kernel, _decode_merge_kernel, _decode_split_kernel,
+    _append_kernel, _clear_error_bits_kernel, _decode_merge_kernel, _decode_split_kernel,
 )
 from flashtile.reference.decoding import default_safe_range
 from flashtile.runtime.common import fold_grid, interpreting, unit_last_stride
@@ -415,8 +416,9 @@ def take_errors() -> list[tuple[torch.device, int]]:
         word0, word1 = buf.tolist()
         bits = word0 | word1
         if bits:
-            with torch.inference_mode(False):
-                buf.zero_()
+            with torch.inference_mode(False), torch.cuda.device(buf.device) if buf.is_cuda else nullcontext():
+                # only the bits read: one set since (a kernel on another stream) stays for the next check
+                _clear_error_bits_kernel[(1,)](buf, ~word0, ~word1)
             found.append((buf.device, bits))
     return found
 

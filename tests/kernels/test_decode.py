@@ -575,6 +575,20 @@ def test_append_kernel_writes_only_in_range(device, paged_):
     bits = dict((dev.type, bits) for dev, bits in decode_module.take_errors())[torch.device(device).type]
     want = kernels_module.ERR_SEQLENS | (kernels_module.ERR_BLOCK_TABLE if paged_ else 0)
     assert bits == want
+    assert not decode_module.take_errors()  # cleared
+
+
+def test_take_errors_clears_only_the_bits_it_read(device):
+    """The clear is an atomic AND with the words read: a bit set after the read (a kernel on another stream) is
+    still there for the next check; the words read come back to 0."""
+    decode_module.take_errors()
+    buf = decode_module.error_flags(torch.device(device))
+    buf.copy_(torch.tensor([0b1011, 0b100], dtype=torch.int32))
+    kernels_module._clear_error_bits_kernel[(1,)](buf, ~0b0011, ~0)  # as if 0b1000 arrived after a read of 0b0011
+    assert buf.tolist() == [0b1000, 0b100]
+    buf.copy_(torch.tensor([-(2**31) | 1, 2], dtype=torch.int32))  # bit 31 too
+    assert decode_module.take_errors() == [(buf.device, -(2**31) | 3)]
+    assert buf.tolist() == [0, 0]
 
 
 # --------------------------------------------------------------------------- #
