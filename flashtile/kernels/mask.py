@@ -11,6 +11,7 @@ from flashtile.kernels._common import tanh_
 # bound on |slope * distance| (fp32, with headroom for log2(e) and the score): a larger slope is clamped to
 # ALIBI_SCORE_MAX / span, where the gap between distance levels (>= 4e27) already makes the softmax an argmax
 ALIBI_SCORE_MAX = tl.constexpr(1e37)
+ALIBI_PAD = tl.constexpr(256)  # the largest tile side: padding rows / columns reach distance max(Nq, Nk) + 256
 
 
 @triton.jit
@@ -35,8 +36,10 @@ def score_mods(
     if HAS_ALIBI:
         dist = (offs_m[:, None] + (seqlen_k - seqlen_q)) - offs_n[None, :]
         dist = tl.where(dist < 0, -dist, dist)
-        # every |dist| of the tile, padding rows and columns included, is below span
-        span = (tl.maximum(seqlen_q, seqlen_k) + offs_m.shape[0] + offs_n.shape[0]).to(tl.float32)
+        # span: above every |dist| of the tile, padding included, and the same for every kernel and tile shape
+        # (forward, backward and decode must clamp alike: the backward rebuilds P from the forward's LSE)
+        tl.static_assert(offs_m.shape[0] <= ALIBI_PAD and offs_n.shape[0] <= ALIBI_PAD)
+        span = (tl.maximum(seqlen_q, seqlen_k) + ALIBI_PAD).to(tl.float32)
         lim = ALIBI_SCORE_MAX / span
         slope = tl.where(slope > lim, lim, tl.where(slope < -lim, -lim, slope))  # NaN stays NaN
         s = s - slope * dist.to(tl.float32)

@@ -350,13 +350,17 @@ def test_double_backward_raises_instead_of_dropping_terms(device):
                 (o.sum() + gq.square().sum()).backward()
 
 
-def test_alibi_slopes_past_fp32_range_give_the_argmax(device):
+@pytest.mark.parametrize("fwd_tiles", [None, (32, 32), (16, 16)], ids=["dispatch", "fwd32x32", "fwd16x16"])
+def test_alibi_slopes_past_fp32_range_give_the_argmax(device, fwd_tiles, monkeypatch):
     """Slopes whose |slope| * distance overflows fp32 (rows where every key's score would be -inf gave NaN): the
     kernels clamp them where softmax is already an argmax over distance, so out and the gradients equal the float64
     oracle's; the LSE equals it where the nearest key is at distance 0, and stays finite elsewhere.  The forward
     kernel, its backward and the decode kernel (flash_attn_with_kvcache) all take the clamp."""
     from flashtile import flash_attn_with_kvcache
+    from flashtile.runtime import fa2_fwd
 
+    if fwd_tiles is not None:  # the forward's tiles unlike the backward's: both must clamp alike (LSE -> P)
+        monkeypatch.setattr(fa2_fwd, "fwd_config", lambda *a, **kw: (*fwd_tiles, 4, 1))
     gen = torch.Generator().manual_seed(21)
     nq, nk, h = 40, 24, 4  # Nq > Nk: the first 16 rows' nearest key is at distance 16 - i
     slopes = torch.tensor([1e38, -1e38, 3e37, 0.25]).to(device)
