@@ -750,7 +750,7 @@ def _append_kernel(
         tl.atomic_or(Err, bits)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["keep0", "keep1"])  # one compile whatever bits are cleared
 def _clear_error_bits_kernel(Err, keep0, keep1):
     """Error words &= keep, atomically: a bit a kernel on another stream sets meanwhile survives (a plain zero-fill
     could drop it between the host's read and the clear)."""

@@ -589,6 +589,22 @@ def test_take_errors_clears_only_the_bits_it_read(device):
     buf.copy_(torch.tensor([-(2**31) | 1, 2], dtype=torch.int32))  # bit 31 too
     assert decode_module.take_errors() == [(buf.device, -(2**31) | 3)]
     assert buf.tolist() == [0, 0]
+    # through take_errors: a bit that arrives between its read and its clear stays
+    clear = decode_module._clear_error_bits_kernel
+
+    class Late:
+        def __getitem__(self, grid):
+            def launch(err, keep0, keep1):
+                err[0] |= 0b10000  # the late kernel's bit
+                clear[grid](err, keep0, keep1)
+            return launch
+
+    buf.copy_(torch.tensor([0b1, 0], dtype=torch.int32))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_module, "_clear_error_bits_kernel", Late())
+        assert decode_module.take_errors() == [(buf.device, 0b1)]
+    assert buf.tolist() == [0b10000, 0]
+    assert decode_module.take_errors() == [(buf.device, 0b10000)]
 
 
 # --------------------------------------------------------------------------- #
