@@ -113,7 +113,8 @@ def merge_attention_states(
 
 
 def _check_prefix(q, prefix_k_cache, prefix_v_cache, k_cache, prefix_block_table) -> None:
-    """The prefix caches in the suffix caches' layout, for batch 1 (the inner call names k_cache)."""
+    """The prefix caches in the suffix caches' layout, for batch 1, checked under their own names (the inner call
+    would say k_cache / v_cache)."""
     if isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float8_e4m3fn:
         raise TypeError("cascade_attention_with_kvcache takes float16, bfloat16 or float32 caches, not float8_e4m3fn")
     for name, x in (("prefix_k_cache", prefix_k_cache), ("prefix_v_cache", prefix_v_cache)):
@@ -127,6 +128,14 @@ def _check_prefix(q, prefix_k_cache, prefix_v_cache, k_cache, prefix_block_table
                              f"got {tuple(x.shape[2:])}")
         if isinstance(k_cache, torch.Tensor) and x.dtype != k_cache.dtype:
             raise TypeError(f"{name} must have the dtype of k_cache ({k_cache.dtype}), got {x.dtype}")
+        validate.check_dense(x, name)
+        if isinstance(q, torch.Tensor) and x.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {x.device}")
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim")
+    if prefix_k_cache.shape != prefix_v_cache.shape:
+        raise ValueError(f"prefix_k_cache shape {tuple(prefix_k_cache.shape)} must equal prefix_v_cache shape "
+                         f"{tuple(prefix_v_cache.shape)}")
     if prefix_block_table is None and prefix_k_cache.shape[0] != 1:
         raise ValueError(f"prefix_k_cache must have batch 1 (one prefix shared by every request), "
                          f"got shape {tuple(prefix_k_cache.shape)}")

@@ -182,6 +182,13 @@ CASCADE_BAD = [
     ("prefix_seqlen must be an int", lambda a: a.update(prefix_seqlen=True), TypeError),
     ("prefix_seqlen must be an int or a", lambda a: a.update(prefix_seqlen=torch.tensor([3.0])), ValueError),
     ("not float8_e4m3fn", lambda a: a.update(k_cache=a["k_cache"].to(torch.float8_e4m3fn)), TypeError),
+    ("prefix_v_cache must be on the device of q", lambda a: a.update(prefix_v_cache=a["prefix_v_cache"].to("meta")),
+     ValueError),
+    ("prefix_k_cache must have unit stride", lambda a: a.update(
+        prefix_k_cache=a["prefix_k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError),
+    ("prefix_k_cache shape .* must equal prefix_v_cache shape", lambda a: a.update(
+        prefix_v_cache=a["prefix_v_cache"][:, :-1]), ValueError),
+    ("prefix_k_cache must be a dense", lambda a: a.update(prefix_k_cache=a["prefix_k_cache"].to_sparse()), TypeError),
 ]
 
 
