@@ -403,7 +403,8 @@ def _first_order_only(backward):
     def wrapper(ctx, *grads):
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+        if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)
+                and any(isinstance(x, torch.Tensor) for x in outputs)):  # all None: nothing to guard
             return outputs
         err = torch._C._functions.DelayedError(b"flashtile attention has no double backward (create_graph=True "
                                                b"through it); use torch's math SDPA for higher-order gradients",
