@@ -2,6 +2,7 @@
 # One device call: GPU tests beside compile warm-ups, then timed runs from the warm Triton cache, everything packed
 # into $OUT (one tarball, a table digest, the test log) by the end or by a watchdog before the call's limit.
 #   TESTS   pytest arguments (files and -k), run with -m gpu -rA -n ${NPROC:-10}, capped at ${TEST_CAP:-240} s
+#           ("--per-test 2 --sample-seed K": two cases of every test function, another sample for each K)
 #   RUNS    one command per line (flashtile bench ...), each with its own --out under R/: first all at once (with
 #           "--rounds 1" where the command takes it: compiles, capped at ${TEST_CAP}), then one at a time (each
 #           capped at ${RUN_CAP:-60} s)
