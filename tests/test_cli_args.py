@@ -30,3 +30,23 @@ def test_unwritable_out_is_one_line(tmp_path, capsys):
                      "--out", str(blocker / "sub")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("flashtile: ") and "Traceback" not in err
+
+
+def test_demo_runs_on_the_cpu(tmp_path):
+    """README's first set-up line: `flashtile demo` in a fresh process on a machine without a GPU (the
+    interpreter set by the command itself): exit 0 with the reference, IO and kernel tables."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU demo (with a GPU it compiles and times the kernels)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the command sets it without a GPU
+    env["COLUMNS"] = "200"
+    res = subprocess.run([sys.executable, "-m", "flashtile.cli", "demo"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    for title in ("Reference algorithms (float64)", "HBM accesses vs SRAM size", "split-KV decoding"):
+        assert title in res.stdout, title
