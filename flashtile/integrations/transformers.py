@@ -20,7 +20,10 @@ handed to the kernels as (batch, seqlen, heads, head_dim) views, no copy):
   ``None`` when nothing is padded): the real tokens are gathered into one ragged batch,
   :func:`flashtile.flash_attn_varlen_func` runs on it, and the output is scattered back (padded
   query rows get 0).  Queries are the last ``q_len`` columns of the mask, so left padding with a
-  cache works; a static cache's unused tail (keys past the mask) is never read.
+  cache works; a static cache's unused tail (keys past the mask) is never read.  Without a 2-D mask, a call
+  whose keys outnumber the written slots (a static cache: ``q_offset + q_length - kv_offset < kv_length``) gets
+  a mask of the written slots from the mask function (under ``torch.compile``, where the fill level is a traced
+  tensor, transformers' dense mask).
 * packed sequences: where transformers itself keeps documents apart (its mask function carries
   ``packed_sequence_mask_function``: ``position_ids`` restarting inside a row, no 2-D mask, no cache),
   the mask function returns the documents' ragged plan and the attention function runs it document by
@@ -39,7 +42,9 @@ from the mask function is planned at every call.
 
 Window convention: transformers' causal ``sliding_window = w`` lets query i see keys
 ``i - w < j <= i`` (w keys, itself included), which is flash-attn's ``window_size=(w - 1, 0)``;
-its bidirectional window ``|i - j| <= w`` is ``(w, w)``.  ``scaling``, ``softcap`` and ``dropout``
+a bidirectional model passes ``w`` one above its mask's ``|i - j| <= w - 1`` (transformers' flash contract,
+ModernBERT's ``config.sliding_window + 1``): ``(w - 1, w - 1)``.  A window over a 2-D mask with holes (real
+tokens not contiguous in a row) would count compacted positions: such calls take the dense masked path.  ``scaling``, ``softcap`` and ``dropout``
 (the model passes 0 in eval mode) go to the kernels as they are.
 
 transformers (>= 5) treats every implementation whose name contains "flash" as a flash-attn
@@ -73,6 +78,7 @@ class _Ragged(NamedTuple):
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    holes: bool = False  # a row's real tokens are not contiguous (a window would count compacted positions)
 
 
 class _PackedMask:
@@ -106,50 +112,77 @@ def _own(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _mask_plan(mask: torch.Tensor, causal: bool, nq: int, nk: int) -> _Ragged:
+def _mask_plan(mask: torch.Tensor, causal: bool, nq: int, nk: int, windowed: bool = False) -> _Ragged:
     entry = _PLANS.get(id(mask))
     if entry is None or entry[0]() is not mask:  # not a view of this forward's mask function: plan it now
-        return _padding_plan(mask, nq, nk, causal)
-    spec = (causal, tuple(mask.shape), nq, nk)
+        return _padding_plan(mask, nq, nk, causal, windowed)
+    spec = (causal, windowed, tuple(mask.shape), nq, nk)
     plan = entry[1].get(spec)
     if plan is None:
-        plan = entry[1][spec] = _padding_plan(mask, nq, nk, causal)
+        plan = entry[1][spec] = _padding_plan(mask, nq, nk, causal, windowed)
     return plan
+
+
+def _padding_to_dense(mask: torch.Tensor, nq: int, nk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """A (B, L) padding mask as the (B, 1, nq, keys) boolean mask of the real positions (queries the last nq
+    columns; causal and the window counted in columns, as transformers' own masks)."""
+    mask = mask.bool()
+    if mask.shape[1] > nk:
+        mask = mask[:, -nk:]
+    keys = mask.shape[1]
+    qpos = torch.arange(keys - nq, keys, device=mask.device)[:, None]
+    kpos = torch.arange(keys, device=mask.device)[None, :]
+    allowed = mask[:, None, None, :].expand(-1, 1, nq, -1)
+    rel = kpos - qpos  # key minus query position
+    ok = torch.ones_like(rel, dtype=torch.bool)
+    if causal:
+        ok &= rel <= 0
+    left, right = window
+    if left >= 0:
+        ok &= rel >= -left
+    if right >= 0:
+        ok &= rel <= right
+    return torch.nn.functional.pad(allowed & ok, (0, nk - keys))  # a static cache's unused slots: False
 
 
 def _cumulative(lens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
 
 
-def _padding_plan(mask: torch.Tensor, nq: int, nk: int, causal: bool = True) -> _Ragged:
+def _padding_plan(mask: torch.Tensor, nq: int, nk: int, causal: bool = True, windowed: bool = False) -> _Ragged:
     """Plan for a (B, L) padding mask (nonzero = real token) over nk cached keys and the last nq queries.
 
     Not causal (an encoder, or cross-attention, where the mask is the *keys'* and the queries are
-    another sequence): the mask selects keys only and every query row is kept, as SDPA does."""
+    another sequence): the mask selects keys only and every query row is kept, as SDPA does; with a window
+    (``windowed``) over self-attention the queries are compacted as the keys are, so that each real query
+    stays aligned with its own key (padded query rows then get 0)."""
     mask = mask.bool()
     if mask.shape[1] > nk:  # the mask covers more than this layer keeps (a sliding cache): its last nk columns
         mask = mask[:, -nk:]
     keys = mask.shape[1]  # a static cache's slots past the mask are unused
-    if not causal:
-        k_lens = mask.sum(1, dtype=torch.int32)
+    k_lens = mask.sum(1, dtype=torch.int32)
+    k_index = mask.flatten().nonzero().squeeze(1)
+    # real tokens contiguous in every row: the span from the first to the last one holds only real tokens
+    cols = torch.arange(keys, device=mask.device)
+    first = torch.where(mask, cols, keys).amin(1)
+    last = torch.where(mask, cols, -1).amax(1)
+    holes_t = ((last - first + 1).clamp_min(0) != k_lens).any()
+    if not causal and not (windowed and nq == keys):
         q_lens = torch.full_like(k_lens, nq)
-        max_k = int(k_lens.max())
-        return _Ragged(None, mask.flatten().nonzero().squeeze(1), keys, _cumulative(q_lens), _cumulative(k_lens),
-                       nq, max_k)
+        max_k, holes = torch.stack((k_lens.max(), holes_t.to(k_lens.dtype))).tolist()
+        return _Ragged(None, k_index, keys, _cumulative(q_lens), _cumulative(k_lens), nq, max_k, bool(holes))
     if nq > keys:
         raise ValueError(
             f"attention_mask covers {keys} keys but there are {nq} queries: the mask must cover every query token"
         )
     q_mask = mask[:, keys - nq:]
-    k_lens = mask.sum(1, dtype=torch.int32)
-    k_index = mask.flatten().nonzero().squeeze(1)
     if nq == keys:
         q_lens, q_index = k_lens, k_index
     else:
         q_lens = q_mask.sum(1, dtype=torch.int32)
         q_index = q_mask.flatten().nonzero().squeeze(1)
-    max_q, max_k = torch.stack((q_lens.max(), k_lens.max())).tolist()
-    return _Ragged(q_index, k_index, keys, _cumulative(q_lens), _cumulative(k_lens), max_q, max_k)
+    max_q, max_k, holes = torch.stack((q_lens.max(), k_lens.max(), holes_t.to(k_lens.dtype))).tolist()
+    return _Ragged(q_index, k_index, keys, _cumulative(q_lens), _cumulative(k_lens), max_q, max_k, bool(holes))
 
 
 def _packed_plan(doc_ids: torch.Tensor) -> _Ragged | None:
@@ -170,7 +203,7 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     if sliding_window is None or sliding_window <= 0:
         return (-1, -1)
     w = int(sliding_window)
-    return (w - 1, 0) if causal else (w, w)
+    return (w - 1, 0) if causal else (w - 1, w - 1)
 
 
 def _run_ragged(q, k, v, plan: _Ragged, opts: dict) -> torch.Tensor:
@@ -228,8 +261,10 @@ def flashtile_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface function: query (B, Hq, Nq, d), key / value (B, Hk, Nk, d)
     -> ((B, Nq, Hq, d), None).  See the module docstring for the cases."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("s_aux (attention sinks) is not supported by flashtile")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{name} ({_UNSUPPORTED_KWARGS[name]}) is not supported by flashtile's "
+                                      "attention; use another attn_implementation for this model")
     if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
         raise NotImplementedError("block_table with k_cache / v_cache (transformers' paged continuous batching) "
                                   "is not supported by flashtile's integration")
@@ -253,7 +288,11 @@ def flashtile_attention_forward(
         if attention_mask.dim() != 2 or attention_mask.shape[0] != b:
             raise ValueError(f"attention_mask must be a 2-D (batch={b}, keys) padding mask or a 4-D mask, "
                              f"got shape {tuple(attention_mask.shape)}")
-        plan = _mask_plan(attention_mask, causal, nq, nk)
+        windowed = opts["window_size"] != (-1, -1)
+        plan = _mask_plan(attention_mask, causal, nq, nk, windowed)
+        if windowed and plan.holes:
+            dense = _padding_to_dense(attention_mask, nq, nk, causal, opts["window_size"])
+            return _dense(query, key, value, dense, dropout, scaling, softcap)[..., :dv], None
     else:
         plan = _given_plan(kwargs, nk)
     if plan is None and _decoding_step(module, q, k, v, dropout):
@@ -269,6 +308,10 @@ def flashtile_attention_forward(
         out = _run_ragged(q, k, v, plan, opts)
     return (out if dv == d else out[..., :dv]), None
 
+
+# keyword arguments of transformers' attention functions that change the scores: refused rather than dropped
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive bias",
+                       "indices": "sparse key selection", "topk_indices": "sparse key selection"}
 
 _DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row tile per kv head
 
@@ -357,11 +400,48 @@ def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length:
         plan = _packed_plan(packed.to(kwargs.get("device") or packed.device))
         return None if plan is None else _PackedMask(packed.shape[0], packed.shape[1], plan)
     if attention_mask is None:
-        return None
+        written = _written_slots(args, kwargs, kv_length)
+        if written is None:
+            return None
+        if written < 0:  # a static cache's fill level is a traced tensor: transformers' dense mask
+            from transformers.masking_utils import sdpa_mask
+
+            if mask_function is not None:
+                kwargs["mask_function"] = mask_function
+            return sdpa_mask(*args, attention_mask=None, kv_length=kv_length, use_vmap=use_vmap,
+                             **{**kwargs, "allow_is_causal_skip": False})
+        # no padding, but key slots past the written ones (a static cache): a mask of the written slots, which the
+        # padding plan reads as "the rest is unused"
+        batch = _mask_arg(args, kwargs, "batch_size", 0)
+        attention_mask = torch.ones(batch, written, dtype=torch.bool, device=kwargs.get("device"))
+        return _own(attention_mask)
     attention_mask = attention_mask[:, -kv_length:] if kv_length is not None else attention_mask[:, :]
     if (kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all()):
         return None
     return _own(attention_mask)
+
+
+_MASK_ARGS = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset")  # sdpa_mask's leading parameters
+
+
+def _mask_arg(args: tuple, kwargs: dict, name: str, default):
+    i = _MASK_ARGS.index(name)
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _written_slots(args: tuple, kwargs: dict, kv_length: int | None) -> int | None:
+    """Key slots holding tokens when a mask call covers more (``kv_length``: a static cache's capacity): their
+    count, None when every slot is written (or unknown), -1 when the fill level is a tensor being traced."""
+    q_length, q_offset = _mask_arg(args, kwargs, "q_length", None), _mask_arg(args, kwargs, "q_offset", 0)
+    kv_offset = _mask_arg(args, kwargs, "kv_offset", 0)
+    if kv_length is None or q_length is None:
+        return None
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return -1
+        q_offset, kv_offset = int(q_offset), int(kv_offset)  # one host read, as the padding plan's
+    written = int(q_offset) + int(q_length) - int(kv_offset)
+    return written if 0 < written < kv_length else None
 
 
 def _guard_flash_preload() -> None:

@@ -517,3 +517,79 @@ def test_export_with_dynamic_sequence_length():
     s, n = torch.export.Dim("s", min=2, max=64), torch.export.Dim("n", min=2, max=128)
     ep = torch.export.export(Attention(), (q, k, v), dynamic_shapes=({2: s}, {2: n}, {2: n}), strict=False)
     assert sorted((r.lower, r.upper) for r in ep.range_constraints.values()) == [(2, 64), (2, 128)]
+
+
+def test_static_cache_without_a_mask_reads_only_written_slots():
+    """A StaticCache and no attention_mask (the hand-written static-cache loop): the key slots past the written
+    ones were attended (causal aligned to the cache's end); the mask function now hands a mask of the written
+    slots. Prefill and a decoding step equal the reference's."""
+    ours, theirs = _models("llama")
+    x = _ids(1, 8, seed=3)
+    outs = []
+    for m in (ours, theirs):
+        cache = transformers.StaticCache(config=m.config, max_cache_len=32)
+        with torch.no_grad():
+            first = m(x, past_key_values=cache, use_cache=True).logits
+            step = m(first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+        outs.append((first, step))
+    assert_close(outs[0][0], outs[1][0], what="static prefill")
+    assert_close(outs[0][1], outs[1][1], what="static decoding step")
+
+
+def test_bidirectional_window_follows_transformers_flash_contract():
+    """ModernBERT's local layers pass sliding_window = config.sliding_window + 1 for a mask |i - j| <= sliding_window
+    (transformers' flash contract: window (w - 1, w - 1)); with right padding the queries are compacted too, so each
+    stays aligned with its key."""
+    if not hasattr(transformers, "ModernBertConfig"):
+        pytest.skip("no ModernBERT in this transformers")
+    cfg = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, local_attention=8, global_attn_every_n_layers=2,
+                                        pad_token_id=0, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ours = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="flashtile")
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.25)
+    theirs = transformers.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    theirs.load_state_dict(ours.state_dict())
+    ours.eval(), theirs.eval()
+    x = _ids(2, 20, seed=3)
+    masks = [None, _padding_mask("right", [20, 14], 20), _padding_mask("left", [20, 14], 20)]
+    with torch.no_grad():
+        for mask in masks:
+            a, b = ours(x, attention_mask=mask).last_hidden_state, theirs(x, attention_mask=mask).last_hidden_state
+            real = torch.ones(2, 20, dtype=torch.bool) if mask is None else mask.bool()
+            assert_close(a[real], b[real], what=f"modernbert, mask {None if mask is None else mask.tolist()}")
+
+
+def test_window_over_a_mask_with_holes_runs_dense():
+    """Real tokens not contiguous in a row (a hole in the 2-D mask) with a sliding window: compacting them would
+    count the window in compacted positions; such calls run the dense masked path and equal the reference."""
+    ours, theirs = _models("mistral")
+    x = _ids(2, 14, seed=8)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[0, 5:8] = 0
+    mask[1, :2] = 0  # left padding only: the ragged path, as before
+    with torch.no_grad():
+        a, b = ours(x, attention_mask=mask).logits, theirs(x, attention_mask=mask).logits
+    assert_close(a[mask.bool()], b[mask.bool()], what="window over a mask with a hole")
+
+
+def test_score_changing_kwargs_are_refused():
+    """Keyword arguments the kernels do not express (T5's position_bias, attention sinks, sparse key indices)
+    raise instead of being dropped (T5's logits were silently wrong)."""
+    q = torch.zeros(1, 2, 4, 16)
+    module = torch.nn.Module()
+    for name in ("position_bias", "sinks", "s_aux", "indices"):
+        with pytest.raises(NotImplementedError, match=name):
+            ft.flashtile_attention_forward(module, q, q, q, None, **{name: torch.zeros(1)})
+    if hasattr(transformers, "T5Config"):
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                    decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+        try:
+            model = transformers.AutoModelForSeq2SeqLM.from_config(cfg, attn_implementation="flashtile").eval()
+        except (ValueError, ImportError):
+            return  # a transformers whose T5 does not take attention-interface implementations: nothing to run
+        with pytest.raises(NotImplementedError, match="position_bias"):
+            model(input_ids=_ids(1, 6), decoder_input_ids=_ids(1, 3, seed=2))
