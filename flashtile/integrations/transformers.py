@@ -268,6 +268,9 @@ def flashtile_attention_forward(
     if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
         raise NotImplementedError("block_table with k_cache / v_cache (transformers' paged continuous batching) "
                                   "is not supported by flashtile's integration")
+    if kwargs.get("output_attentions", False):
+        _warn_once("flashtile attention does not return attention weights (output_attentions=True gives None); "
+                   "use attn_implementation='eager' for them")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     d, dv = query.shape[-1], value.shape[-1]
     if dv < d:  # the kernels need value's head dim = query's (e.g. MLA): pad, then crop the output
@@ -312,6 +315,17 @@ def flashtile_attention_forward(
 # keyword arguments of transformers' attention functions that change the scores: refused rather than dropped
 _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive bias",
                        "indices": "sparse key selection", "topk_indices": "sparse key selection"}
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+
 
 _DECODE_MAX_Q = 16  # query tokens the split-KV decode kernel packs into one row tile per kv head
 

@@ -593,3 +593,16 @@ def test_score_changing_kwargs_are_refused():
             return  # a transformers whose T5 does not take attention-interface implementations: nothing to run
         with pytest.raises(NotImplementedError, match="position_bias"):
             model(input_ids=_ids(1, 6), decoder_input_ids=_ids(1, 3, seed=2))
+
+
+def test_output_attentions_warns_once():
+    q = torch.zeros(1, 2, 4, 16)
+    ft._WARNED.clear()
+    with pytest.warns(UserWarning, match="output_attentions"):
+        out, weights = ft.flashtile_attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
+    assert weights is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.flashtile_attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
