@@ -22,8 +22,8 @@ handed to the kernels as (batch, seqlen, heads, head_dim) views, no copy):
   query rows get 0).  Queries are the last ``q_len`` columns of the mask, so left padding with a
   cache works; a static cache's unused tail (keys past the mask) is never read.  Without a 2-D mask, a call
   whose keys outnumber the written slots (a static cache: ``q_offset + q_length - kv_offset < kv_length``) gets
-  a mask of the written slots from the mask function (under ``torch.compile``, where the fill level is a traced
-  tensor, transformers' dense mask).
+  an all-ones mask of the written slots from the mask function, and the layers attend views of those keys
+  (under ``torch.compile``, where the fill level is a traced tensor, transformers' dense mask).
 * packed sequences: where transformers itself keeps documents apart (its mask function carries
   ``packed_sequence_mask_function``: ``position_ids`` restarting inside a row, no 2-D mask, no cache),
   the mask function returns the documents' ragged plan and the attention function runs it document by
@@ -110,6 +110,12 @@ def _own(mask: torch.Tensor) -> torch.Tensor:
             _PLANS.clear()
         _PLANS[key] = (weakref.ref(mask, drop), {})
     return mask
+
+
+def _all_written(mask) -> bool:
+    """``mask`` is flashtile_mask's all-ones mask of a static cache's written slots (this forward's)."""
+    entry = _PLANS.get(id(mask)) if isinstance(mask, torch.Tensor) else None
+    return entry is not None and entry[0]() is mask and entry[1].get("written", False)
 
 
 def _mask_plan(mask: torch.Tensor, causal: bool, nq: int, nk: int, windowed: bool = False) -> _Ragged:
@@ -279,6 +285,9 @@ def flashtile_attention_forward(
         return _dense(query, key, value, attention_mask, dropout, scaling, softcap)[..., :dv], None
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if _all_written(attention_mask):  # views of the written slots: the fixed-length or decode kernels, no plan
+        slots = attention_mask.shape[1]
+        k, v, attention_mask = k[:, :slots], v[:, :slots], None
     b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,
                 window_size=_window(sliding_window, causal), softcap=float(softcap or 0.0))
@@ -424,11 +433,13 @@ def flashtile_mask(*args, attention_mask: torch.Tensor | None = None, kv_length:
                 kwargs["mask_function"] = mask_function
             return sdpa_mask(*args, attention_mask=None, kv_length=kv_length, use_vmap=use_vmap,
                              **{**kwargs, "allow_is_causal_skip": False})
-        # no padding, but key slots past the written ones (a static cache): a mask of the written slots, which the
-        # padding plan reads as "the rest is unused"
+        # no padding, but key slots past the written ones (a static cache): an all-ones mask of the written slots (a
+        # tensor: generate() hands it back to the mask functions), marked so that the layers attend those keys' views
         batch = _mask_arg(args, kwargs, "batch_size", 0)
-        attention_mask = torch.ones(batch, written, dtype=torch.bool, device=kwargs.get("device"))
-        return _own(attention_mask)
+        written_mask = _own(torch.ones(batch, written, dtype=torch.bool, device=kwargs.get("device")))
+        if not torch.compiler.is_compiling():
+            _PLANS[id(written_mask)][1]["written"] = True
+        return written_mask
     attention_mask = attention_mask[:, -kv_length:] if kv_length is not None else attention_mask[:, :]
     if (kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all()):
         return None

@@ -606,3 +606,22 @@ def test_output_attentions_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ft.flashtile_attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
+
+
+def test_static_cache_generate_under_a_name_without_flash():
+    """register() under another name: transformers then drops the all-ones mask of a static-cache generate()
+    (it keeps it only for flash-named implementations), so the mask function sees no mask and a static cache:
+    the same tokens and scores as the reference."""
+    ft.register("tile")
+    ours, theirs = _models("llama")
+    tile = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(ours.config), attn_implementation="tile")
+    tile.load_state_dict(ours.state_dict())
+    tile.eval()
+    x = _ids(2, 8, seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", attention_mask=torch.ones_like(x),
+              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        a, b = tile.generate(x, **kw), theirs.generate(x, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for i, (sa, sb) in enumerate(zip(a.scores, b.scores)):
+        assert_close(sa, sb, what=f"static generate score {i}")
