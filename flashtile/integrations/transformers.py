@@ -135,20 +135,11 @@ def _padding_to_dense(mask: torch.Tensor, nq: int, nk: int, causal: bool, window
     mask = mask.bool()
     if mask.shape[1] > nk:
         mask = mask[:, -nk:]
+    from flashtile.reference.masks import allowed_mask
+
     keys = mask.shape[1]
-    qpos = torch.arange(keys - nq, keys, device=mask.device)[:, None]
-    kpos = torch.arange(keys, device=mask.device)[None, :]
-    allowed = mask[:, None, None, :].expand(-1, 1, nq, -1)
-    rel = kpos - qpos  # key minus query position
-    ok = torch.ones_like(rel, dtype=torch.bool)
-    if causal:
-        ok &= rel <= 0
-    left, right = window
-    if left >= 0:
-        ok &= rel >= -left
-    if right >= 0:
-        ok &= rel <= right
-    return torch.nn.functional.pad(allowed & ok, (0, nk - keys))  # a static cache's unused slots: False
+    ok = allowed_mask(nq, keys, causal=causal, window_size=window, device=mask.device)  # bottom-right aligned
+    return torch.nn.functional.pad(mask[:, None, None, :] & ok, (0, nk - keys))  # a static cache's unused slots: False
 
 
 def _cumulative(lens: torch.Tensor) -> torch.Tensor:
