@@ -78,7 +78,7 @@ class _Ragged(NamedTuple):
     cu_k: torch.Tensor
     max_q: int
     max_k: int
-    holes: bool = False  # a row's real tokens are not contiguous (a window would count compacted positions)
+    holes: bool = False  # windowed plans: a row's real tokens are not contiguous (compacted positions would be wrong)
 
 
 class _PackedMask:
@@ -159,11 +159,12 @@ def _padding_plan(mask: torch.Tensor, nq: int, nk: int, causal: bool = True, win
     keys = mask.shape[1]  # a static cache's slots past the mask are unused
     k_lens = mask.sum(1, dtype=torch.int32)
     k_index = mask.flatten().nonzero().squeeze(1)
-    # real tokens contiguous in every row: the span from the first to the last one holds only real tokens
-    cols = torch.arange(keys, device=mask.device)
-    first = torch.where(mask, cols, keys).amin(1)
-    last = torch.where(mask, cols, -1).amax(1)
-    holes_t = ((last - first + 1).clamp_min(0) != k_lens).any()
+    holes_t = k_lens.new_zeros(())
+    if windowed:  # only a window reads it: real tokens contiguous iff each row's first-to-last span holds only them
+        cols = torch.arange(keys, device=mask.device)
+        first = torch.where(mask, cols, keys).amin(1)
+        last = torch.where(mask, cols, -1).amax(1)
+        holes_t = ((last - first + 1).clamp_min(0) != k_lens).any()
     if not causal and not (windowed and nq == keys):
         q_lens = torch.full_like(k_lens, nq)
         max_k, holes = torch.stack((k_lens.max(), holes_t.to(k_lens.dtype))).tolist()
