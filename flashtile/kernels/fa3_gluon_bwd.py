@@ -270,16 +270,16 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr, NAMED: gl.co
 
 
 @gluon.jit
-def _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first_m, n_iters, n_masked) of the kv tile of ``BLOCK_N`` keys from ``start_n``: its q tiles of 64 rows run
-    from the first whose last row sees key start_n (causal), the first n_masked crossing the diagonal or, when
-    the kv tile crosses Nk, all of them (shared by the narrow and the wide kernel)."""
-    num_m_tiles = gl.cdiv(seqlen_q, 64)
+def _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 64):
+    """(first_m, n_iters, n_masked) of the kv tile of ``BLOCK_N`` keys from ``start_n``: its q tiles of ``BLOCK_M``
+    rows run from the first whose last row sees key start_n (causal), the first n_masked crossing the diagonal or,
+    when the kv tile crosses Nk, all of them (shared by the narrow and the wide kernel)."""
+    num_m_tiles = gl.cdiv(seqlen_q, BLOCK_M)
     shift = seqlen_k - seqlen_q  # row m sees keys n <= m + shift (causal)
     if CAUSAL:
-        first_m = gl.maximum(start_n - shift, 0) // 64
+        first_m = gl.maximum(start_n - shift, 0) // BLOCK_M
         # tiles whose first row sees the tile's last key run unmasked: m0 >= start_n + BLOCK_N - 1 - shift
-        full_m = gl.cdiv(gl.maximum(start_n + (BLOCK_N - 1) - shift, 0), 64)
+        full_m = gl.cdiv(gl.maximum(start_n + (BLOCK_N - 1) - shift, 0), BLOCK_M)
     else:
         first_m = 0
         full_m = 0
@@ -315,7 +315,7 @@ def _slot_release(qdo_empty, slot, NAMED_BARS: gl.constexpr):
 
 @gluon.jit
 def _load_rows(desc, b, head, row, bar, tile, pred, HOST_DESC: gl.constexpr, RANK3: gl.constexpr):
-    """TMA copy of the [64, BLOCK_D] box at ``row`` into ``tile``: through a host descriptor over (B, H, N, d)
+    """TMA copy of the [rows, BLOCK_D] box at ``row`` into ``tile`` (its shape): through a host descriptor over (B, H, N, d)
     at (b, head, row, 0), a per-program rank-3 one over the group's heads at (head, row, 0), or a per-head one."""
     if HOST_DESC:
         gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
@@ -333,16 +333,17 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
               first_m, n_iters, group, stride_qh, stride_doh, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, STATS_SMEM: gl.constexpr, GROUP_LOOP: gl.constexpr,
               NAMED_BARS: gl.constexpr, QDesc, KDesc, VDesc, DODesc, StatsDesc, off_b, off_h, off_hk, bh,
-              HOST_DESC: gl.constexpr):
-    """K, V halves once, then Q_i, dO_i for the ``n_iters`` q tiles from ``first_m`` into ring slot
+              HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr):
+    """K, V halves once, then Q_i, dO_i (``BLOCK_M`` rows) for the ``n_iters`` q tiles from ``first_m`` into ring slot
     it % NUM_STAGES, once both consumers released the slot's previous round (``_slot_acquire``).  Boxes are
     BLOCK_D wide: columns past HEAD_DIM read 0, as rows past Nq / Nk do.
     ``STATS_SMEM``: the q tile's rows of ``Stats`` (2 x ``stats_rows``: log2-scaled LSE, D; padded, never
     clipped) into ``stats_smem``'s slot too, counted on ``q_ready``.  ``HOST_DESC``: the loads go through the
     host's descriptors (``QDesc`` ... ``StatsDesc``) at this program's (``off_b``, ``off_h``, ``off_hk``, ``bh``)
     instead of descriptors built here over the program's base pointers."""
-    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], q_smem.dtype)
+    box_layout: gl.constexpr = q_smem.layout  # [BLOCK_M, BLOCK_D] boxes of Q and dO
     if HOST_DESC:
+        gl.static_assert(BLOCK_M == 64)  # the host's boxes are 64 rows
         # the host's descriptors over the whole (B, H, N, d) tensors and the flat statistics: coordinates
         # (b, head, row, 0) and (head's block + row); nothing built here
         q_desc = QDesc
@@ -362,33 +363,35 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
         if GROUP_LOOP:
             # the group's q heads as one rank-3 tensor (coordinates [g, row, 0]): no descriptor rebuilt per head
             # while copies of the previous one are in flight
-            box3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 64, BLOCK_D], q_smem.dtype)
+            box3: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], q_smem.dtype)
             gl.static_assert(box3.swizzle_byte_width == box_layout.swizzle_byte_width)
             q_desc = tma.make_tensor_descriptor(Q, [group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
-                                                [1, 64, BLOCK_D], box3)
+                                                [1, BLOCK_M, BLOCK_D], box3)
             do_desc = tma.make_tensor_descriptor(DO, [group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
-                                                 [1, 64, BLOCK_D], box3)
+                                                 [1, BLOCK_M, BLOCK_D], box3)
         else:
-            q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [64, BLOCK_D], box_layout)
-            do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [64, BLOCK_D],
+            q_desc = tma.make_tensor_descriptor(Q, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D],
+                                                box_layout)
+            do_desc = tma.make_tensor_descriptor(DO, [seqlen_q, HEAD_DIM], [stride_dom, 1], [BLOCK_M, BLOCK_D],
                                                  box_layout)
         k_desc = tma.make_tensor_descriptor(K, [seqlen_k, HEAD_DIM], [stride_kn, 1], [64, BLOCK_D], k_smem.layout)
-        v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], box_layout)
+        v_desc = tma.make_tensor_descriptor(V, [seqlen_k, HEAD_DIM], [stride_vn, 1], [64, BLOCK_D], v_smem.layout)
         if STATS_SMEM:
             # the group's heads' [2, stats_rows] blocks are adjacent (Stats is (B * Hq, 2, rows))
             n_heads_here = group if GROUP_LOOP else 1
-            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows * n_heads_here], [1], [64],
+            stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows * n_heads_here], [1], [BLOCK_M],
                                                     stats_smem.layout)
         else:
             stats_desc = None
     # a box's transaction bytes count its zero-filled part too
-    box_bytes: gl.constexpr = 64 * BLOCK_D * q_smem.dtype.primitive_bitwidth // 8
+    box_bytes: gl.constexpr = BLOCK_M * BLOCK_D * q_smem.dtype.primitive_bitwidth // 8
+    kv_box_bytes: gl.constexpr = 64 * BLOCK_D * q_smem.dtype.primitive_bitwidth // 8
     if STATS_SMEM:
-        q_bytes: gl.constexpr = box_bytes + 2 * 64 * 4
+        q_bytes: gl.constexpr = box_bytes + 2 * BLOCK_M * 4
     else:
         q_bytes: gl.constexpr = box_bytes
     has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
-    mbarrier.expect(kv_bar, 4 * box_bytes, pred=has_work)
+    mbarrier.expect(kv_bar, 4 * kv_box_bytes, pred=has_work)
     for w in gl.static_range(2):
         # a half wholly past Nk re-reads the tile's first rows (no box lies wholly out of bounds); its keys
         # are masked by index and its dK / dV rows never stored
@@ -401,7 +404,7 @@ def _producer(Q, K, V, DO, Stats, k_smem, v_smem, q_smem, do_smem, stats_smem, k
         for it in range(n_iters):
             step = g * n_iters + it  # the ring runs on across the group's heads
             slot = step % NUM_STAGES
-            m0 = (first_m + it) * 64
+            m0 = (first_m + it) * BLOCK_M
             _slot_acquire(qdo_empty, slot, step, NUM_STAGES=NUM_STAGES, NAMED_BARS=NAMED_BARS)
             mbarrier.expect(q_ready.index(slot), q_bytes)
             _load_rows(q_desc, b, q_head0 + g, m0, q_ready.index(slot), q_smem.index(slot), True,
@@ -423,14 +426,14 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
             STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
-            GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr):
-    """q tile ``first_m + it`` against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
+            GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr):
+    """q tile ``first_m + it`` (``BLOCK_M`` rows) against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
     dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``, a rank-3 one at head
     ``g`` with ``GROUP_LOOP`` or ``HOST_DESC``).  LSE, Delta, DQacc
     point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
     of ``stats_smem`` instead (``_producer``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 64, 16])
+                                                       instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_D, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -443,18 +446,18 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [step], dtype=gl.int32, is_pure=True, pack=1)
     k_wg = k_smem.index(WG + z)
     v_wg = v_smem.index(WG + z)
-    m0 = (first_m + it) * 64
+    m0 = (first_m + it) * BLOCK_M
     if not STATS_SMEM:
         # row statistics of the q tile read before the waits in a compact layout (1 register each), moved to
         # the score columns' layout (16 registers each) only where used: kept early, they spill at d = 128
         vec: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                              order=[0])
-        rows_v = m0 + gl.arange(0, 64, layout=vec)
+        rows_v = m0 + gl.arange(0, BLOCK_M, layout=vec)
         # past Nq and on rows that see no key (LSE -inf) the +inf makes P = 0
         lse_v = gl.load(LSE + rows_v, mask=rows_v < seqlen_q, other=float("inf"))
         lse_v = gl.where(lse_v == float("-inf"), float("inf"), lse_v * _LOG2E)
         delta_v = gl.load(Delta + rows_v, mask=rows_v < seqlen_q, other=0.0)
-    zero_s = gl.zeros([64, 64], gl.float32, layout=s_layout)
+    zero_s = gl.zeros([64, BLOCK_M], gl.float32, layout=s_layout)
 
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
@@ -485,7 +488,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         lse_cols = gl.convert_layout(lse_v, col_s)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse_cols, 0))
     if MASKED:
-        cols = gl.arange(0, 64, layout=col_s)
+        cols = gl.arange(0, BLOCK_M, layout=col_s)
         # key n is seen by row m0 + c iff n < Nk and, causal, n - (Nk - Nq) - m0 <= c (bottom-right): one
         # per-row bound against the columns' constants (no per-element offset)
         keep = gl.expand_dims(kv_rows < seqlen_k, 1)
@@ -526,12 +529,21 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     # passes 2^31 from Nq = 2^24 at BLOCK_D = 128)
     acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D
     if DQ_SPLIT:
-        # dQ_i[:, WG half of d] = dS K over all 128 keys: one 64-column result per warpgroup, half the reductions
-        HALF: gl.constexpr = BLOCK_D // 2
-        # K's swizzle is HALF elements wide (kernel body): each slice starts on a swizzle atom
-        gl.static_assert(HALF * dtype.primitive_bitwidth // 8 == k_smem.layout.swizzle_byte_width)
+        # BLOCK_M 64: dQ_i[:, WG half of d] = dS K over all 128 keys, one 64 x BLOCK_D / 2 result per warpgroup;
+        # BLOCK_M 128: dQ_i[WG half of the rows, :] (FA3's split at d = 64), one 64 x BLOCK_D result; either way
+        # half the reductions of the unsplit dQ
+        if BLOCK_M == 128:
+            DQN: gl.constexpr = BLOCK_D
+            DQ_ROW: gl.constexpr = WG * 64
+            DQ_COL: gl.constexpr = 0
+        else:
+            DQN: gl.constexpr = BLOCK_D // 2
+            DQ_ROW: gl.constexpr = 0
+            DQ_COL: gl.constexpr = WG * DQN
+            # K's swizzle is DQN elements wide (kernel body): each slice starts on a swizzle atom
+            gl.static_assert(DQN * dtype.primitive_bitwidth // 8 == k_smem.layout.swizzle_byte_width)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF, 16])
+                                                            instr_shape=[16, DQN, 16])
         if NAMED_BARS:
             if DQ_TMA:
                 # the issuing threads' previous reduces have read the dQ tile, before the rendezvous orders that
@@ -541,10 +553,20 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         else:
             mbarrier.arrive(ds_full.index(buf))
             mbarrier.wait(ds_full.index(buf), (step // 2) & 1)
-        dq = warpgroup_mma(ds_smem.index(2 * buf + z).permute((1, 0)), k_smem.index(z).slice(WG * HALF, HALF, dim=1),
-                           gl.zeros([64, HALF], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_smem.index(2 * buf + 1 + z).permute((1, 0)),
-                           k_smem.index(1 + z).slice(WG * HALF, HALF, dim=1), dq, is_async=True)
+        if BLOCK_M == 128:
+            # this warpgroup's 64 q columns of both dSᵀ tiles (whole 128-byte swizzle atoms) against all of K
+            ds_0 = ds_smem.index(2 * buf + z).slice(DQ_ROW, 64, dim=1)
+            ds_1 = ds_smem.index(2 * buf + 1 + z).slice(DQ_ROW, 64, dim=1)
+            k_0 = k_smem.index(z)
+            k_1 = k_smem.index(1 + z)
+        else:
+            ds_0 = ds_smem.index(2 * buf + z)
+            ds_1 = ds_smem.index(2 * buf + 1 + z)
+            k_0 = k_smem.index(z).slice(DQ_COL, DQN, dim=1)
+            k_1 = k_smem.index(1 + z).slice(DQ_COL, DQN, dim=1)
+        dq = warpgroup_mma(ds_0.permute((1, 0)), k_0, gl.zeros([64, DQN], gl.float32, layout=dq_layout),
+                           use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_1.permute((1, 0)), k_1, dq, is_async=True)
         # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
         dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         if NAMED_BARS:
@@ -555,12 +577,13 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             mbarrier.arrive(ds_empty.index(buf))
         if DQ_TMA:
             if GROUP_LOOP or HOST_DESC:
-                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0, WG * HALF, WAITED=NAMED_BARS)
+                _dq_tma_add3(dq_desc, dq_smem.index(WG), dq, g, m0 + DQ_ROW, DQ_COL, WAITED=NAMED_BARS)
             else:
-                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, WG * HALF, WAITED=NAMED_BARS)
+                _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0 + DQ_ROW, DQ_COL, WAITED=NAMED_BARS)
         else:
-            _red_add(acc_tile + WG * HALF, dq, N=HALF, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
+            _red_add(acc_tile + (DQ_ROW * BLOCK_D + DQ_COL), dq, N=DQN, ROW_STRIDE=BLOCK_D, LAYOUT=dq_layout)
     else:
+        gl.static_assert(BLOCK_M == 64)  # 128 q rows: a 128-row dQ part per warpgroup (64 fp32 registers more)
         # dQ_i += dS K_half in DQ_CHUNK-column parts: one part's fp32 accumulator (32 registers) beside dK, dV
         DQ_CHUNK: gl.constexpr = 64 if BLOCK_D > 64 else BLOCK_D
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -592,8 +615,9 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
-              GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, DQDesc, dq_head0, HOST_DESC: gl.constexpr):
-    """kv rows [start_n + WG * 64, + 64): the q loop (masked steps first: the causal diagonal, or every
+              GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, DQDesc, dq_head0, HOST_DESC: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    """kv rows [start_n + WG * 64, + 64): the q loop over tiles of ``BLOCK_M`` rows (masked steps first: the causal diagonal, or every
     step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's ``group`` q heads,
     DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored.  ``HOST_DESC``:
     dQ's reduce-adds through the host's descriptor ``DQDesc`` over the whole accumulator, at head ``dq_head0``
@@ -602,7 +626,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_D, 16])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 64, 16])
+                                                       instr_shape=[16, BLOCK_M, 16])
     row0 = start_n + WG * 64
     kv_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([64, BLOCK_D], gl.float32, layout=acc_layout)
@@ -635,7 +659,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                                      CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                                      RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
-                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
                 for it in range(n_masked, n_iters):
                     dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
                                      qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
@@ -644,7 +668,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                                      CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                                      RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
-                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
             if DQ_TMA:
                 tma.store_wait(0)
     elif n_iters > 0:
@@ -656,7 +680,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                              RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
-                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
@@ -664,7 +688,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                              RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
-                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC)
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -700,7 +724,7 @@ def fa3_gluon_bwd_kernel(
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
     PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr, IS_VARLEN: gl.constexpr,
-    NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr,
+    NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
     head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
@@ -713,13 +737,18 @@ def fa3_gluon_bwd_kernel(
     (1, H, total, d) views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows
     [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows
     at ``VARLEN_PAD``-padded offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k``
-    are read only then.  Launch with ``num_warps=4``."""
+    are read only then.  ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per
+    warpgroup, dQ split by rows; with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``GROUP_LOOP`` or
+    ``HOST_DESC``: DQacc and the statistics padded to 128 rows).  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
     gl.static_assert(BLOCK_D <= 128)  # dK and dV halves: 2 x BLOCK_D / 2 fp32 registers per consumer thread
     # a slot is refilled only after both consumers release it: one slot would serialise load and compute
     gl.static_assert(NUM_STAGES >= 2)
+    gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
+    # 128 q rows: Sᵀ, dPᵀ 64 fp32 registers each beside dK, dV (BLOCK_D / 2 each): only up to 64 columns
+    gl.static_assert(BLOCK_M == 64 or (DQ_SPLIT and BLOCK_D <= 64 and not GROUP_LOOP and not IS_VARLEN))
     dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     bh = pid // num_n_tiles
@@ -745,36 +774,38 @@ def fa3_gluon_bwd_kernel(
         if start_n >= seqlen_k:  # the grid spans the longest sequence's kv tiles: past this one's keys, no work
             return
 
-    first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL)
+    first_m, n_iters, n_masked = _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N=128, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M)
 
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
     # DQ_SPLIT: warpgroup w reads K's columns [w, w + 1) * BLOCK_D / 2, so K is swizzled in half-rows (128 B at
     # d = 128, the default; 64 B at d = 64) and each slice starts on a swizzle atom
     gl.static_assert(not DQ_SPLIT or BLOCK_D == 64 or BLOCK_D == 128)
-    if DQ_SPLIT:
+    if DQ_SPLIT and BLOCK_M == 64:
         k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_D * dtype.primitive_bitwidth // 16,
                                                       element_bitwidth=dtype.primitive_bitwidth, rank=2)
     else:
         k_layout: gl.constexpr = box_layout
     k_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], k_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_D], box_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, BLOCK_D], box_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_D], q_layout)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
     # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w (PT_SEPARATE: at w of pt_smem)
     if PT_SEPARATE:
         # Pᵀ in its own allocation: Triton's barrier analysis (per allocation) then needs no bar.sync between the
         # dV GEMM's read of Pᵀ and the dSᵀ store
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, 64], ds_layout)
-        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, 64], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, BLOCK_M], ds_layout)
+        pt_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_M], ds_layout)
     else:
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, 64], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS + 2, 64, BLOCK_M], ds_layout)
         pt_smem = ds_smem  # unread
     if DQ_TMA:
-        # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split, else BLOCK_D) dQ part, bulk reduce-added
+        # one fp32 tile per warpgroup: its 64 x (BLOCK_D / 2 split by columns, else BLOCK_D) dQ part, bulk
+        # reduce-added
         gl.static_assert(DQ_SPLIT or BLOCK_D <= 64)  # d = 128 unsplit: two 32 KB tiles do not fit beside the ring
-        DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT else BLOCK_D
+        DQN: gl.constexpr = BLOCK_D // 2 if DQ_SPLIT and BLOCK_M == 64 else BLOCK_D
         if DQ_SWIZZLE32:
             # 32-byte swizzle atoms: a half-warp's 8-byte accumulator stores (4 rows x 32 bytes) hit 32 distinct
             # banks, where the 128-byte swizzle maps rows r and r ^ 1 onto the same ones (2-way conflicts); the
@@ -787,8 +818,8 @@ def fa3_gluon_bwd_kernel(
         dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     if STATS_SMEM:
         # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
-        stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, 64],
-                                               gl.NVMMASharedLayout.get_default_for([64], gl.float32))
+        stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32))
     else:
         stats_smem = ds_smem  # unread
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -839,16 +870,17 @@ def fa3_gluon_bwd_kernel(
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
          q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
          start_n, first_m, n_iters, kv_group, stride_qh, stride_doh, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM,
-         GROUP_LOOP, NAMED_BARS, QDesc, KDesc, VDesc, DODesc, StatsDesc, off_b, off_h, off_hk, bh, HOST_DESC)),
+         GROUP_LOOP, NAMED_BARS, QDesc, KDesc, VDesc, DODesc, StatsDesc, off_b, off_h, off_hk, bh, HOST_DESC,
+         BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

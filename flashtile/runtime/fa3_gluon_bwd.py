@@ -38,7 +38,10 @@ GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: 16-byte rows
 # the wide kernel (kernels.fa3_gluon_bwd_wide), its warpgroups splitting the head dim: tiles 192 or 256 wide
 WIDE_HEAD_DIMS = tuple(range(136, 257, 8))
 BLOCK_N = 128  # kv rows per program of the narrow kernel (two consumer warpgroups of 64; the wide one: 64)
-BLOCK_M = 64  # q rows per inner step
+BLOCK_M = 64  # q rows per inner step (GluonBwdConfig.block_m: 128 at 64-wide tiles)
+# rows of a fixed-length call's dQ accumulator and statistics are padded to a multiple of this (whole boxes of
+# either step height)
+ROW_PAD = 128
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's kernel[grid] on every call
 POST_BLOCK = 64  # rows per program of the dQ postprocess
@@ -95,6 +98,10 @@ class GluonBwdConfig:
     # the host per call, instead of in the kernel per program (each a tensormap written to global scratch and two
     # proxy fences, serial in the producer before its first load); fixed-length calls only
     host_desc: bool = False
+    # q rows per step: 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, half the steps and their
+    # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
+    # without group_loop or host_desc (a packed call or a group loop runs 64)
+    block_m: int = 64
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -108,6 +115,7 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     six with ``split_s`` and ``dq_tma`` at 192-wide tiles, one Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones),
     the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
+    bm = cfg.block_m
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
         # split_s with dq_tma: two Pᵀ / dSᵀ buffers beside the staging tiles at 192-wide tiles, one at 256-wide ones
@@ -115,10 +123,11 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
         dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and wide_tile_d(d) == 192 else 0
         return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + \
             stats + 1024
-    tiles = 6 if cfg.dq_split else 4
-    dq_tiles = 2 * BLOCK_M * (bd // 2 if cfg.dq_split else bd) * 4 if cfg.dq_tma else 0
-    stats = cfg.num_stages * 2 * BLOCK_M * 4 if cfg.stats_smem else 0
-    return (2 * BLOCK_N + cfg.num_stages * 2 * BLOCK_M) * bd * esize + tiles * 64 * 64 * esize + dq_tiles + stats + 1024
+    tiles = 6 if cfg.dq_split else 4  # [64, block_m] dSᵀ / Pᵀ tiles
+    # each warpgroup's fp32 dQ part: 64 rows, half of d when split by columns (block_m 64)
+    dq_tiles = 2 * 64 * (bd // 2 if cfg.dq_split and bm == 64 else bd) * 4 if cfg.dq_tma else 0
+    stats = cfg.num_stages * 2 * bm * 4 if cfg.stats_smem else 0
+    return (2 * BLOCK_N + cfg.num_stages * 2 * bm) * bd * esize + tiles * 64 * bm * esize + dq_tiles + stats + 1024
 
 
 def wide_tile_d(d: int) -> int:
@@ -238,6 +247,13 @@ def _check_config(cfg, d: int, esize: int) -> None:
                          f"head_dim {d}")
     if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
         raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
+    if not isinstance(cfg.block_m, int) or isinstance(cfg.block_m, bool) or cfg.block_m not in (64, 128):
+        raise ValueError(f"config: block_m must be 64 or 128, got {cfg}")
+    if cfg.block_m == 128 and (block_d(d) != 64 or d in WIDE_HEAD_DIMS or not cfg.dq_split or not cfg.stats_smem
+                               or cfg.group_loop or cfg.host_desc):
+        # 64 x 128 fp32 Sᵀ and dPᵀ per warpgroup leave registers for dK / dV of 64 columns only
+        raise ValueError(f"config: block_m 128 needs head_dim 40-64 with dq_split and stats_smem, without group_loop "
+                         f"and host_desc, got {cfg} at head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")
@@ -414,8 +430,8 @@ def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: 
 
     b, hq, nq, d = q.shape
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
-    # rows padded to a multiple of 64 and BLOCK_D columns: the kernel's reductions need no mask
-    acc_shape = (b * hq, triton.cdiv(nq, BLOCK_M) * BLOCK_M, block_d(d))
+    # rows padded to a multiple of ROW_PAD and BLOCK_D columns: the kernel's reductions need no mask
+    acc_shape = (b * hq, triton.cdiv(nq, ROW_PAD) * ROW_PAD, block_d(d))
     if cfg.stats_smem:
         # LSE · log2 e and D in one padded (B * Hq, 2, rows) buffer, passed as the kernel's LSE (Delta unread);
         # the same kernel zeroes the accumulator
@@ -665,7 +681,7 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
                   cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None, cfg.named_bars,
-                  cfg.host_desc)
+                  cfg.host_desc, cfg.block_m)
     return kernel, grid, static
 
 
@@ -702,7 +718,7 @@ def stats_args(out, dout, lse, zero_acc: bool, varlen=None) -> tuple:
     _, hq, nq, d = out.shape
     if varlen is None:
         b, total_q = out.shape[0], 0
-        rows = triton.cdiv(nq, BLOCK_M) * BLOCK_M
+        rows = triton.cdiv(nq, ROW_PAD) * ROW_PAD
         stats_shape = (b * hq, 2, rows)
         acc_shape = (b * hq, rows, block_d(d))
         tiles = rows // BLOCK_M

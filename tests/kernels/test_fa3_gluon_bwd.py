@@ -20,8 +20,8 @@ import torch
 
 from flashtile.runtime import fa3_gluon_bwd
 from flashtile.runtime.fa3_gluon_bwd import (
-    GLUON_BWD_HEAD_DIMS, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward, gluon_bwd_config,
-    smem_bytes, stats_preprocess,
+    GLUON_BWD_HEAD_DIMS, ROW_PAD, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward,
+    gluon_bwd_config, smem_bytes, stats_preprocess,
 )
 from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
 from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs
@@ -99,6 +99,11 @@ def test_smem_estimate_matches_compile_reports():
         cfg = GluonBwdConfig(num_stages=stages, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
                              dq_swizzle32=sw_pt, pt_separate=sw_pt, release_once=sw_pt and stages == 2)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and smem_bytes(cfg, d) <= SMEM_LIMIT, cfg
+
+
+def _rows(nq: int) -> int:
+    """Rows of a fixed-length call's dQ accumulator and statistics: Nq padded to whole ``ROW_PAD`` blocks."""
+    return -(-nq // ROW_PAD) * ROW_PAD
 
 
 def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
@@ -184,6 +189,41 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_backward(dout, q, k, v, out, lse, softmax_scale=0.125, dq=[0.0])
 
 
+def test_block_m_128_configs(monkeypatch):
+    """``block_m`` 128 (q rows per step): accepted at 64-wide tiles with the row-split dQ and the statistics
+    through shared memory, on 2 ring stages (231936 B compiled at d = 64, sm_90a, Triton 3.6; 3 do not fit);
+    anything else a ValueError naming config; the kernel gets BLOCK_M and the accumulator whole 128-row blocks."""
+    base = replace(gluon_bwd_config(64, False), num_stages=2, block_m=128)
+    for d in (40, 48, 56, 64):
+        fa3_gluon_bwd._check_config(base, d, 2)  # accepted
+        fa3_gluon_bwd._check_config(replace(base, dq_tma=False, dq_swizzle32=False, named_bars=True), d, 2)
+    assert 0 <= smem_bytes(base, 64) - 231936 <= 1024 and smem_bytes(base, 64) <= SMEM_LIMIT
+    assert smem_bytes(replace(base, num_stages=3), 64) > SMEM_LIMIT
+    for d, bad, what in [(64, replace(base, block_m=96), "block_m must be"), (64, replace(base, block_m=True),
+                                                                            "block_m must be"),
+                         (128, replace(gluon_bwd_config(128, False), block_m=128), "block_m 128"),
+                         (32, replace(base, dq_split=False, dq_tma=False, dq_swizzle32=False), "block_m 128"),
+                         (64, replace(base, dq_split=False), "block_m 128"),
+                         (64, replace(base, stats_smem=False), "block_m 128"),
+                         (64, replace(base, group_loop=True), "block_m 128"),
+                         (64, replace(base, host_desc=True), "block_m 128"),
+                         (64, replace(base, num_stages=3), "shared memory")]:
+        with pytest.raises(ValueError, match=what):
+            fa3_gluon_bwd._check_config(bad, d, 2)
+    calls = _record_launches(monkeypatch)
+    b, hq, nq, nk, d = 2, 4, 300, 500, 64
+    q = torch.zeros(b, hq, nq, d, dtype=BF16)
+    k = torch.zeros(b, hq, nk, d, dtype=BF16)
+    fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True, config=base)
+    bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+    assert bound["BLOCK_M"] == 128 and bound["DQ_SPLIT"] is True and bound["NUM_STAGES"] == 2
+    assert bound["DQacc"].shape == (b * hq, 384, 64) and bound["LSE"].shape == (b * hq, 2, 384)
+    calls.clear()
+    fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True)
+    bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+    assert bound["BLOCK_M"] == 64  # the table's
+
+
 def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     """Above d = 128 a config must describe the wide kernel (no dQ split / swizzle / release-once, the statistics
     through shared memory, Pᵀ in its own tiles exactly when dQ is reduced from registers): anything else is a
@@ -253,7 +293,7 @@ def test_launcher_host_descriptors(monkeypatch, d, group_loop):
         assert desc.layout.swizzle_byte_width == (bd if name == "KDesc" else min(128, 2 * bd))
     stats, acc = bound["StatsDesc"], bound["DQDesc"]
     assert stats.base is bound["LSE"] and stats.shape == [bound["LSE"].numel()] and stats.block_shape == [64]
-    assert acc.base is bound["DQacc"] and acc.shape == list(bound["DQacc"].shape) == [b * hq, 320, bd]
+    assert acc.base is bound["DQacc"] and acc.shape == list(bound["DQacc"].shape) == [b * hq, _rows(nq), bd]
     assert acc.block_shape == [1, 64, bd // 2] and acc.layout.element_bitwidth == 32
     assert acc.layout.swizzle_byte_width == (32 if bd == 64 else 128)  # dq_swizzle32 at 64-wide tiles
     # kernel-built descriptors: the flag off, or an expanded head axis (no rank-4 stride for it)
@@ -453,7 +493,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
                                                 cfg.pingpong)
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"]) == (240, 24)
     acc = bound["DQacc"]
-    assert acc.dtype == F32 and acc.shape == (b * hq, 320, block_d(d)) and bound["stride_acc_h"] == 320 * block_d(d)
+    assert acc.dtype == F32 and acc.shape == (b * hq, _rows(nq), block_d(d)) and bound["stride_acc_h"] == _rows(nq) * block_d(d)
     assert not acc.any()  # zeroed: the kernel only adds
     if hq > hk:  # GQA: fp32 partials per q head, summed on the host
         assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
@@ -465,7 +505,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, hq, hk, causal, s
     post = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
     assert post["DQacc"] is acc and post["DQ"] is dq and post["scale"] == -0.5
     assert (post["stride_acc_h"], post["stride_acc_m"], post["n_heads"], post["seqlen_q"]) == (
-        320 * block_d(d), block_d(d), hq, nq)
+        _rows(nq) * block_d(d), block_d(d), hq, nq)
     assert (post["HEAD_DIM"], post["BLOCK_D"]) == (d, block_d(d)) and grid == (b * hq * post["num_tiles"],)
     assert post["num_tiles"] * post["BLOCK"] >= nq > (post["num_tiles"] - 1) * post["BLOCK"]
 
@@ -488,14 +528,14 @@ def test_launcher_stats_smem_passes_the_padded_statistics(monkeypatch):
     pre = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
     assert pre["LSE"] is lse and pre["Out"] is q and pre["DOut"] is q
     assert (pre["stride_lb"], pre["stride_lh"], pre["stride_lm"]) == lse.stride()
-    assert (pre["n_heads"], pre["n_bh"], pre["seqlen_q"], pre["stats_rows"]) == (hq, b * hq, nq, 320)
-    assert grid[0] * pre["BLOCK"] == 320 and grid[1] * grid[2] >= b * hq
+    assert (pre["n_heads"], pre["n_bh"], pre["seqlen_q"], pre["stats_rows"]) == (hq, b * hq, nq, _rows(nq))
+    assert grid[0] * pre["BLOCK"] == _rows(nq) and grid[1] * grid[2] >= b * hq
 
     (kernel, grid, dynamic, static), _ = calls[1]
     bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
     stats = bound["LSE"]
-    assert stats is pre["Stats"] and stats.shape == (b * hq, 2, 320) and stats.dtype == F32 and stats.is_contiguous()
-    assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == 320
+    assert stats is pre["Stats"] and stats.shape == (b * hq, 2, _rows(nq)) and stats.dtype == F32 and stats.is_contiguous()
+    assert bound["STATS_SMEM"] is True and bound["stride_acc_h"] // bound["BLOCK_D"] == _rows(nq)
     assert (bound["NUM_STAGES"], bound["DQ_SPLIT"], bound["DQ_TMA"], bound["PINGPONG"]) == (2, True, True, True)
     assert (bound["DQ_SWIZZLE32"], bound["PT_SEPARATE"], bound["RELEASE_ONCE"]) == (False, True, False)
     assert bound["NAMED_BARS"] is False
@@ -533,7 +573,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     bound = dict(zip(params, (*dynamic, *static)))
     assert kernel.is_gluon() and kw["num_warps"] == 4 and len(params) == len(dynamic) + len(static)
     assert bound["Stats"] is pre["Stats"] and bound["DQacc"] is pre["DQacc"] and pre["ZERO_ACC"] is True
-    assert bound["DQacc"].shape == (b * hq, 320, 256) and bound["stride_acc_h"] == 320 * 256
+    assert bound["DQacc"].shape == (b * hq, _rows(nq), 256) and bound["stride_acc_h"] == _rows(nq) * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["TILE_D"], bound["NUM_STAGES"], bound["CAUSAL"],
             bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, True, True)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
@@ -1084,6 +1124,25 @@ def test_gpu_named_bars(d, causal, shape, flags):
     no ds_empty): ragged, GQA, one query row, 64 ring rounds at 4k; with ping-pong off, dQ by register reductions,
     unsplit dQ (no rendezvous), group_loop across heads, and the plain config (mbarrier-free ring only)."""
     _check_switch(d, causal, shape, dict(named_bars=True, **flags), seed=shape[3] + d + 3 * causal)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,causal,shape,flags", [
+    *[(d, c, (2, 4, 2, 333, 517), {}) for d in (64, 48) for c in (False, True)],
+    *[(64, c, (2, 4, 2, 517, 333), {}) for c in (False, True)],
+    (40, True, (1, 2, 2, 1, 300), {}), (64, False, (1, 2, 2, 300, 1), {}),
+    (64, True, (1, 2, 2, 4096, 4096), {}), (64, False, (1, 2, 1, 4096, 4096), {}),
+    (64, True, (2, 4, 2, 333, 517), dict(dq_tma=False, dq_swizzle32=False)),
+    (64, True, (2, 4, 2, 333, 517), dict(dq_swizzle32=False)),
+    (64, False, (2, 4, 2, 517, 333), dict(pingpong=False)),
+    (64, True, (2, 4, 2, 333, 517), dict(named_bars=True)), (64, True, (1, 2, 2, 4096, 4096), dict(named_bars=True)),
+    (64, False, (2, 4, 2, 333, 517), dict(release_once=True))])
+def test_gpu_block_m_128(d, causal, shape, flags):
+    """``block_m`` 128 (FA3's d = 64 tiles; dQ split by rows): ragged Nq / Nk both ways, GQA partials, one query
+    row and one key, 32 ring rounds at 4k (the causal diagonal crossing a 128-row tile twice), dQ by register
+    reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once."""
+    _check_switch(d, causal, shape, dict(block_m=128, num_stages=2, **flags), seed=shape[3] + d + 7 * causal)
 
 
 def _check_switch(d, causal, shape, fields, seed, layout="bhnd"):
