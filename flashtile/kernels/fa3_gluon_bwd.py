@@ -738,8 +738,8 @@ def fa3_gluon_bwd_kernel(
     [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows
     at ``VARLEN_PAD``-padded offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k``
     are read only then.  ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per
-    warpgroup, dQ split by rows; with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``GROUP_LOOP`` or
-    ``HOST_DESC``: DQacc and the statistics padded to 128 rows).  Launch with ``num_warps=4``."""
+    warpgroup, dQ split by rows; with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``HOST_DESC``: DQacc and the
+    statistics padded to 128 rows).  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
@@ -748,7 +748,7 @@ def fa3_gluon_bwd_kernel(
     gl.static_assert(NUM_STAGES >= 2)
     gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128)
     # 128 q rows: Sᵀ, dPᵀ 64 fp32 registers each beside dK, dV (BLOCK_D / 2 each): only up to 64 columns
-    gl.static_assert(BLOCK_M == 64 or (DQ_SPLIT and BLOCK_D <= 64 and not GROUP_LOOP and not IS_VARLEN))
+    gl.static_assert(BLOCK_M == 64 or (DQ_SPLIT and BLOCK_D <= 64 and not IS_VARLEN))
     dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     bh = pid // num_n_tiles

@@ -100,7 +100,7 @@ class GluonBwdConfig:
     host_desc: bool = False
     # q rows per step: 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, half the steps and their
     # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
-    # without group_loop or host_desc (a packed call or a group loop runs 64)
+    # without host_desc (a packed call runs 64)
     block_m: int = 64
 
 
@@ -250,10 +250,10 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if not isinstance(cfg.block_m, int) or isinstance(cfg.block_m, bool) or cfg.block_m not in (64, 128):
         raise ValueError(f"config: block_m must be 64 or 128, got {cfg}")
     if cfg.block_m == 128 and (block_d(d) != 64 or d in WIDE_HEAD_DIMS or not cfg.dq_split or not cfg.stats_smem
-                               or cfg.group_loop or cfg.host_desc):
+                               or cfg.host_desc):
         # 64 x 128 fp32 Sᵀ and dPᵀ per warpgroup leave registers for dK / dV of 64 columns only
-        raise ValueError(f"config: block_m 128 needs head_dim 40-64 with dq_split and stats_smem, without group_loop "
-                         f"and host_desc, got {cfg} at head_dim {d}")
+        raise ValueError(f"config: block_m 128 needs head_dim 40-64 with dq_split and stats_smem, without host_desc, "
+                         f"got {cfg} at head_dim {d}")
     if smem_bytes(cfg, d, esize) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize)} bytes of shared memory at head_dim {d}, "
                          f"over {SMEM_LIMIT}")

@@ -197,6 +197,7 @@ def test_block_m_128_configs(monkeypatch):
     for d in (40, 48, 56, 64):
         fa3_gluon_bwd._check_config(base, d, 2)  # accepted
         fa3_gluon_bwd._check_config(replace(base, dq_tma=False, dq_swizzle32=False, named_bars=True), d, 2)
+        fa3_gluon_bwd._check_config(replace(base, group_loop=True), d, 2)
     assert 0 <= smem_bytes(base, 64) - 231936 <= 1024 and smem_bytes(base, 64) <= SMEM_LIMIT
     assert smem_bytes(replace(base, num_stages=3), 64) > SMEM_LIMIT
     for d, bad, what in [(64, replace(base, block_m=96), "block_m must be"), (64, replace(base, block_m=True),
@@ -205,7 +206,6 @@ def test_block_m_128_configs(monkeypatch):
                          (32, replace(base, dq_split=False, dq_tma=False, dq_swizzle32=False), "block_m 128"),
                          (64, replace(base, dq_split=False), "block_m 128"),
                          (64, replace(base, stats_smem=False), "block_m 128"),
-                         (64, replace(base, group_loop=True), "block_m 128"),
                          (64, replace(base, host_desc=True), "block_m 128"),
                          (64, replace(base, num_stages=3), "shared memory")]:
         with pytest.raises(ValueError, match=what):
@@ -1141,7 +1141,7 @@ def test_gpu_named_bars(d, causal, shape, flags):
 def test_gpu_block_m_128(d, causal, shape, flags):
     """``block_m`` 128 (FA3's d = 64 tiles; dQ split by rows): ragged Nq / Nk both ways, GQA partials, one query
     row and one key, 32 ring rounds at 4k (the causal diagonal crossing a 128-row tile twice), dQ by register
-    reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once."""
+    reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once, the GQA group loop."""
     _check_switch(d, causal, shape, dict(block_m=128, num_stages=2, **flags), seed=shape[3] + d + 7 * causal)
 
 
