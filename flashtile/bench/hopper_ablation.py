@@ -102,6 +102,7 @@ GLUON_BWD_VARIANTS = {
     "gluon bwd, named barriers": dict(named_bars=True),
     "gluon bwd, host descriptors": dict(host_desc=True),
     "gluon bwd, named barriers, host descriptors": dict(named_bars=True, host_desc=True),
+    "gluon bwd, 64 q rows per step": dict(block_m=64),
 }
 
 
@@ -215,7 +216,9 @@ def _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress=None, rounds=1) 
     flops = 2.5 * 4.0 * b * h * n * n * d / (2 if causal else 1)
     rows, timed = [], []
     for name, switches in GLUON_BWD_VARIANTS.items():
-        cfg = dataclasses.replace(gluon_bwd_config(d, causal), **switches)
+        # host descriptors (64-row boxes) and block_m=64 start from the 64-row table config
+        rows64 = switches.get("host_desc") or switches.get("block_m") == 64
+        cfg = dataclasses.replace(gluon_bwd_config(d, causal, block_m=64 if rows64 else None), **switches)
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
         rows.append(row)
         if progress:

@@ -137,7 +137,7 @@ def wide_tile_d(d: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # per backward call: a table lookup, memoised (16 us of host time unmemoised)
-def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwdConfig:
+def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, block_m: int | None = None) -> GluonBwdConfig:
     """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
     fill the register file), so the ring is as deep as shared memory allows: 4 stages at d <= 64, 2 at d <= 128
     (what fits beside the fp32 dQ tiles).  dQ split between the consumers (half the reductions each), staged in
@@ -153,8 +153,12 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
     (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
     d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
     one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
-    :func:`group_loop_wins`.  ``named_bars`` stays off (0.97-1.01x, bench/NOTES.md "Gluon backward: named
-    barriers and host descriptors"); ``host_desc`` is the caller's (:func:`dispatch_config`)."""
+    :func:`group_loop_wins`.  ``named_bars`` stays off at 64 q rows per step (0.97-1.01x, bench/NOTES.md "Gluon
+    backward: named barriers and host descriptors"); ``host_desc`` is the caller's (:func:`dispatch_config`).
+    64-wide tiles (d = 40-64) take 128 q rows per step (``block_m``, FA3's d = 64 tiles: 2 stages are what fit)
+    with named barriers: backward alone 1.03-1.08x the 64-row config at d = 48 / 64 from 4k keys, causal and not
+    (H200, ``flashtile bench configs gluon-bwd``, bench/NOTES.md "Gluon backward: 128 q rows per step");
+    ``block_m=64`` asks for the 64-row config (packed calls, host descriptors)."""
     del causal
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
@@ -162,6 +166,9 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False) -> GluonBwd
         return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=wide_tile_d(d) == 192)
     if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
         return GluonBwdConfig(num_stages=4)
+    if block_d(d) == 64 and block_m != 64:
+        return GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
+                              pt_separate=True, dq_swizzle32=True, group_loop=group_loop, named_bars=True, block_m=128)
     cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True,
                          dq_swizzle32=block_d(d) == 64, group_loop=group_loop)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
@@ -368,11 +375,11 @@ def dispatch_config(q, k, causal: bool) -> GluonBwdConfig:
     they fit)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    cfg = gluon_bwd_config(d, causal, hq > hk and d not in WIDE_HEAD_DIMS and
-                           group_loop_wins(causal, b, hk, nk, q.device.index))
-    if host_desc_wins(d, b, hq, nq, nk, cfg.group_loop):
-        cfg = replace(cfg, host_desc=True)
-    return cfg
+    group_loop = hq > hk and d not in WIDE_HEAD_DIMS and group_loop_wins(causal, b, hk, nk, q.device.index)
+    if host_desc_wins(d, b, hq, nq, nk, group_loop):
+        # host descriptors have 64-row boxes: the 64-row config
+        return replace(gluon_bwd_config(d, causal, group_loop, block_m=64), host_desc=True)
+    return gluon_bwd_config(d, causal, group_loop)
 
 
 def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
@@ -489,7 +496,7 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         for ret in rets:
             ret.zero_()
         return rets
-    cfg = gluon_bwd_config(d, causal)  # no group_loop: fp32 partials under GQA
+    cfg = gluon_bwd_config(d, causal, block_m=64)  # no group_loop (fp32 partials under GQA); 64-row steps
     hq, hk = q.shape[1], k.shape[1]
     partials = hq > hk
     views = tuple(packed_view(r) for r in rets)

@@ -44,8 +44,10 @@ def test_config_table_fits():
     # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128
     both = dict(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True)
     assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **both)
-    assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(num_stages=4, dq_swizzle32=True,
-                                                                                    **both)
+    # 64-wide tiles: 128 q rows per step on 2 stages with named barriers; the 64-row config on 4 on request
+    assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(
+        num_stages=2, dq_swizzle32=True, named_bars=True, block_m=128, **both)
+    assert gluon_bwd_config(64, True, block_m=64) == GluonBwdConfig(num_stages=4, dq_swizzle32=True, **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
     # above 128 the wide kernel: dQ through TMA, and the split score GEMMs beside 192-wide tiles
     wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
@@ -55,9 +57,10 @@ def test_config_table_fits():
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
     assert gluon_bwd_config(256, False, True) == wide and gluon_bwd_config(32, True, True) == GluonBwdConfig(4)
-    # named barriers and host descriptors: switches of explicit configs until timed (bench/NOTES.md)
-    assert not any(gluon_bwd_config(d, c, g).named_bars or gluon_bwd_config(d, c, g).host_desc
-                   for d in (32, 64, 96, 128, 256) for c in (False, True) for g in (False, True))
+    # named barriers only with 128-row steps (timed there, bench/NOTES.md); host descriptors are the dispatch's
+    assert all(gluon_bwd_config(d, c, g).named_bars == (gluon_bwd_config(d, c, g).block_m == 128)
+               and not gluon_bwd_config(d, c, g).host_desc
+               for d in (32, 64, 96, 128, 256) for c in (False, True) for g in (False, True))
     for d in (0, 4, 100, 264):
         with pytest.raises(NotImplementedError, match="head_dim"):
             gluon_bwd_config(d, False)
@@ -219,9 +222,10 @@ def test_block_m_128_configs(monkeypatch):
     assert bound["BLOCK_M"] == 128 and bound["DQ_SPLIT"] is True and bound["NUM_STAGES"] == 2
     assert bound["DQacc"].shape == (b * hq, 384, 64) and bound["LSE"].shape == (b * hq, 2, 384)
     calls.clear()
-    fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True)
+    fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True,
+                       config=gluon_bwd_config(64, True, block_m=64))
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
-    assert bound["BLOCK_M"] == 64  # the table's
+    assert bound["BLOCK_M"] == 64
 
 
 def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
@@ -279,7 +283,7 @@ def test_launcher_host_descriptors(monkeypatch, d, group_loop):
     q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
     k, v = (torch.zeros(b, hk, nk, d, dtype=BF16) for _ in range(2))
     lse = torch.zeros(b, hq, nq)
-    cfg = replace(gluon_bwd_config(d, True, group_loop), host_desc=True)
+    cfg = replace(gluon_bwd_config(d, True, group_loop, block_m=64), host_desc=True)
     fa3_gluon_backward(q, q, k, v, q, lse, softmax_scale=0.5, causal=True, config=cfg)
     (kernel, grid, dynamic, static), _ = calls[1]
     bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
@@ -1097,7 +1101,7 @@ def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
     """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps), pt_separate
     (Pᵀ in its own allocation), release_once (2 stages: ds_empty frees the ring slot too), all with stats_smem and
     each alone, on the table's config (release_once where it has 2 stages: d = 128)."""
-    table = gluon_bwd_config(d, causal)
+    table = gluon_bwd_config(d, causal, block_m=64)  # the 64-row config's switches
     if flags == "all":
         on = dict(stats_smem=True, dq_swizzle32=True, pt_separate=True, release_once=table.num_stages == 2)
     else:
@@ -1142,17 +1146,21 @@ def test_gpu_block_m_128(d, causal, shape, flags):
     """``block_m`` 128 (FA3's d = 64 tiles; dQ split by rows): ragged Nq / Nk both ways, GQA partials, one query
     row and one key, 32 ring rounds at 4k (the causal diagonal crossing a 128-row tile twice), dQ by register
     reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once, the GQA group loop."""
-    _check_switch(d, causal, shape, dict(block_m=128, num_stages=2, **flags), seed=shape[3] + d + 7 * causal)
+    fields = {**dict(block_m=128, num_stages=2, named_bars=False), **flags}  # mbarriers unless the case says
+    _check_switch(d, causal, shape, fields, seed=shape[3] + d + 7 * causal)
 
 
 def _check_switch(d, causal, shape, fields, seed, layout="bhnd"):
-    """The table's config with ``fields`` replaced against the float64 oracle on (b, hq, hk, nq, nk) ``shape``
-    inputs stored (B, H, N, d) or (B, N, H, d) (``layout``), structural zeros exact."""
+    """The table's config (its 64-row one unless ``fields`` sets ``block_m``) with ``fields`` replaced against the
+    float64 oracle on (b, hq, hk, nq, nk) ``shape`` inputs stored (B, H, N, d) or (B, N, H, d) (``layout``),
+    structural zeros exact."""
     b, hq, hk, nq, nk = shape
     q, k, v, do = inputs(b, hq, hk, nq, nk, d, BF16, "cuda", seed=seed)
     if layout == "bnhd":
         q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
-    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(gluon_bwd_config(d, causal), **fields))
+    # the 64-row table config unless the case sets block_m
+    base = gluon_bwd_config(d, causal, block_m=None if "block_m" in fields else 64)
+    got, ref, visible = run(q, k, v, do, causal=causal, config=replace(base, **fields))
     assert_grads(got, ref)
     assert_exact_zeros(got, visible)
 
@@ -1183,7 +1191,7 @@ def test_gpu_stats_smem_long_sequence_and_plain_config(d, stages):
     (N = 4k, causal) on the table's config; then fp16 without split and ping-pong (d = 64: unsplit dq_tma, its
     64-column tile in 8 swizzle-32 boxes)."""
     q, k, v, do = inputs(1, 2, 2, 4096, 4096, d, BF16, "cuda", seed=d)
-    cfg = replace(gluon_bwd_config(d, True), stats_smem=True, dq_swizzle32=True, pt_separate=True,
+    cfg = replace(gluon_bwd_config(d, True, block_m=64), stats_smem=True, dq_swizzle32=True, pt_separate=True,
                   release_once=stages == 2)
     got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
     assert_grads(got, ref)
@@ -1344,7 +1352,8 @@ def test_gpu_varlen_named_bars(monkeypatch, d, causal):
     """The packed backward with ``named_bars`` (its config is the table's: switched on there): mixed lengths
     with empty sequences, GQA 4:2 (programs of an empty sequence return before the partitions start)."""
     table = fa3_gluon_bwd.gluon_bwd_config
-    monkeypatch.setattr(fa3_gluon_bwd, "gluon_bwd_config", lambda d, causal: replace(table(d, causal), named_bars=True))
+    monkeypatch.setattr(fa3_gluon_bwd, "gluon_bwd_config",
+                        lambda d, causal, *a, **kw: replace(table(d, causal, *a, **kw), named_bars=True))
     _check_varlen(d, causal, 4, 2, "mixed")
 
 
