@@ -315,8 +315,9 @@ def _slot_release(qdo_empty, slot, NAMED_BARS: gl.constexpr):
 
 @gluon.jit
 def _load_rows(desc, b, head, row, bar, tile, pred, HOST_DESC: gl.constexpr, RANK3: gl.constexpr):
-    """TMA copy of the [rows, BLOCK_D] box at ``row`` into ``tile`` (its shape): through a host descriptor over (B, H, N, d)
-    at (b, head, row, 0), a per-program rank-3 one over the group's heads at (head, row, 0), or a per-head one."""
+    """TMA copy of the [rows, BLOCK_D] box at ``row`` into ``tile`` (its shape): through a host descriptor over (B, H,
+    N, d) at (b, head, row, 0), a per-program rank-3 one over the group's heads at (head, row, 0), or a per-head
+    one."""
     if HOST_DESC:
         gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
         tma.async_copy_global_to_shared(desc, [b, head, row, 0], bar, _unit4(tile), pred=pred)
@@ -427,11 +428,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
             STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
             GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr):
-    """q tile ``first_m + it`` (``BLOCK_M`` rows) against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in registers,
-    dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``, a rank-3 one at head
-    ``g`` with ``GROUP_LOOP`` or ``HOST_DESC``).  LSE, Delta, DQacc
-    point at this (batch, q head); ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot
-    of ``stats_smem`` instead (``_producer``)."""
+    """q tile ``first_m + it`` (``BLOCK_M`` rows) against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in
+    registers, dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``, a rank-3 one
+    at head ``g`` with ``GROUP_LOOP`` or ``HOST_DESC``).  LSE, Delta, DQacc point at this (batch, q head);
+    ``STATS_SMEM``: the q tile's log2-scaled LSE and D rows come from the ring slot of ``stats_smem`` instead
+    (``_producer``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -617,11 +618,11 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
               STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
               GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, DQDesc, dq_head0, HOST_DESC: gl.constexpr,
               BLOCK_M: gl.constexpr):
-    """kv rows [start_n + WG * 64, + 64): the q loop over tiles of ``BLOCK_M`` rows (masked steps first: the causal diagonal, or every
-    step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's ``group`` q heads,
-    DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored.  ``HOST_DESC``:
-    dQ's reduce-adds through the host's descriptor ``DQDesc`` over the whole accumulator, at head ``dq_head0``
-    (+ the group's head)."""
+    """kv rows [start_n + WG * 64, + 64): the q loop over tiles of ``BLOCK_M`` rows (masked steps first: the causal
+    diagonal, or every step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's
+    ``group`` q heads, DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored.
+    ``HOST_DESC``: dQ's reduce-adds through the host's descriptor ``DQDesc`` over the whole accumulator, at head
+    ``dq_head0`` (+ the group's head)."""
     gl.static_assert(gl.num_warps() == 4)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_D, 16])
@@ -718,7 +719,7 @@ def fa3_gluon_bwd_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
+    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to a multiple of BLOCK_M, times BLOCK_D
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
@@ -728,12 +729,12 @@ def fa3_gluon_bwd_kernel(
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
     head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
-    Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, cdiv(Nq, 64) * 64, BLOCK_D) fp32
-    accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
+    Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, Nq rounded up to a multiple of BLOCK_M, BLOCK_D)
+    fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
     ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
-    (B * Hq, 2, Nq rounded up to 64) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN``
-    (a packed batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are
+    (B * Hq, 2, Nq rounded up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta
+    unread).  ``IS_VARLEN`` (a packed batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are
     (1, H, total, d) views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows
     [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows
     at ``VARLEN_PAD``-padded offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k``
@@ -925,12 +926,12 @@ def stats_preprocess_kernel(
 ):
     """The Gluon backward's row statistics for ``STATS_SMEM``: Stats (B * Hq, 2, ``stats_rows``) fp32, row 0 the
     LSE times log2(e) (+inf past Nq and where LSE is -inf, so P = exp2(S log2e - it) is 0 there unmasked), row 1
-    D = rowsum(dO o O) (0 past Nq).  ``stats_rows`` is Nq rounded up to 64 (whole TMA boxes), a multiple of
-    ``BLOCK``; grid ``fold_grid(stats_rows // BLOCK, n_bh)``.  O, dO (B, Hq, Nq, HEAD_DIM) with unit stride on d; LSE
-    (B, Hq, Nq) fp32, any strides.  ``ZERO_ACC``: also zero this block of rows of DQacc, the backward's
-    (B * Hq, ``stats_rows``, BLOCK_D) fp32 accumulator (one launch fewer than a separate memset).
-    ``IS_VARLEN``: B sequences of a packed batch (``seqlen_q`` the longest), O, dO (1, Hq, total_q, d) views, LSE
-    (Hq, total_q) as (1, Hq, total_q); Stats (Hq, 2 * ``stats_rows``) and DQacc (Hq, ``stats_rows``, BLOCK_D) with
+    D = rowsum(dO o O) (0 past Nq).  ``stats_rows`` is Nq rounded up to a multiple of 64 (whole TMA boxes; the host
+    pads to 128), a multiple of ``BLOCK``; grid ``fold_grid(stats_rows // BLOCK, n_bh)``.  O, dO (B, Hq, Nq, HEAD_DIM)
+    with unit stride on d; LSE (B, Hq, Nq) fp32, any strides.  ``ZERO_ACC``: also zero this block of rows of DQacc,
+    the backward's (B * Hq, ``stats_rows``, BLOCK_D) fp32 accumulator (one launch fewer than a separate memset).
+    ``IS_VARLEN``: B sequences of a packed batch (``seqlen_q`` the longest), O, dO (1, Hq, total_q, d) views, LSE (Hq,
+    total_q) as (1, Hq, total_q); Stats (Hq, 2 * ``stats_rows``) and DQacc (Hq, ``stats_rows``, BLOCK_D) with
     ``stats_rows`` = ``varlen_rows``: sequence b's [2, its rows rounded up to 64] block at its padded offset."""
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tile, bh = unfold_pid()

@@ -387,14 +387,14 @@ def fa3_gluon_bwd_wide_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to 64, times BLOCK_D
+    stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to a multiple of 64, times BLOCK_D
     n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, IS_VARLEN: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
-    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
+    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
     to 64, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
     by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row), ``HEAD_DIM`` >
     128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in

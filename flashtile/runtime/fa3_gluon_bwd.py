@@ -560,7 +560,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
                      cfg: GluonBwdConfig, varlen=None) -> None:
     """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv``
     (B, Hk, Nk, d) in q's dtype, or (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed
-    (B * Hq, Nq rounded up to 64, block_d(d)) fp32 accumulator; the descriptor allocator installed
+    (B * Hq, Nq rounded up to ROW_PAD, block_d(d)) fp32 accumulator; the descriptor allocator installed
     (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem`` ``lse`` is :func:`stats_preprocess`'s buffer (its rows
     padded as ``dq_acc``'s) and ``delta`` unread.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): a packed batch on (1, H, total, d) views, ``lse`` / ``dq_acc`` in the padded per-head layout
@@ -694,13 +694,13 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
 
 def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                      dq_acc: torch.Tensor | None = None, varlen=None) -> torch.Tensor:
-    """The (B * Hq, 2, Nq rounded up to 64) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past Nq
-    and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
-    lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too).  ``dq_acc``: the backward's contiguous
-    (B * Hq, rows, block_d(d)) fp32 accumulator, zeroed by the same kernel.  ``varlen`` = (cu_seqlens_q,
-    max_seqlen_q): a packed batch, out / dout (1, Hq, total_q, d) views, lse (1, Hq, total_q); the statistics
-    (Hq, 2 * R) and ``dq_acc`` (Hq, R, block_d(d)), R = ``varlen_rows(total_q, B)``, each sequence's
-    [2, rows rounded up to 64] block at its padded offset (``kernels.fa3_gluon_bwd.VARLEN_PAD``)."""
+    """The (B * Hq, 2, Nq rounded up to ROW_PAD) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past
+    Nq and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
+    lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too).  ``dq_acc``: the backward's contiguous (B * Hq, rows,
+    block_d(d)) fp32 accumulator, zeroed by the same kernel.  ``varlen`` = (cu_seqlens_q, max_seqlen_q): a packed
+    batch, out / dout (1, Hq, total_q, d) views, lse (1, Hq, total_q); the statistics (Hq, 2 * R) and ``dq_acc`` (Hq,
+    R, block_d(d)), R = ``varlen_rows(total_q, B)``, each sequence's [2, rows rounded up to 64] block at its padded
+    offset (``kernels.fa3_gluon_bwd.VARLEN_PAD``)."""
     from flashtile.kernels.fa3_gluon_bwd import stats_preprocess_kernel
     from flashtile.runtime.launch import launch as run_kernel
 
