@@ -56,6 +56,8 @@ def test_config_table_fits():
     # group_loop (the caller's group_loop_wins) up to 128 where the statistics go through shared memory
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
+    # the group loop keeps 64-row steps (128 with it not yet run on a GPU)
+    assert gluon_bwd_config(64, False, True) == replace(gluon_bwd_config(64, False, block_m=64), group_loop=True)
     assert gluon_bwd_config(256, False, True) == wide and gluon_bwd_config(32, True, True) == GluonBwdConfig(4)
     # named barriers only with 128-row steps (timed there, bench/NOTES.md); host descriptors are the dispatch's
     assert all(gluon_bwd_config(d, c, g).named_bars == (gluon_bwd_config(d, c, g).block_m == 128)
@@ -1141,11 +1143,15 @@ def test_gpu_named_bars(d, causal, shape, flags):
     (64, True, (2, 4, 2, 333, 517), dict(dq_swizzle32=False)),
     (64, False, (2, 4, 2, 517, 333), dict(pingpong=False)),
     (64, True, (2, 4, 2, 333, 517), dict(named_bars=True)), (64, True, (1, 2, 2, 4096, 4096), dict(named_bars=True)),
-    (64, False, (2, 4, 2, 333, 517), dict(release_once=True))])
+    (64, False, (2, 4, 2, 333, 517), dict(release_once=True)),
+    (64, True, (2, 8, 2, 333, 517), dict(group_loop=True)), (64, False, (1, 8, 2, 4096, 4096), dict(group_loop=True)),
+    (64, True, (2, 8, 2, 333, 517), dict(group_loop=True, named_bars=True)),
+    (48, False, (2, 6, 2, 517, 333), dict(group_loop=True, named_bars=True, dq_tma=False, dq_swizzle32=False))])
 def test_gpu_block_m_128(d, causal, shape, flags):
     """``block_m`` 128 (FA3's d = 64 tiles; dQ split by rows): ragged Nq / Nk both ways, GQA partials, one query
     row and one key, 32 ring rounds at 4k (the causal diagonal crossing a 128-row tile twice), dQ by register
-    reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once, the GQA group loop."""
+    reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once, the GQA group loop
+    (with and without named barriers)."""
     fields = {**dict(block_m=128, num_stages=2, named_bars=False), **flags}  # mbarriers unless the case says
     _check_switch(d, causal, shape, fields, seed=shape[3] + d + 7 * causal)
 
