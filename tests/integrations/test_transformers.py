@@ -479,6 +479,27 @@ def test_gpu_bf16_generate_runs():
     assert got.shape == (2, 80)
 
 
+@pytest.mark.gpu
+def test_gpu_bf16_static_cache_windows_and_holes():
+    """The CPU tests' static-cache, window and mask-hole paths compiled, in bf16: a static cache without a mask
+    (the written slots only), a sliding window over right padding (queries compacted with their keys) and over a
+    mask with a hole (the dense path), each within SDPA's own bf16 error of the float64 model."""
+    x = _ids(1, 48, seed=3, device="cuda")
+
+    def static(m):
+        cache = transformers.StaticCache(config=m.config, max_cache_len=128)
+        return m(x, past_key_values=cache, use_cache=True).logits
+
+    _bf16_error_bound("llama", static)
+    ids = _ids(2, 64, seed=8, device="cuda")
+    right = _padding_mask("right", [64, 40], 64).cuda()
+    _bf16_error_bound("mistral", lambda m: m(ids, attention_mask=right).logits[right.bool()])
+    holes = torch.ones(2, 64, dtype=torch.long, device="cuda")
+    holes[0, 20:30] = 0
+    holes[1, :5] = 0
+    _bf16_error_bound("mistral", lambda m: m(ids, attention_mask=holes).logits[holes.bool()])
+
+
 def test_cross_attention_padding_mask_selects_keys_only():
     """Not causal with a (B, keys) mask and fewer or more queries than keys (cross-attention: BART and
     Whisper pass the encoder's padding mask): every query row attends to the unpadded keys, as SDPA does."""
