@@ -65,7 +65,10 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
         if progress:
             progress(f"{routine} d={d} N={n} causal={causal} {name}")
         try:
-            cfg = dataclasses.replace(base, **fields)
+            if routine == "gluon-bwd":
+                cfg = dataclasses.replace(fa3_gluon_bwd.variant_base(base, d, causal, fields), **fields)
+            else:
+                cfg = dataclasses.replace(base, **fields)
         except TypeError as e:  # a field the config does not have
             row["error"] = f"TypeError: {e}"
             continue

@@ -103,6 +103,7 @@ GLUON_BWD_VARIANTS = {
     "gluon bwd, host descriptors": dict(host_desc=True),
     "gluon bwd, named barriers, host descriptors": dict(named_bars=True, host_desc=True),
     "gluon bwd, 64 q rows per step": dict(block_m=64),
+    "gluon bwd, mbarriers": dict(named_bars=False),
 }
 
 
@@ -206,7 +207,7 @@ def _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress=None, rounds=1) 
     forward's rows (backward alone: 2.5x the forward's FLOPs)."""
     from flashtile.runtime.fa2_bwd import fa2_backward
     from flashtile.runtime.fa2_fwd import fa2_forward
-    from flashtile.runtime.fa3_gluon_bwd import GLUON_BWD_HEAD_DIMS, fa3_gluon_backward, gluon_bwd_config
+    from flashtile.runtime.fa3_gluon_bwd import GLUON_BWD_HEAD_DIMS, fa3_gluon_backward, gluon_bwd_config, variant_base
 
     if d not in GLUON_BWD_HEAD_DIMS:
         return []
@@ -216,9 +217,7 @@ def _gluon_bwd_rows(d, n, b, h, causal, q, k, v, dout, progress=None, rounds=1) 
     flops = 2.5 * 4.0 * b * h * n * n * d / (2 if causal else 1)
     rows, timed = [], []
     for name, switches in GLUON_BWD_VARIANTS.items():
-        # host descriptors (64-row boxes) and block_m=64 start from the 64-row table config
-        rows64 = switches.get("host_desc") or switches.get("block_m") == 64
-        cfg = dataclasses.replace(gluon_bwd_config(d, causal, block_m=64 if rows64 else None), **switches)
+        cfg = dataclasses.replace(variant_base(gluon_bwd_config(d, causal), d, causal, switches), **switches)
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant=name, config=dataclasses.asdict(cfg))
         rows.append(row)
         if progress:

@@ -169,7 +169,8 @@ def _call(routine: str, d: int, causal: bool, n: int, overrides: dict[str, Any])
         fa3_gluon.gluon_launch(q8, q8, fa3_gluon.fp8_v_operand(q8), torch.zeros_like(q), lse, scale, causal, cfg,
                                fp8=((ones, ones, ones), err))
     elif routine == "gluon-bwd":
-        cfg = _replace(fa3_gluon_bwd.gluon_bwd_config(d, causal), overrides, routine)
+        base = fa3_gluon_bwd.variant_base(fa3_gluon_bwd.gluon_bwd_config(d, causal), d, causal, overrides)
+        cfg = _replace(base, overrides, routine)
         fa3_gluon_bwd.fa3_gluon_backward(q, q, q, q, q, lse, softmax_scale=scale, causal=causal, config=cfg)
     else:
         raise ValueError(f"routine must be one of {', '.join(ROUTINES)}, got {routine!r}")

@@ -6,7 +6,7 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
 (``gl.warp_specialize``):
 
 * a producer (1 warp): TMA loads of K_j and V_j once (two 64-row boxes each, one per consumer), then Q_i and
-  dO_i (64-row boxes) into a ``NUM_STAGES``-deep ring for every q tile i that sees the kv tile (causal,
+  dO_i (``BLOCK_M``-row boxes) into a ``NUM_STAGES``-deep ring for every q tile i that sees the kv tile (causal,
   bottom-right: from the first q tile whose last row reaches the tile's first key); slots guarded by
   ``q_ready`` / ``do_ready`` (tx-count) and ``qdo_empty`` (both consumers release a slot after its last GEMM);
 * two consumer warpgroups (the default partition and a 4-warp worker), each owning 64 of the 128 kv rows:
@@ -14,28 +14,29 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
   no key and rows past Nq have LSE treated as +inf, so P = 0 there), dPᵀ − D = V dOᵀ accumulated onto −D,
   dV += Pᵀ dO (Pᵀ through shared memory), dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (the register A operand); dSᵀ also
   goes to this warpgroup's shared tile and dQ_i += dS K_half is wgmmas reading it transposed, 64 columns at a
-  time, each fp32 result added into the (B·Hq, Nq rounded up to 64, BLOCK_D) accumulator by vector reductions
+  time, each fp32 result added into the (B·Hq, Nq padded to whole q tiles, BLOCK_D) accumulator by vector reductions
   (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
 
-``DQ_SPLIT`` (BLOCK_D 64 or 128): warpgroup w computes dQ_i[:, w·BLOCK_D/2 : (w+1)·BLOCK_D/2] over all 128
-keys from both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empty``), half the reductions; K is
-swizzled in half-rows so each warpgroup's column slice is whole swizzle atoms.  ``DQ_TMA`` (with ``DQ_SPLIT``, or
-BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA bulk reduce-add
+``DQ_SPLIT`` (BLOCK_D 64 or 128): warpgroup w computes dQ_i[:, w·BLOCK_D/2 : (w+1)·BLOCK_D/2] over all 128 keys from
+both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empty``), half the reductions; K is swizzled in
+half-rows so each warpgroup's column slice is whole swizzle atoms.  With ``BLOCK_M`` = 128 (64-wide tiles: q tiles of
+128 rows, Sᵀ / dPᵀ 64 x 128 per warpgroup) the split is by rows instead: warpgroup w computes rows [64 w, 64 w + 64)
+of dQ_i from both dSᵀ tiles' q columns [64 w, 64 w + 64) (whole swizzle atoms) and all of K.  ``DQ_TMA`` (with
+``DQ_SPLIT``, or BLOCK_D <= 64): the warpgroup's fp32 dQ part goes to its shared tile and one TMA bulk reduce-add
 (``cp.reduce.async.bulk.tensor``, FA3's way) adds it into the accumulator, instead of per-thread reductions.
-``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so
-one warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``).
-``STATS_SMEM``: the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i
-through the TMA ring and are read from shared memory straight into the score columns' layout, instead of global
-loads and layout conversions per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms
-(conflict-free stores from the accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one
-``bar.sync`` fewer per step).  ``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot.
-``NAMED_BARS``: the ring releases, the ping-pong turns and (``DQ_SPLIT``) the dSᵀ rendezvous on hardware named
-barriers (FA3's), with no ``ds_empty`` (the rendezvous of the step between orders the rewrite), instead of
-mbarriers, each of whose arrives Triton brackets with warpgroup ``bar.sync``s.
-``GROUP_LOOP`` (GQA, with ``STATS_SMEM``): one program per (batch, kv head, kv tile) runs the q loop for each of the
-kv head's q heads in turn (Q, dO and the dQ accumulator through rank-3 [group, rows, d] descriptors, the ring and
-ping-pong counters running on across heads), so dK / dV are summed in registers and stored once in q's dtype.
-docs/gluon_bwd.md, "Per-step overhead".
+``PINGPONG``: the consumers take turns issuing each step's Sᵀ and dPᵀ GEMMs (``turn_bars``), warpgroup 0 first, so one
+warpgroup's exp2 and dSᵀ overlap the other's GEMMs (the forward's schedule, ``fa3_gluon._turn_wait``). ``STATS_SMEM``:
+the q tile's LSE·log2e and D rows (``stats_preprocess_kernel``'s padded buffer) come with Q_i through the TMA ring and
+are read from shared memory straight into the score columns' layout, instead of global loads and layout conversions
+per step.  ``DQ_SWIZZLE32`` (with ``DQ_TMA``): the dQ tiles in 32-byte swizzle atoms (conflict-free stores from the
+accumulator layout).  ``PT_SEPARATE``: Pᵀ in its own shared allocation (one ``bar.sync`` fewer per step).
+``RELEASE_ONCE`` (``DQ_SPLIT``, 2 stages): ``ds_empty`` also frees the ring slot. ``NAMED_BARS``: the ring releases,
+the ping-pong turns and (``DQ_SPLIT``) the dSᵀ rendezvous on hardware named barriers (FA3's), with no ``ds_empty``
+(the rendezvous of the step between orders the rewrite), instead of mbarriers, each of whose arrives Triton brackets
+with warpgroup ``bar.sync``s. ``GROUP_LOOP`` (GQA, with ``STATS_SMEM``): one program per (batch, kv head, kv tile)
+runs the q loop for each of the kv head's q heads in turn (Q, dO and the dQ accumulator through rank-3 [group, rows,
+d] descriptors, the ring and ping-pong counters running on across heads), so dK / dV are summed in registers and
+stored once in q's dtype. docs/gluon_bwd.md, "Per-step overhead".
 
 dK is scaled by ``softmax_scale`` at the end; dK and dV are stored in the output pointers' dtype (q's dtype,
 or fp32 per-q-head partials that the host sums for GQA).  dQ = scale · accumulator is written by
@@ -70,7 +71,7 @@ __all__ = ["fa3_gluon_bwd_kernel", "dq_postprocess_kernel", "stats_preprocess_ke
            "BLOCK_M", "VARLEN_PAD"]
 
 WG_N = 64  # kv rows per consumer warpgroup (wgmma M = 16 per warp x 4 warps)
-BLOCK_M = 64  # q rows per inner step (the N of the Sᵀ / dPᵀ wgmmas)
+BLOCK_M = 64  # q rows per inner step (the N of the Sᵀ / dPᵀ wgmmas); the kernels' BLOCK_M constexpr: 64 or 128
 _LOG2E = gl.constexpr(LOG2E)
 # packed batches: sequence b's rows of the statistics and the dQ accumulator start at row
 # 4 * ceil(start / 4) + VARLEN_PAD * b of its head's block (a 16-byte aligned start; at most 3 + 63 rows of padding
@@ -463,7 +464,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
     if STATS_SMEM:
-        # rows of the slot's [2, 64] tile (LSE, D) read straight into the score columns' layout: broadcast
+        # rows of the slot's [2, BLOCK_M] tile (LSE, D) read straight into the score columns' layout: broadcast
         # shared loads, no layout conversion; they landed with Q_i (q_ready)
         mbarrier.wait(q_ready.index(slot), phase)
         d_cols = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_s), 0) + zero_s
@@ -526,7 +527,7 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
-    # the accumulator has BLOCK_D columns and its rows padded to a multiple of 64: no mask; int64 (Nq * BLOCK_D
+    # the accumulator has BLOCK_D columns and its rows padded to a multiple of BLOCK_M: no mask; int64 (Nq * BLOCK_D
     # passes 2^31 from Nq = 2^24 at BLOCK_D = 128)
     acc_tile = DQacc + m0.to(gl.int64) * BLOCK_D
     if DQ_SPLIT:
@@ -642,7 +643,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
             dq_desc = tma.make_tensor_descriptor(DQacc, [group, acc_rows, BLOCK_D], [stride_acc_h, BLOCK_D, 1],
                                                  [1, 64, dq_smem.shape[2]], dq3)
         else:
-            # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
+            # this (batch, q head)'s accumulator rows (padded to BLOCK_M: no box clipped), boxes of dq_smem's tiles
             dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1],
                                                  [64, dq_smem.shape[2]], dq_smem.layout)
     else:
@@ -728,19 +729,19 @@ def fa3_gluon_bwd_kernel(
     NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
-    head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and
-    Delta are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, Nq rounded up to a multiple of BLOCK_M, BLOCK_D)
-    fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
-    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
-    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
-    (B * Hq, 2, Nq rounded up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta
-    unread).  ``IS_VARLEN`` (a packed batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are
-    (1, H, total, d) views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows
-    [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows
-    at ``VARLEN_PAD``-padded offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k``
-    are read only then.  ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per
-    warpgroup, dQ split by rows; with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``HOST_DESC``: DQacc and the
-    statistics padded to 128 rows).  Launch with ``num_warps=4``."""
+    head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and Delta are (B, Hq,
+    Nq) fp32 contiguous, DQacc the zeroed (B * Hq, Nq rounded up to a multiple of BLOCK_M, BLOCK_D) fp32 accumulator.
+    DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head. ``HEAD_DIM`` is d,
+    ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``, ``DQ_SWIZZLE32``,
+    ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded
+    up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN`` (a packed
+    batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are (1, H, total, d)
+    views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows [CuQ[b], CuQ[b + 1]) and
+    [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows at ``VARLEN_PAD``-padded
+    offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k`` are read only then.
+    ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, dQ split by rows;
+    with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``HOST_DESC``: DQacc and the statistics padded to 128 rows).
+    Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D >= 16)
@@ -780,8 +781,8 @@ def fa3_gluon_bwd_kernel(
     box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_D], dtype)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], dtype)
-    # DQ_SPLIT: warpgroup w reads K's columns [w, w + 1) * BLOCK_D / 2, so K is swizzled in half-rows (128 B at
-    # d = 128, the default; 64 B at d = 64) and each slice starts on a swizzle atom
+    # DQ_SPLIT at BLOCK_M 64: warpgroup w reads K's columns [w, w + 1) * BLOCK_D / 2, so K is swizzled in
+    # half-rows (128 B at d = 128, the default; 64 B at d = 64) and each slice starts on a swizzle atom
     gl.static_assert(not DQ_SPLIT or BLOCK_D == 64 or BLOCK_D == 128)
     if DQ_SPLIT and BLOCK_M == 64:
         k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_D * dtype.primitive_bitwidth // 16,
@@ -818,7 +819,7 @@ def fa3_gluon_bwd_kernel(
     else:
         dq_smem = ds_smem  # unread: warp_specialize's arguments must be IR values
     if STATS_SMEM:
-        # per ring slot the q tile's log2-scaled LSE and D rows, one [2, 64] TMA box (unswizzled: rows dense)
+        # per ring slot the q tile's log2-scaled LSE and D rows, two BLOCK_M-float TMA boxes (unswizzled: rows dense)
         stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32))
     else:

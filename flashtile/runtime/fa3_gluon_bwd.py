@@ -39,9 +39,6 @@ GLUON_BWD_HEAD_DIMS = tuple(range(8, 257, 8))  # TMA: 16-byte rows
 WIDE_HEAD_DIMS = tuple(range(136, 257, 8))
 BLOCK_N = 128  # kv rows per program of the narrow kernel (two consumer warpgroups of 64; the wide one: 64)
 BLOCK_M = 64  # q rows per inner step (GluonBwdConfig.block_m: 128 at 64-wide tiles)
-# rows of a fixed-length call's dQ accumulator and statistics are padded to a multiple of this (whole boxes of
-# either step height)
-ROW_PAD = 128
 SMEM_LIMIT = 227 * 1024  # sm_90 shared memory per block
 BIND_LAUNCH = True  # runtime.launch (bound once per signature); False: Triton's kernel[grid] on every call
 POST_BLOCK = 64  # rows per program of the dQ postprocess
@@ -105,10 +102,10 @@ class GluonBwdConfig:
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
-    """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of 64 rows (all
-    ``block_d(d)`` wide), each warpgroup's 64 x 64 Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with ``dq_tma``
-    each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split``), with ``stats_smem``
-    ``num_stages`` pairs of 64 fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
+    """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of ``block_m`` rows (all
+    ``block_d(d)`` wide), each warpgroup's 64 x ``block_m`` Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with
+    ``dq_tma`` each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split`` at 64-row
+    steps), with ``stats_smem`` ``num_stages`` pairs of ``block_m`` fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
     at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
     with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
     ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all
@@ -137,7 +134,8 @@ def wide_tile_d(d: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # per backward call: a table lookup, memoised (16 us of host time unmemoised)
-def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, block_m: int | None = None) -> GluonBwdConfig:
+def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
+                     block_m: int | None = None) -> GluonBwdConfig:
     """The config for head dim ``d`` (CPU-testable).  One program per SM either way (12 warps x 168 registers
     fill the register file), so the ring is as deep as shared memory allows: 4 stages at d <= 64, 2 at d <= 128
     (what fits beside the fp32 dQ tiles).  dQ split between the consumers (half the reductions each), staged in
@@ -161,6 +159,11 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, block_m: in
     ``block_m=64`` asks for the 64-row config (packed calls, host descriptors); the group loop keeps it too (128 rows
     with the group loop compile, but have not run on a GPU yet)."""
     del causal
+    if block_m is not None and (isinstance(block_m, bool) or block_m not in (64, 128)):
+        raise ValueError(f"block_m must be None (the table's), 64 or 128, got {block_m!r}")
+    if block_m == 128 and (block_d(d) != 64 or group_loop):
+        raise ValueError(f"block_m 128 is a config of 64-wide tiles without the group loop in the table, got "
+                         f"head_dim {d}, group_loop {group_loop}")
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
     if d in WIDE_HEAD_DIMS:
@@ -174,6 +177,14 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, block_m: in
                          dq_swizzle32=block_d(d) == 64, group_loop=group_loop)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def variant_base(cfg: GluonBwdConfig, d: int, causal: bool, fields: dict) -> GluonBwdConfig:
+    """The config a bench variant's ``fields`` replace: for a 128-row ``cfg`` whose variant asks for 64-row steps or
+    host descriptors (64-row boxes), the 64-row table config (its stages and barriers), else ``cfg``."""
+    if cfg.block_m == 128 and (fields.get("block_m") == 64 or fields.get("host_desc") is True):
+        return gluon_bwd_config(d, causal, cfg.group_loop, block_m=64)
     return cfg
 
 
@@ -400,7 +411,7 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     cfg = dispatch_config(q, k, causal)
     if not (hq == hk or cfg.group_loop) or not cfg.stats_smem:
         return None
-    s_grid, s_static, stats_shape, acc_shape = stats_args(out, dout, lse, True)
+    s_grid, s_static, stats_shape, acc_shape = stats_args(out, dout, lse, True, row_pad=cfg.block_m)
     dev = q.device
     acc = torch.empty(acc_shape, dtype=torch.float32, device=dev)
     stats = torch.empty(stats_shape, dtype=torch.float32, device=dev)
@@ -438,13 +449,13 @@ def _launch_all(dout, q, k, v, out, lse, dq_buf, dk_buf, dv_buf, softmax_scale: 
 
     b, hq, nq, d = q.shape
     ensure_allocator()  # device-side tensor descriptors: 128 bytes of global scratch each
-    # rows padded to a multiple of ROW_PAD and BLOCK_D columns: the kernel's reductions need no mask
-    acc_shape = (b * hq, triton.cdiv(nq, ROW_PAD) * ROW_PAD, block_d(d))
+    # rows padded to whole steps (cfg.block_m rows) and BLOCK_D columns: the kernel's reductions need no mask
+    acc_shape = (b * hq, triton.cdiv(nq, cfg.block_m) * cfg.block_m, block_d(d))
     if cfg.stats_smem:
         # LSE · log2 e and D in one padded (B * Hq, 2, rows) buffer, passed as the kernel's LSE (Delta unread);
         # the same kernel zeroes the accumulator
         dq_acc = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
-        lse = delta = stats_preprocess(out, dout, lse, dq_acc)
+        lse = delta = stats_preprocess(out, dout, lse, dq_acc, row_pad=cfg.block_m)
     else:
         from flashtile.runtime.fa3_bwd import _preprocess
 
@@ -561,7 +572,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
                      cfg: GluonBwdConfig, varlen=None) -> None:
     """The Gluon kernel (the wide one above d = 128) on checked views with work to do.  ``dk``, ``dv``
     (B, Hk, Nk, d) in q's dtype, or (B, Hq, Nk, d) fp32 partials when Hq > Hk; ``dq_acc`` the zeroed
-    (B * Hq, Nq rounded up to ROW_PAD, block_d(d)) fp32 accumulator; the descriptor allocator installed
+    (B * Hq, Nq rounded up to cfg.block_m, block_d(d)) fp32 accumulator; the descriptor allocator installed
     (``fa3_fwd.ensure_allocator``).  With ``cfg.stats_smem`` ``lse`` is :func:`stats_preprocess`'s buffer (its rows
     padded as ``dq_acc``'s) and ``delta`` unread.  ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): a packed batch on (1, H, total, d) views, ``lse`` / ``dq_acc`` in the padded per-head layout
@@ -694,9 +705,10 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
 
 
 def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                     dq_acc: torch.Tensor | None = None, varlen=None) -> torch.Tensor:
-    """The (B * Hq, 2, Nq rounded up to ROW_PAD) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e (+inf past
-    Nq and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq).  out, dout (B, Hq, Nq, d) with unit stride on d,
+                     dq_acc: torch.Tensor | None = None, varlen=None, row_pad: int = BLOCK_M) -> torch.Tensor:
+    """The (B * Hq, 2, Nq rounded up to ``row_pad``) fp32 row statistics of ``stats_smem``: [:, 0] LSE · log2 e
+    (+inf past Nq and where LSE is -inf), [:, 1] D = rowsum(dO∘O) (0 past Nq); ``row_pad`` the config's
+    ``block_m`` (a multiple of the kernel's 64-row statistics block).  out, dout (B, Hq, Nq, d) with unit stride on d,
     lse (B, Hq, Nq) fp32 (runs in Triton's interpreter too).  ``dq_acc``: the backward's contiguous (B * Hq, rows,
     block_d(d)) fp32 accumulator, zeroed by the same kernel.  ``varlen`` = (cu_seqlens_q, max_seqlen_q): a packed
     batch, out / dout (1, Hq, total_q, d) views, lse (1, Hq, total_q); the statistics (Hq, 2 * R) and ``dq_acc`` (Hq,
@@ -706,7 +718,7 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     from flashtile.runtime.launch import launch as run_kernel
 
     zero_acc = dq_acc is not None
-    grid, static, stats_shape, acc_shape = stats_args(out, dout, lse, zero_acc, varlen)
+    grid, static, stats_shape, acc_shape = stats_args(out, dout, lse, zero_acc, varlen, row_pad)
     if zero_acc and (dq_acc.shape != acc_shape or not dq_acc.is_contiguous() or dq_acc.dtype != torch.float32):
         raise ValueError(f"dq_acc must be a contiguous fp32 {acc_shape} tensor, got {tuple(dq_acc.shape)} "
                          f"{dq_acc.dtype}")
@@ -717,7 +729,7 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     return stats
 
 
-def stats_args(out, dout, lse, zero_acc: bool, varlen=None) -> tuple:
+def stats_args(out, dout, lse, zero_acc: bool, varlen=None, row_pad: int = BLOCK_M) -> tuple:
     """(grid, static arguments, statistics shape, accumulator shape) of :func:`stats_preprocess` on these views
     (shapes and strides read; of ``varlen``, cu_seqlens_q's length and max_seqlen_q)."""
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
@@ -726,7 +738,7 @@ def stats_args(out, dout, lse, zero_acc: bool, varlen=None) -> tuple:
     _, hq, nq, d = out.shape
     if varlen is None:
         b, total_q = out.shape[0], 0
-        rows = triton.cdiv(nq, ROW_PAD) * ROW_PAD
+        rows = triton.cdiv(nq, row_pad) * row_pad
         stats_shape = (b * hq, 2, rows)
         acc_shape = (b * hq, rows, block_d(d))
         tiles = rows // BLOCK_M

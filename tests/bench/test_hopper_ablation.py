@@ -137,11 +137,12 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
         assert by[name]["ms_rounds"] == [i + 1.0, n + i] and by[name]["ms"] == (i + 1.0 + n + i) / 2
         assert by[name]["tflops"] == pytest.approx(flops / (by[name]["ms"] * 1e-3) / 1e12)
     configs.clear()
-    _fake_gluon_bwd(monkeypatch, [1.0] * 3)
+    _fake_gluon_bwd(monkeypatch, [1.0] * 4)
     x = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
     wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, x, x, x, x)}
     assert "tflops" in wide["gluon bwd"] and "tflops" in wide["gluon bwd no ping-pong"]
-    assert "tflops" in wide["gluon bwd, 64 q rows per step"]  # the wide kernel's steps are 64 rows anyway
+    # the wide kernel's steps are 64 rows and its barriers mbarriers anyway
+    assert "tflops" in wide["gluon bwd, 64 q rows per step"] and "tflops" in wide["gluon bwd, mbarriers"]
     for name in ("gluon bwd, named barriers", "gluon bwd, host descriptors"):
         assert wide[name]["error"].startswith("ValueError") and "head_dim 128" in wide[name]["error"]
     # 64-wide tiles: the table's 128-row steps; host descriptors and the 64-row variant from the 64-row config
@@ -151,7 +152,7 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
     steps = {name: cfg.block_m for name, cfg in zip(ha.GLUON_BWD_VARIANTS, configs)}
     assert steps == {"gluon bwd": 128, "gluon bwd no ping-pong": 128, "gluon bwd, named barriers": 128,
                      "gluon bwd, host descriptors": 64, "gluon bwd, named barriers, host descriptors": 64,
-                     "gluon bwd, 64 q rows per step": 64}
+                     "gluon bwd, 64 q rows per step": 64, "gluon bwd, mbarriers": 128}
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")

@@ -20,8 +20,8 @@ import torch
 
 from flashtile.runtime import fa3_gluon_bwd
 from flashtile.runtime.fa3_gluon_bwd import (
-    GLUON_BWD_HEAD_DIMS, ROW_PAD, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward,
-    gluon_bwd_config, smem_bytes, stats_preprocess,
+    GLUON_BWD_HEAD_DIMS, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward, gluon_bwd_config,
+    smem_bytes, stats_preprocess,
 )
 from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
 from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs
@@ -106,9 +106,9 @@ def test_smem_estimate_matches_compile_reports():
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and smem_bytes(cfg, d) <= SMEM_LIMIT, cfg
 
 
-def _rows(nq: int) -> int:
-    """Rows of a fixed-length call's dQ accumulator and statistics: Nq padded to whole ``ROW_PAD`` blocks."""
-    return -(-nq // ROW_PAD) * ROW_PAD
+def _rows(nq: int, block_m: int = 64) -> int:
+    """Rows of a fixed-length call's dQ accumulator and statistics: Nq padded to whole steps of the config."""
+    return -(-nq // block_m) * block_m
 
 
 def _args(d=64, nq=16, nk=16, dtype=F16, hq=1, hk=1):
@@ -222,12 +222,24 @@ def test_block_m_128_configs(monkeypatch):
     fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True, config=base)
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
     assert bound["BLOCK_M"] == 128 and bound["DQ_SPLIT"] is True and bound["NUM_STAGES"] == 2
-    assert bound["DQacc"].shape == (b * hq, 384, 64) and bound["LSE"].shape == (b * hq, 2, 384)
+    assert bound["DQacc"].shape == (b * hq, _rows(nq, 128), 64) == (b * hq, 384, 64)
+    assert bound["LSE"].shape == (b * hq, 2, 384)
     calls.clear()
     fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True,
                        config=gluon_bwd_config(64, True, block_m=64))
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
-    assert bound["BLOCK_M"] == 64
+    assert bound["BLOCK_M"] == 64 and bound["DQacc"].shape == (b * hq, 320, 64)  # 64-row steps: 64-row padding
+    for bad in (96, True, 0):
+        with pytest.raises(ValueError, match="block_m"):
+            gluon_bwd_config(64, True, block_m=bad)
+    for d, group_loop in ((128, False), (64, True)):
+        with pytest.raises(ValueError, match="block_m 128"):
+            gluon_bwd_config(d, True, group_loop, block_m=128)
+    # bench variants asking for 64-row steps or host descriptors start from the 64-row table config
+    table = gluon_bwd_config(64, True)
+    assert fa3_gluon_bwd.variant_base(table, 64, True, dict(host_desc=True)) == gluon_bwd_config(64, True, block_m=64)
+    assert fa3_gluon_bwd.variant_base(table, 64, True, dict(block_m=64)) == gluon_bwd_config(64, True, block_m=64)
+    assert fa3_gluon_bwd.variant_base(table, 64, True, dict(named_bars=False)) is table
 
 
 def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
@@ -999,7 +1011,7 @@ def test_gpu_group_loop_matches_oracle(d, causal, hq, hk, nq, nk, dq_tma):
     """``group_loop``: the kernel loops over each kv head's q heads (GQA 2:1, MQA 8:1, 1:1, one query row),
     dK / dV summed in registers; against the float64 oracle, with the dQ reduce-adds through TMA or registers."""
     q, k, v, do = inputs(2, hq, hk, nq, nk, d, BF16, "cuda", seed=d + hq + nq + causal)
-    cfg = replace(gluon_bwd_config(d, causal), group_loop=True)
+    cfg = gluon_bwd_config(d, causal, True)  # as dispatched with the group loop
     if not dq_tma:
         cfg = replace(cfg, dq_tma=False, dq_swizzle32=False)
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
