@@ -97,7 +97,7 @@ class GluonBwdConfig:
     host_desc: bool = False
     # q rows per step: 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, half the steps and their
     # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
-    # without host_desc (a packed call runs 64)
+    # without host_desc (a packed call runs 64; the table takes 128 there but with the group loop)
     block_m: int = 64
 
 
@@ -105,12 +105,13 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     """Shared memory of a config: K and V (128 rows each), ``num_stages`` Q and dO tiles of ``block_m`` rows (all
     ``block_d(d)`` wide), each warpgroup's 64 x ``block_m`` Pᵀ and dSᵀ tiles (two dSᵀ with ``dq_split``), with
     ``dq_tma`` each warpgroup's fp32 64-row dQ tile (``block_d(d)`` wide, half that with ``dq_split`` at 64-row
-    steps), with ``stats_smem`` ``num_stages`` pairs of ``block_m`` fp32 row statistics, under 1 KB of mbarriers (sm_90a compiles, Triton 3.6: 164544 B
-    at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728 with 2, dq_split and dq_tma, 214512
-    with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4).  The wide kernel (d > 128): K and V of 64 rows, the
-    ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all
-    six with ``split_s`` and ``dq_tma`` at 192-wide tiles, one Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones),
-    the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3 stages)."""
+    steps), with ``stats_smem`` ``num_stages`` pairs of ``block_m`` fp32 row statistics, under 1 KB of mbarriers
+    (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728
+    with 2, dq_split and dq_tma, 214512 with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4; 231936 at 128
+    rows).  The wide kernel (d > 128): K and V of 64 rows, the ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and two fp32
+    [64, 32] dQ tiles; all six with ``split_s`` and ``dq_tma`` at 192-wide tiles, one Pᵀ and one dSᵀ beside the dQ
+    tiles at 256-wide ones), the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3
+    stages)."""
     bd = block_d(d)
     bm = cfg.block_m
     if d in WIDE_HEAD_DIMS:
