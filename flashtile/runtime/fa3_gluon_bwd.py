@@ -109,9 +109,9 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728
     with 2, dq_split and dq_tma, 214512 with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4; 231936 at 128
     rows).  The wide kernel (d > 128): K and V of 64 rows, the ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ
-    tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all six with ``split_s`` and ``dq_tma`` at 192-wide tiles, one Pᵀ and one dSᵀ beside the dQ
-    tiles at 256-wide ones), the statistics (230896 B compiled at d = 256, 2 stages; 181744 / 231456 at d = 192, 2 / 3
-    stages)."""
+    tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all six with ``split_s`` and ``dq_tma`` at 192-wide tiles,
+    one Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones), the statistics (230896 B compiled at d = 256, 2 stages;
+    181744 / 231456 at d = 192, 2 / 3 stages)."""
     bd = block_d(d)
     bm = cfg.block_m
     if d in WIDE_HEAD_DIMS:
