@@ -82,7 +82,8 @@ class GluonConfig:
     # instructions per d = 128 iteration, no PRMT); FP8 rounds its own operand
     pack_p: bool = False
     # the ring slots' releases and the ping-pong turns on hardware named barriers (bar.arrive / bar.sync, FA3's
-    # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile)
+    # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile);
+    # off: 0.99-1.01x at d = 128 (H200, bench/NOTES.md "Gluon backward: 128 q rows per step")
     named_bars: bool = False
 
     @property
