@@ -357,7 +357,7 @@ def test_plan_builds_host_descriptors_per_call(monkeypatch):
                                                             "DQDesc"))
 
 
-def test_host_descriptors_where_they_win():
+def test_host_descriptors_where_they_win(monkeypatch):
     """``dispatch_config`` takes host descriptors on the narrow kernel from HOST_DESC_MIN_WORK: 128-wide tiles at
     every length, 64-wide up to HOST_DESC_NARROW_MAX_KEYS keys; never with the group loop, the wide kernel or
     32-wide tiles."""
@@ -377,6 +377,18 @@ def test_host_descriptors_where_they_win():
     assert fa3_gluon_bwd.dispatch_config(q, q, True) == replace(gluon_bwd_config(128, True), host_desc=True)
     q = torch.zeros(1, 2, 64, 128, dtype=BF16)
     assert fa3_gluon_bwd.dispatch_config(q, q, False) == gluon_bwd_config(128, False)
+    # 64-wide tiles: host descriptors (up to 1k keys) with the 64-row config, 128-row steps otherwise; the GQA
+    # group loop on 64-row steps
+    q = torch.zeros(16, 32, 1024, 64, dtype=BF16)
+    want = replace(gluon_bwd_config(64, True, block_m=64), host_desc=True)
+    assert fa3_gluon_bwd.dispatch_config(q, q, True) == want and want.block_m == 64 and want.num_stages == 4
+    q = torch.zeros(4, 32, 4096, 64, dtype=BF16)
+    assert fa3_gluon_bwd.dispatch_config(q, q, True) == gluon_bwd_config(64, True)
+    assert gluon_bwd_config(64, True).block_m == 128 and gluon_bwd_config(64, True).named_bars
+    k = torch.zeros(4, 8, 4096, 64, dtype=BF16)
+    monkeypatch.setattr(fa3_gluon_bwd, "group_loop_wins", lambda *a: True)
+    got = fa3_gluon_bwd.dispatch_config(q, k, True)
+    assert got.group_loop and got.block_m == 64 and not got.named_bars
 
 
 def test_plan_host_descriptors_over_the_planned_layout(monkeypatch):
