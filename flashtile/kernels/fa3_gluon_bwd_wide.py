@@ -58,12 +58,13 @@ def _desc_pair(T, rows, stride, lo_smem, hi_smem, HEAD_DIM: gl.constexpr, TILE_D
 
 @gluon.jit
 def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, stats_smem, kv_bar,
-                   q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k,
-                   stats_rows, start_n, first_m, n_iters, HEAD_DIM: gl.constexpr, TILE_D: gl.constexpr,
-                   NUM_STAGES: gl.constexpr):
+                   q_ready, do_ready, qdo_empty, do_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q,
+                   seqlen_k, stats_rows, start_n, first_m, n_iters, HEAD_DIM: gl.constexpr, TILE_D: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     """K_j, V_j once, then Q_i, dO_i and the q tile's [LSE · log2 e, D] rows for the ``n_iters`` q tiles from
     ``first_m`` into ring slot it % NUM_STAGES; each operand in two column parts, [0, 128) into ``*_lo`` and
-    [128, TILE_D) into ``*_hi`` (columns past HEAD_DIM and rows past N read 0)."""
+    [128, TILE_D) into ``*_hi`` (columns past HEAD_DIM and rows past N read 0).  ``DO_STAGES`` < NUM_STAGES: dO_i
+    into its own ring's slot it % DO_STAGES once both consumers released it (``do_empty``, after their dV GEMM)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_desc, q_desc_hi = _desc_pair(Q, seqlen_q, stride_qm, q_lo, q_hi, HEAD_DIM, TILE_D)
     do_desc, do_desc_hi = _desc_pair(DO, seqlen_q, stride_dom, do_lo, do_hi, HEAD_DIM, TILE_D)
@@ -88,19 +89,22 @@ def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo
         tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
         tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
                                         stats_smem.index(2 * slot + 1))
-        mbarrier.expect(do_ready.index(slot), box_bytes)
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(slot), do_lo.index(slot))
-        tma.async_copy_global_to_shared(do_desc_hi, [m0, 128], do_ready.index(slot), do_hi.index(slot))
+        dslot = it % DO_STAGES
+        if DO_STAGES != NUM_STAGES:
+            mbarrier.wait(do_empty.index(dslot), ((it // DO_STAGES) & 1) ^ 1)
+        mbarrier.expect(do_ready.index(dslot), box_bytes)
+        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(dslot), do_lo.index(dslot))
+        tma.async_copy_global_to_shared(do_desc_hi, [m0, 128], do_ready.index(dslot), do_hi.index(dslot))
 
 
 @gluon.jit
-def _step_tiles(z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG: gl.constexpr):
-    """A q step's tiles: K, V (index ``z``, the opaque zero) and ring slot ``slot``'s Q, dO as (low, high) column
-    parts, then this warpgroup's part of Q, dO and K (warpgroup 0 the low one)."""
+def _step_tiles(z, slot, dslot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG: gl.constexpr):
+    """A q step's tiles: K, V (index ``z``, the opaque zero), ring slot ``slot``'s Q and ``dslot``'s dO as (low,
+    high) column parts, then this warpgroup's part of Q, dO and K (warpgroup 0 the low one)."""
     k_t, k_t_hi = k_lo.index(z), k_hi.index(z)
     v_t, v_t_hi = v_lo.index(z), v_hi.index(z)
     q_s, q_s_hi = q_lo.index(slot), q_hi.index(slot)
-    do_s, do_s_hi = do_lo.index(slot), do_hi.index(slot)
+    do_s, do_s_hi = do_lo.index(dslot), do_hi.index(dslot)
     if WG == 0:
         q_w, do_w, k_w = q_s, do_s, k_t
     else:
@@ -169,7 +173,7 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
     # wgmma descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
     k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w = _step_tiles(
-        z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
+        z, slot, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
     pt_wg = pt_smem.index(WG + z)
     ds_wg = ds_smem.index(WG + z)
     m0 = (first_m + it) * 64
@@ -231,15 +235,16 @@ def _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, p
 
 @gluon.jit
 def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
-                       stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem,
-                       qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D:
-                       gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG:
-                       gl.constexpr, DQ_TMA: gl.constexpr):
+                       stats_smem, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc,
+                       dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr,
+                       BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       MASKED: gl.constexpr, PINGPONG: gl.constexpr, DQ_TMA: gl.constexpr, DO_STAGES: gl.constexpr):
     """``SPLIT_S``: as :func:`_wide_q_step`, but warpgroup w computes Sᵀ, dPᵀ, Pᵀ, dSᵀ only for q columns
     [32 w, 32 w + 32) of the tile (no score GEMM done twice) and writes them into the shared [64, 64] Pᵀ / dSᵀ
     tiles of buffer it % DS_BUFS, which both read whole once both wrote (``ds_full``); a buffer is rewritten once
     both warpgroups' GEMMs reading it two steps ago retired (``ds_empty``; with one buffer, the previous step).
-    ``DQ_TMA``: dQ's parts as in :func:`_wide_q_step`."""
+    ``DQ_TMA``: dQ's parts as in :func:`_wide_q_step`.  ``DO_STAGES`` < NUM_STAGES: dO_i from its own ring, its slot
+    released (``do_empty``) once this step's dV GEMM retired, before the dK / dQ GEMMs."""
     WIDTH: gl.constexpr = 128 if WG == 0 else TILE_D - 128
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 32, 16])
@@ -250,13 +255,14 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
 
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
+    dslot = it % DO_STAGES
     DS_BUFS: gl.constexpr = pt_smem.shape[0]  # Pᵀ / dSᵀ buffers: 2, or 1 where shared memory holds one only
     buf = it % DS_BUFS
     # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
     # descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
     k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w = _step_tiles(
-        z, slot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
+        z, slot, dslot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
     pt_b = pt_smem.index(buf + z)
     ds_b = ds_smem.index(buf + z)
     m0 = (first_m + it) * 64
@@ -268,7 +274,7 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     _turn_wait(turn_bars, it, WG=WG, PINGPONG=PINGPONG)
     st = warpgroup_mma(k_t, q_s.slice(WG * 32, 32, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     st = warpgroup_mma(k_t_hi, q_s_hi.slice(WG * 32, 32, dim=0).permute((1, 0)), st, is_async=True)
-    mbarrier.wait(do_ready.index(slot), phase)
+    mbarrier.wait(do_ready.index(dslot), (it // DO_STAGES) & 1)
     dpt = warpgroup_mma(v_t, do_s.slice(WG * 32, 32, dim=0).permute((1, 0)), minus_d, is_async=True)
     dpt = warpgroup_mma(v_t_hi, do_s_hi.slice(WG * 32, 32, dim=0).permute((1, 0)), dpt, is_async=True)
     _turn_pass(turn_bars, WG=WG, PINGPONG=PINGPONG)
@@ -294,8 +300,12 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
     dk = warpgroup_mma(ds_b, q_w, dk, is_async=True)
     ds_t = ds_b.permute((1, 0))
     dq, dq_zero, acc_tile = _dq_first(ds_t, k_w, DQacc, m0, WG=WG, BLOCK_D=BLOCK_D, DQ_TMA=DQ_TMA)
+    if DO_STAGES != NUM_STAGES:
+        # groups retire in order: dV done, so dO_i is read for the last time; its slot refills under dK / dQ
+        dv = warpgroup_mma_wait(2, deps=(dv,))
+        mbarrier.arrive(do_empty.index(dslot))
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-    mbarrier.arrive(qdo_empty.index(slot))  # Q_i and dO_i read for the last time
+    mbarrier.arrive(qdo_empty.index(slot))  # Q_i (and with one ring dO_i) read for the last time
     _dq_rest(dq, dq_zero, ds_t, k_w, acc_tile, dq_desc, dq_smem, m0, WG=WG, BLOCK_D=BLOCK_D, WIDTH=WIDTH,
              DQ_TMA=DQ_TMA)
     mbarrier.arrive(ds_empty.index(buf))  # this warpgroup's last read of the buffer retired
@@ -304,18 +314,19 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
 
 @gluon.jit
 def _wide_steps(lo, hi, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
-                q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q,
-                seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
-                gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
-                DQ_TMA: gl.constexpr):
+                q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars, DQacc, dq_desc, dq_smem, qk_scale,
+                seqlen_q, seqlen_k, first_m, kv_rows, WG: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr,
+                NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr,
+                SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, DO_STAGES: gl.constexpr):
     """Steps [lo, hi) of the q loop through :func:`_wide_q_step_split` (``SPLIT_S``) or :func:`_wide_q_step`."""
     for it in range(lo, hi):
         if SPLIT_S:
             dk, dv = _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
-                                        ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars,
-                                        DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG,
-                                        BLOCK_D=BLOCK_D, TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL,
-                                        MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA)
+                                        ds_smem, stats_smem, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty,
+                                        turn_bars, DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m,
+                                        kv_rows, WG=WG, BLOCK_D=BLOCK_D, TILE_D=TILE_D, NUM_STAGES=NUM_STAGES,
+                                        CAUSAL=CAUSAL, MASKED=MASKED, PINGPONG=PINGPONG, DQ_TMA=DQ_TMA,
+                                        DO_STAGES=DO_STAGES)
         else:
             dk, dv = _wide_q_step(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem,
                                   stats_smem, q_ready, do_ready, qdo_empty, turn_bars, DQacc, dq_desc, dq_smem,
@@ -326,11 +337,11 @@ def _wide_steps(lo, hi, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi
 
 @gluon.jit
 def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
-                   dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale, softmax_scale,
-                   stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, WG:
-                   gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES:
-                   gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA:
-                   gl.constexpr):
+                   dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars, qk_scale,
+                   softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked,
+                   n_iters, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
+                   DQ_TMA: gl.constexpr, DO_STAGES: gl.constexpr):
     """Columns [COL0, COL0 + WIDTH) of dK, dV (warpgroup 0 [0, 128), warpgroup 1 [128, TILE_D)) for keys
     [start_n, start_n + 64): the q loop (masked steps first: the causal diagonal, or every step when the kv tile
     crosses Nk), then dK · scale and dV stored."""
@@ -354,15 +365,15 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
         mbarrier.wait(kv_bar, 0)
         # masked steps first (the causal diagonal, or all when the kv tile crosses Nk), then unmasked ones
         dk, dv = _wide_steps(0, n_masked, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
-                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
-                             dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, PINGPONG=PINGPONG,
-                             SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA)
+                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
+                             DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG,
+                             BLOCK_D=BLOCK_D, TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True,
+                             PINGPONG=PINGPONG, SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA, DO_STAGES=DO_STAGES)
         dk, dv = _wide_steps(n_masked, n_iters, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
-                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, DQacc,
-                             dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG, BLOCK_D=BLOCK_D,
-                             TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, PINGPONG=PINGPONG,
-                             SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA)
+                             ds_smem, stats_smem, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
+                             DQacc, dq_desc, dq_smem, qk_scale, seqlen_q, seqlen_k, first_m, kv_rows, WG=WG,
+                             BLOCK_D=BLOCK_D, TILE_D=TILE_D, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False,
+                             PINGPONG=PINGPONG, SPLIT_S=SPLIT_S, DQ_TMA=DQ_TMA, DO_STAGES=DO_STAGES)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -392,18 +403,23 @@ def fa3_gluon_bwd_wide_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, IS_VARLEN: gl.constexpr,
+    DO_STAGES: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
     ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
     to 64, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
     by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row), ``HEAD_DIM`` >
     128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
-    :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  Launch with ``num_warps=4``."""
+    :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  ``DO_STAGES`` (``SPLIT_S`` only, 1 or
+    NUM_STAGES): dO in a ring of its own of that depth (FA3's single dO buffer at d = 256), whose 32 KB let both
+    Pᵀ / dSᵀ buffers fit beside 256-wide tiles.  Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides
     gl.static_assert(TILE_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D == 256)  # the accumulator's row; each warpgroup's columns whole 64-column dQ parts
     gl.static_assert(TILE_D == 256 or TILE_D == 192)  # warpgroup 0 columns [0, 128), warpgroup 1 [128, TILE_D)
     gl.static_assert(NUM_STAGES >= 2)  # a slot is refilled once both consumers release it
+    # dO's own ring (released after the dV GEMM, refilled under dK / dQ) is the split step's
+    gl.static_assert(DO_STAGES == NUM_STAGES or (DO_STAGES == 1 and SPLIT_S))
     dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     bh = pid // num_n_tiles
@@ -431,16 +447,16 @@ def fa3_gluon_bwd_wide_kernel(
     v_hi = gl.allocate_shared_memory(dtype, [1, 64, HI], hi_layout)
     q_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, 128], lo_layout)
     q_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, HI], hi_layout)
-    do_lo = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, 128], lo_layout)
-    do_hi = gl.allocate_shared_memory(dtype, [NUM_STAGES, 64, HI], hi_layout)
+    do_lo = gl.allocate_shared_memory(dtype, [DO_STAGES, 64, 128], lo_layout)
+    do_hi = gl.allocate_shared_memory(dtype, [DO_STAGES, 64, HI], hi_layout)
     if SPLIT_S:
         # two buffers of the shared Pᵀ / dSᵀ tiles, each warpgroup writing 32 of their 64 columns: 64-byte swizzle
         # atoms, so each warpgroup's column slice is whole atoms
         half_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64,
                                                          element_bitwidth=dtype.primitive_bitwidth, rank=2)
-        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits (226 KB; two: 242 KB;
-        # runtime.fa3_gluon_bwd.smem_bytes counts the same)
-        DS_BUFS: gl.constexpr = 1 if DQ_TMA and TILE_D == 256 else 2
+        # with dQ's staging tiles beside 256-wide tiles one buffer each is all that fits with dO in the Q ring
+        # (226 KB; two: 242 KB), two with one dO buffer (runtime.fa3_gluon_bwd.smem_bytes counts the same)
+        DS_BUFS: gl.constexpr = 1 if DQ_TMA and TILE_D == 256 and DO_STAGES == NUM_STAGES else 2
         pt_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFS, 64, 64], half_layout)
     elif DQ_TMA:
@@ -460,8 +476,9 @@ def fa3_gluon_bwd_wide_kernel(
                                            gl.NVMMASharedLayout.get_default_for([64], gl.float32))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())  # own dO ring only
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per consumer
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
@@ -477,8 +494,10 @@ def fa3_gluon_bwd_wide_kernel(
         ds_empty = turn_bars
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(DO_STAGES):
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=2)
 
     q_base, do_base, k_base, v_base, dk_base, dv_base, acc_base, acc_rows, stats_base = _program_bases(
         Q, DO, K, V, DK, DV, DQacc, Stats, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
@@ -488,14 +507,17 @@ def fa3_gluon_bwd_wide_kernel(
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
-         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
+         qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0,
-         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
+         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES)),
         (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
-         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
+         ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
+         qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1,
-         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA)),
+         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES)),
         (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo,
-         do_hi, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q,
-         seqlen_k, acc_rows, start_n, first_m, n_iters, HEAD_DIM, TILE_D, NUM_STAGES)),
+         do_hi, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, stride_qm, stride_kn, stride_vn,
+         stride_dom, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_iters, HEAD_DIM, TILE_D, NUM_STAGES,
+         DO_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -99,6 +99,14 @@ class GluonBwdConfig:
     # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
     # without host_desc (a packed call runs 64; the table takes 128 there but with the group loop)
     block_m: int = 64
+    # the wide kernel with split_s: dO in a ring of its own this deep (1: FA3's single dO buffer at d = 256, released
+    # after the dV GEMM and refilled under dK / dQ, its 32 KB letting both Pᵀ / dSᵀ buffers fit beside 256-wide
+    # tiles); 0: dO in the Q ring (num_stages deep)
+    do_stages: int = 0
+
+    def do_depth(self) -> int:
+        """The kernels' DO_STAGES: dO's ring depth."""
+        return self.do_stages or self.num_stages
 
 
 def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
@@ -116,11 +124,12 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     bm = cfg.block_m
     if d in WIDE_HEAD_DIMS:
         stats = cfg.num_stages * 2 * BLOCK_M * 4
-        # split_s with dq_tma: two Pᵀ / dSᵀ buffers beside the staging tiles at 192-wide tiles, one at 256-wide ones
-        # (the kernel's DS_BUFS, fa3_gluon_bwd_wide_kernel)
-        dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and wide_tile_d(d) == 192 else 0
-        return (2 * 64 + cfg.num_stages * 2 * BLOCK_M) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + \
-            stats + 1024
+        # split_s with dq_tma: two Pᵀ / dSᵀ buffers beside the staging tiles at 192-wide tiles or with dO's own
+        # single buffer, one at 256-wide ones otherwise (the kernel's DS_BUFS, fa3_gluon_bwd_wide_kernel)
+        two_bufs = wide_tile_d(d) == 192 or cfg.do_depth() < cfg.num_stages
+        dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and two_bufs else 0
+        ring = (cfg.num_stages + cfg.do_depth()) * BLOCK_M
+        return (2 * 64 + ring) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + stats + 1024
     tiles = 6 if cfg.dq_split else 4  # [64, block_m] dSᵀ / Pᵀ tiles
     # each warpgroup's fp32 dQ part: 64 rows, half of d when split by columns (block_m 64)
     dq_tiles = 2 * 64 * (bd // 2 if cfg.dq_split and bm == 64 else bd) * 4 if cfg.dq_tma else 0
@@ -267,6 +276,12 @@ def _check_config(cfg, d: int, esize: int) -> None:
                          f"head_dim {d}")
     if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
         raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
+    if not isinstance(cfg.do_stages, int) or isinstance(cfg.do_stages, bool) or cfg.do_stages not in (0, 1):
+        raise ValueError(f"config: do_stages must be 0 (dO in the Q ring) or 1, got {cfg}")
+    if cfg.do_stages == 1 and not (d in WIDE_HEAD_DIMS and cfg.split_s):
+        # dO's own ring is released after the dV GEMM of the wide kernel's split step
+        raise ValueError(f"config: do_stages 1 needs the wide kernel (head_dim above 128) with split_s, got {cfg} "
+                         f"at head_dim {d}")
     if not isinstance(cfg.block_m, int) or isinstance(cfg.block_m, bool) or cfg.block_m not in (64, 128):
         raise ValueError(f"config: block_m must be 64 or 128, got {cfg}")
     if cfg.block_m == 128 and (block_d(d) != 64 or d in WIDE_HEAD_DIMS or not cfg.dq_split or not cfg.stats_smem
@@ -694,7 +709,8 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
 
         # constexprs, in the kernel's order
         static = (*strides, total_q, total_k, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial,
-                  cfg.consumer_regs, cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma, varlen is not None)
+                  cfg.consumer_regs, cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma, varlen is not None,
+                  cfg.do_depth())
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 

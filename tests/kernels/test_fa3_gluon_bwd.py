@@ -242,6 +242,32 @@ def test_block_m_128_configs(monkeypatch):
     assert fa3_gluon_bwd.variant_base(table, 64, True, dict(named_bars=False)) is table
 
 
+def test_do_stages_configs(monkeypatch):
+    """``do_stages`` 1 (dO in a one-slot ring of its own): the wide kernel's split step only; at 256-wide tiles it
+    leaves room for both Pᵀ / dSᵀ buffers (214640 B compiled at d = 256, sm_90a, Triton 3.6; dO in the Q ring with
+    one buffer: 230992), at 192-wide ones for a third Q stage; the kernel gets DO_STAGES."""
+    base = replace(gluon_bwd_config(256, False), split_s=True, do_stages=1)
+    for d in (136, 192, 200, 256):
+        fa3_gluon_bwd._check_config(base, d, 2)  # accepted
+    fa3_gluon_bwd._check_config(replace(base, dq_tma=False, pt_separate=True), 256, 2)
+    fa3_gluon_bwd._check_config(replace(base, num_stages=3), 192, 2)
+    assert 0 <= smem_bytes(base, 256) - 214640 <= 1024
+    assert 0 <= smem_bytes(replace(base, do_stages=0), 256) - 230992 <= 1024
+    assert base.do_depth() == 1 and replace(base, do_stages=0).do_depth() == 2
+    for d, bad, what in [(256, replace(base, do_stages=2), "do_stages must be"),
+                         (256, replace(base, do_stages=True), "do_stages must be"),
+                         (256, replace(base, split_s=False), "do_stages 1 needs"),
+                         (128, replace(gluon_bwd_config(128, False), do_stages=1), "do_stages 1 needs"),
+                         (256, replace(base, num_stages=3), "shared memory")]:
+        with pytest.raises(ValueError, match=what):
+            fa3_gluon_bwd._check_config(bad, d, 2)
+    calls = _record_launches(monkeypatch)
+    q = torch.zeros(1, 2, 100, 256, dtype=BF16)
+    fa3_gluon_backward(q, q, q, q, q, torch.zeros(1, 2, 100), softmax_scale=0.5, config=base)
+    bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+    assert bound["DO_STAGES"] == 1 and bound["NUM_STAGES"] == 2 and bound["SPLIT_S"] is True
+
+
 def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     """Above d = 128 a config must describe the wide kernel (no dQ split / swizzle / release-once, the statistics
     through shared memory, Pᵀ in its own tiles exactly when dQ is reduced from registers): anything else is a
@@ -606,6 +632,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["DQacc"].shape == (b * hq, _rows(nq), 256) and bound["stride_acc_h"] == _rows(nq) * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["TILE_D"], bound["NUM_STAGES"], bound["CAUSAL"],
             bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, True, True)
+    assert bound["DO_STAGES"] == 2  # dO in the Q ring
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
@@ -972,22 +999,25 @@ def test_gpu_wide_kernel_matches_oracle(d, causal, nq, nk):
 # above 192)
 WIDE_VARIANTS = {"default": {}, "registers": dict(dq_tma=False, pt_separate=True, split_s=False),
                  "split_s": dict(split_s=True, dq_tma=False, pt_separate=True), "split_s_tma": dict(split_s=True),
-                 "tma_unsplit": dict(split_s=False)}
+                 "tma_unsplit": dict(split_s=False), "split_s_do1": dict(split_s=True, do_stages=1),
+                 "split_s_do1_regs": dict(split_s=True, do_stages=1, dq_tma=False, pt_separate=True)}
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("variant,d", [(v, d) for v in ("split_s", "registers") for d in (136, 192, 200, 256)]
                          + [("tma_unsplit", d) for d in (136, 160, 192)]
-                         + [("split_s_tma", d) for d in (136, 160, 192, 200, 256)])
+                         + [("split_s_tma", d) for d in (136, 160, 192, 200, 256)]
+                         + [("split_s_do1", d) for d in (136, 192, 200, 256)] + [("split_s_do1_regs", 256)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 300), (333, 517), (517, 333), (100, 40)])
 def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
     """``split_s`` (each warpgroup 32 of the 64 q columns of Sᵀ / dPᵀ, Pᵀ and dSᵀ exchanged through shared tiles;
     dQ from registers, or through TMA with ``split_s_tma``) and ``registers`` (dQ reduced from registers, Pᵀ in its
-    own tiles; the table's dq_tma is ``test_gpu_wide_kernel_matches_oracle``): GQA 4:2, ragged Nq / Nk, ping-pong
-    on and off, against the float64 oracle."""
+    own tiles; the table's dq_tma is ``test_gpu_wide_kernel_matches_oracle``), ``split_s_do1`` (dO in a one-slot ring
+    of its own, released after the dV GEMM; both Pᵀ / dSᵀ buffers at 256-wide tiles): GQA 4:2, ragged Nq / Nk,
+    ping-pong on and off, against the float64 oracle."""
     q, k, v, do = inputs(2, 4, 2, nq, nk, d, BF16, "cuda", seed=d + nk + causal)
     cfg = replace(gluon_bwd_config(d, causal), pingpong=pingpong, **WIDE_VARIANTS[variant])
     got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
@@ -999,13 +1029,15 @@ def test_gpu_wide_variants_match_oracle(variant, d, causal, pingpong, nq, nk):
 @hopper
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("d,variant", [(d, v) for d in (192, 256) for v in ("default", "split_s", "registers")]
-                         + [(192, "3 stages"), (192, "tma_unsplit"), (256, "split_s_tma")])
+                         + [(192, "3 stages"), (192, "tma_unsplit"), (256, "split_s_tma"), (256, "split_s_do1"),
+                            (192, "split_s_do1 3 stages")])
 def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
     """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
     (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, d, F16, "cuda", seed=5 + pingpong)
     # 3 stages: without split_s (with it, the dQ staging tiles leave room for 2)
-    flags = dict(num_stages=3, split_s=False) if variant == "3 stages" else WIDE_VARIANTS[variant]
+    flags = dict(num_stages=3, split_s=False) if variant == "3 stages" else dict(
+        num_stages=3, split_s=True, do_stages=1) if variant == "split_s_do1 3 stages" else WIDE_VARIANTS[variant]
     cfg = replace(gluon_bwd_config(d, True), pingpong=pingpong, **flags)
     for causal in (False, True):
         got, ref, visible = run(q, k, v, do, causal=causal, config=cfg)
