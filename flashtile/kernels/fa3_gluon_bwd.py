@@ -428,7 +428,8 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             WG: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             MASKED: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
             STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
-            GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr):
+            GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr,
+            PT_REGS: gl.constexpr):
     """q tile ``first_m + it`` (``BLOCK_M`` rows) against this warpgroup's 64 kv rows ``kv_rows``: dV, dK updated in
     registers, dQ's partial added into the accumulator (``DQ_TMA``: through ``dq_smem`` and ``dq_desc``, a rank-3 one
     at head ``g`` with ``GROUP_LOOP`` or ``HOST_DESC``).  LSE, Delta, DQacc point at this (batch, q head);
@@ -498,15 +499,21 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
             keep = keep & (gl.expand_dims(kv_rows - (seqlen_k - seqlen_q) - m0, 1) <= gl.expand_dims(cols, 0))
         pt = gl.where(keep, pt, 0.0)
     # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
-    # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait
+    # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait.
+    # PT_REGS: the register operand (no Pᵀ tile, store, fence or barrier)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
-    if PT_SEPARATE:
-        pt_wg = pt_smem.index(WG + z)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if PT_REGS:
+        pt_a = gl.convert_layout(pt.to(dtype), a_layout)
+        dv = warpgroup_mma(pt_a, do_s, dv, is_async=True)
     else:
-        pt_wg = ds_smem.index(2 * NDS + WG + z)
-    pt_wg.store(pt.to(dtype))
-    fence_async_shared()
-    dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
+        if PT_SEPARATE:
+            pt_wg = pt_smem.index(WG + z)
+        else:
+            pt_wg = ds_smem.index(2 * NDS + WG + z)
+        pt_wg.store(pt.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(pt_wg, do_s, dv, is_async=True)
     dpt = warpgroup_mma_wait(1, deps=(dpt,))  # dPᵀ - D done, dV may still run
     dst = pt * dpt
     dst16 = dst.to(dtype)
@@ -524,7 +531,6 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         ds_wg = ds_smem.index(WG + z)
     ds_wg.store(dst16)
     fence_async_shared()
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     ds_a = gl.convert_layout(dst16, a_layout)
     dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
     # the accumulator has BLOCK_D columns and its rows padded to a multiple of BLOCK_M: no mask; int64 (Nq * BLOCK_D
@@ -569,8 +575,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dq = warpgroup_mma(ds_0.permute((1, 0)), k_0, gl.zeros([64, DQN], gl.float32, layout=dq_layout),
                            use_acc=False, is_async=True)
         dq = warpgroup_mma(ds_1.permute((1, 0)), k_1, dq, is_async=True)
-        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
-        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        # ds_a (and with PT_REGS pt_a) is read by the in-flight dK (dV) GEMM from registers: alive until this wait
+        if PT_REGS:
+            dv, dk, dq, ds_a, pt_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a, pt_a))
+        else:
+            dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         if NAMED_BARS:
             _slot_release(qdo_empty, slot, NAMED_BARS=True)  # Q_i and dO_i read for the last time
         else:
@@ -593,8 +602,11 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         dq_zero = gl.zeros([64, DQ_CHUNK], gl.float32, layout=dq_layout)
         ds_t = ds_wg.permute((1, 0))
         dq = warpgroup_mma(ds_t, k_wg.slice(0, DQ_CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-        # ds_a is read by the in-flight dK GEMM from registers: kept alive until this wait
-        dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
+        # ds_a (and with PT_REGS pt_a) is read by the in-flight dK (dV) GEMM from registers: alive until this wait
+        if PT_REGS:
+            dv, dk, dq, ds_a, pt_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a, pt_a))
+        else:
+            dv, dk, dq, ds_a = warpgroup_mma_wait(0, deps=(dv, dk, dq, ds_a))
         _slot_release(qdo_empty, slot, NAMED_BARS=NAMED_BARS)  # Q_i and dO_i read for the last time
         if DQ_TMA:
             gl.static_assert(DQ_CHUNK == BLOCK_D)  # one 64 x BLOCK_D fp32 tile per warpgroup and step
@@ -618,7 +630,7 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
               CAUSAL: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr,
               STATS_SMEM: gl.constexpr, PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr,
               GROUP_LOOP: gl.constexpr, NAMED_BARS: gl.constexpr, DQDesc, dq_head0, HOST_DESC: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+              BLOCK_M: gl.constexpr, PT_REGS: gl.constexpr):
     """kv rows [start_n + WG * 64, + 64): the q loop over tiles of ``BLOCK_M`` rows (masked steps first: the causal
     diagonal, or every step when the kv tile crosses Nk; with ``GROUP_LOOP`` that loop for each of the kv head's
     ``group`` q heads, DQacc their first's accumulator, heads ``stride_acc_h`` apart), then dK · scale and dV stored.
@@ -661,7 +673,8 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                                      CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                                      RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
-                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M,
+                                     PT_REGS=PT_REGS)
                 for it in range(n_masked, n_iters):
                     dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready,
                                      qdo_empty, ds_full, ds_empty, turn_bars, LSE, Delta, acc_g, dq_desc, dq_smem,
@@ -670,7 +683,8 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                                      CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                                      PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                                      RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=True,
-                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
+                                     NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M,
+                                     PT_REGS=PT_REGS)
             if DQ_TMA:
                 tma.store_wait(0)
     elif n_iters > 0:
@@ -682,7 +696,8 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=True, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                              RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
-                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M,
+                                     PT_REGS=PT_REGS)
         for it in range(n_masked, n_iters):
             dk, dv = _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_ready, qdo_empty,
                              ds_full, ds_empty, turn_bars, LSE, Delta, DQacc, dq_desc, dq_smem, stats_smem, pt_smem,
@@ -690,7 +705,8 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
                              NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, MASKED=False, DQ_SPLIT=DQ_SPLIT, DQ_TMA=DQ_TMA,
                              PINGPONG=PINGPONG, STATS_SMEM=STATS_SMEM, PT_SEPARATE=PT_SEPARATE,
                              RELEASE_ONCE=RELEASE_ONCE, GROUP_LOOP=False,
-                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M)
+                             NAMED_BARS=NAMED_BARS, HOST_DESC=HOST_DESC, BLOCK_M=BLOCK_M,
+                                     PT_REGS=PT_REGS)
         if DQ_TMA:
             tma.store_wait(0)  # the last reduce has read its tile before the program's shared memory is released
     dk = dk * softmax_scale
@@ -726,7 +742,7 @@ def fa3_gluon_bwd_kernel(
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
     PT_SEPARATE: gl.constexpr, RELEASE_ONCE: gl.constexpr, GROUP_LOOP: gl.constexpr, IS_VARLEN: gl.constexpr,
-    NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr,
+    NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr, PT_REGS: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
     head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and Delta are (B, Hq,
@@ -741,6 +757,7 @@ def fa3_gluon_bwd_kernel(
     offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k`` are read only then.
     ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, dQ split by rows;
     with ``DQ_SPLIT``, BLOCK_D <= 64, fixed length, no ``HOST_DESC``: DQacc and the statistics padded to 128 rows).
+    ``PT_REGS``: Pᵀ the dV GEMM's register operand, no Pᵀ tiles (FA3's Mma_dKV_is_RS; not with ``PT_SEPARATE``).
     Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides and box width
     gl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -795,7 +812,11 @@ def fa3_gluon_bwd_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_D], q_layout)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
     # dSᵀ of warpgroup w in buffer b at 2 b + w, its Pᵀ at 2 NDS + w (PT_SEPARATE: at w of pt_smem)
-    if PT_SEPARATE:
+    gl.static_assert(not (PT_REGS and PT_SEPARATE))
+    if PT_REGS:
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, BLOCK_M], ds_layout)
+        pt_smem = ds_smem  # unread: Pᵀ is a register operand
+    elif PT_SEPARATE:
         # Pᵀ in its own allocation: Triton's barrier analysis (per allocation) then needs no bar.sync between the
         # dV GEMM's read of Pᵀ and the dSᵀ store
         ds_smem = gl.allocate_shared_memory(dtype, [2 * NDS, 64, BLOCK_M], ds_layout)
@@ -872,12 +893,12 @@ def fa3_gluon_bwd_kernel(
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 0, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M, PT_REGS)),
         (_consumer, (dk_base, dv_base, lse_base, delta_base, acc_base, k_smem, v_smem, q_smem, do_smem, ds_smem,
          dq_smem, stats_smem, pt_smem, kv_bar, q_ready, do_ready, qdo_empty, ds_full, ds_empty, turn_bars, qk_scale,
          softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
          kv_group, stride_acc_h, 1, HEAD_DIM, BLOCK_D, NUM_STAGES, CAUSAL, DQ_SPLIT, DQ_TMA, PINGPONG, STATS_SMEM,
-         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M)),
+         PT_SEPARATE, RELEASE_ONCE, GROUP_LOOP, NAMED_BARS, DQDesc, dq_head0, HOST_DESC, BLOCK_M, PT_REGS)),
         (_producer, (q_base, k_base, v_base, do_base, stats_base, k_smem, v_smem, q_smem, do_smem, stats_smem, kv_bar,
          q_ready, do_ready, slot_free, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q, seqlen_k, acc_rows,
          start_n, first_m, n_iters, kv_group, stride_qh, stride_doh, HEAD_DIM, BLOCK_D, NUM_STAGES, STATS_SMEM,

@@ -103,6 +103,10 @@ class GluonBwdConfig:
     # after the dV GEMM and refilled under dK / dQ, its 32 KB letting both Pᵀ / dSᵀ buffers fit beside 256-wide
     # tiles); 0: dO in the Q ring (num_stages deep)
     do_stages: int = 0
+    # the narrow kernel: Pᵀ the dV GEMM's register operand (FA3's Mma_dKV_is_RS), no Pᵀ tiles, store, fence or
+    # barrier; not with pt_separate (sm_90a at d = 64, 128-row steps: 601 instructions per step against 654, no
+    # spills non-causal; ptxas spills at d = 128)
+    pt_regs: bool = False
 
     def do_depth(self) -> int:
         """The kernels' DO_STAGES: dO's ring depth."""
@@ -130,7 +134,8 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
         dq_tiles = 2 * 64 * 32 * 4 if cfg.split_s and cfg.dq_tma and two_bufs else 0
         ring = (cfg.num_stages + cfg.do_depth()) * BLOCK_M
         return (2 * 64 + ring) * wide_tile_d(d) * esize + 4 * 64 * 64 * esize + dq_tiles + stats + 1024
-    tiles = 6 if cfg.dq_split else 4  # [64, block_m] dSᵀ / Pᵀ tiles
+    # [64, block_m] dSᵀ tiles (two buffers with dq_split) and Pᵀ ones (none with pt_regs)
+    tiles = (4 if cfg.dq_split else 2) + (0 if cfg.pt_regs else 2)
     # each warpgroup's fp32 dQ part: 64 rows, half of d when split by columns (block_m 64)
     dq_tiles = 2 * 64 * (bd // 2 if cfg.dq_split and bm == 64 else bd) * 4 if cfg.dq_tma else 0
     stats = cfg.num_stages * 2 * bm * 4 if cfg.stats_smem else 0
@@ -237,7 +242,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
     for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once",
-                 "split_s", "group_loop", "named_bars", "host_desc"):
+                 "split_s", "group_loop", "named_bars", "host_desc", "pt_regs"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
@@ -278,6 +283,9 @@ def _check_config(cfg, d: int, esize: int) -> None:
         raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
     if not isinstance(cfg.do_stages, int) or isinstance(cfg.do_stages, bool) or cfg.do_stages not in (0, 1):
         raise ValueError(f"config: do_stages must be 0 (dO in the Q ring) or 1, got {cfg}")
+    if cfg.pt_regs and (d in WIDE_HEAD_DIMS or cfg.pt_separate):
+        raise ValueError(f"config: pt_regs is True only up to head_dim 128 and without pt_separate (no Pᵀ tiles), got "
+                         f"{cfg} at head_dim {d}")
     if cfg.do_stages == 1 and not (d in WIDE_HEAD_DIMS and cfg.split_s):
         # dO's own ring is released after the dV GEMM of the wide kernel's split step
         raise ValueError(f"config: do_stages 1 needs the wide kernel (head_dim above 128) with split_s, got {cfg} "
@@ -717,7 +725,7 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         static = (*strides, total_q, total_k, d, block_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.dq_split, cfg.dq_tma, cfg.pingpong, cfg.stats_smem,
                   cfg.dq_swizzle32, cfg.pt_separate, cfg.release_once, group_loop, varlen is not None, cfg.named_bars,
-                  cfg.host_desc, cfg.block_m)
+                  cfg.host_desc, cfg.block_m, cfg.pt_regs)
     return kernel, grid, static
 
 

@@ -205,6 +205,14 @@ def test_block_m_128_configs(monkeypatch):
         fa3_gluon_bwd._check_config(replace(base, group_loop=True), d, 2)
     assert 0 <= smem_bytes(base, 64) - 231936 <= 1024 and smem_bytes(base, 64) <= SMEM_LIMIT
     assert smem_bytes(replace(base, num_stages=3), 64) > SMEM_LIMIT
+    # pt_regs: no Pᵀ tiles (199088 B compiled at d = 64, 128-row steps)
+    fa3_gluon_bwd._check_config(replace(base, pt_regs=True, pt_separate=False), 64, 2)
+    assert 0 <= smem_bytes(replace(base, pt_regs=True, pt_separate=False), 64) - 199088 <= 1024
+    for d, bad in [(64, replace(base, pt_regs=True)), (256, replace(gluon_bwd_config(256, False), pt_regs=True))]:
+        with pytest.raises(ValueError, match="pt_regs"):
+            fa3_gluon_bwd._check_config(bad, d, 2)
+    with pytest.raises(TypeError, match="pt_regs"):
+        fa3_gluon_bwd._check_config(replace(base, pt_regs=1, pt_separate=False), 64, 2)
     for d, bad, what in [(64, replace(base, block_m=96), "block_m must be"), (64, replace(base, block_m=True),
                                                                             "block_m must be"),
                          (128, replace(gluon_bwd_config(128, False), block_m=128), "block_m 128"),
@@ -222,6 +230,7 @@ def test_block_m_128_configs(monkeypatch):
     fa3_gluon_backward(q, q, k, k, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True, config=base)
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
     assert bound["BLOCK_M"] == 128 and bound["DQ_SPLIT"] is True and bound["NUM_STAGES"] == 2
+    assert bound["PT_REGS"] is False
     assert bound["DQacc"].shape == (b * hq, _rows(nq, 128), 64) == (b * hq, 384, 64)
     assert bound["LSE"].shape == (b * hq, 2, 384)
     calls.clear()
@@ -1202,12 +1211,15 @@ def test_gpu_named_bars(d, causal, shape, flags):
     (64, False, (2, 4, 2, 333, 517), dict(release_once=True)),
     (64, True, (2, 8, 2, 333, 517), dict(group_loop=True)), (64, False, (1, 8, 2, 4096, 4096), dict(group_loop=True)),
     (64, True, (2, 8, 2, 333, 517), dict(group_loop=True, named_bars=True)),
-    (48, False, (2, 6, 2, 517, 333), dict(group_loop=True, named_bars=True, dq_tma=False, dq_swizzle32=False))])
+    (48, False, (2, 6, 2, 517, 333), dict(group_loop=True, named_bars=True, dq_tma=False, dq_swizzle32=False)),
+    *[(64, c, (2, 4, 2, 333, 517), dict(pt_regs=True, pt_separate=False, named_bars=True)) for c in (False, True)],
+    (64, True, (1, 2, 2, 4096, 4096), dict(pt_regs=True, pt_separate=False)),
+    (40, False, (2, 4, 2, 517, 333), dict(pt_regs=True, pt_separate=False, dq_tma=False, dq_swizzle32=False))])
 def test_gpu_block_m_128(d, causal, shape, flags):
     """``block_m`` 128 (FA3's d = 64 tiles; dQ split by rows): ragged Nq / Nk both ways, GQA partials, one query
     row and one key, 32 ring rounds at 4k (the causal diagonal crossing a 128-row tile twice), dQ by register
     reductions, 128-byte swizzled dQ tiles, without ping-pong, named barriers, release_once, the GQA group loop
-    (with and without named barriers)."""
+    (with and without named barriers), Pᵀ as the dV GEMM's register operand (``pt_regs``)."""
     fields = {**dict(block_m=128, num_stages=2, named_bars=False), **flags}  # mbarriers unless the case says
     _check_switch(d, causal, shape, fields, seed=shape[3] + d + 7 * causal)
 
