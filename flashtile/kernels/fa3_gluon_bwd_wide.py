@@ -21,10 +21,12 @@ warpgroups) that both then read whole: 5 GEMM passes, one exchange per step. ``D
 [64, 32] fp32 shared tile per warpgroup and TMA bulk reduce-adds (FA3's way) instead of vector reductions from
 registers; without ``SPLIT_S`` Pᵀ is then the dV GEMM's register operand, its shared tiles' 16 KB holding the
 staging tiles; with it the staging tiles take their own 16 KB, beside two Pᵀ / dSᵀ buffers at TILE_D = 192 and one
-at 256 (all that fits).
+at 256 (all that fits), or two there with ``DO_STAGES`` = 1 (dO in a one-slot ring of its own, released after the
+dV GEMM).
 
 Shared memory at TILE_D = 256, bf16: K, V 64 KB, 2 stages of Q and dO 128 KB, Pᵀ and dSᵀ 32 KB, statistics 1 KB: 225
-KB of the 227 (177 KB at TILE_D = 192; 194 KB there with ``SPLIT_S`` and ``DQ_TMA``). TMA zero-fills columns past
+KB of the 227 (177 KB at TILE_D = 192; 194 KB there with ``SPLIT_S`` and ``DQ_TMA``; with one dO buffer 210 KB at
+256 with ``SPLIT_S``, ``DQ_TMA`` and two Pᵀ / dSᵀ buffers). TMA zero-fills columns past
 d; stores are masked. The dQ accumulator's rows are ``BLOCK_D`` = 256 wide either way. The host launcher is
 :mod:`flashtile.runtime.fa3_gluon_bwd`; descriptors need ``triton.set_allocator``.
 """
@@ -255,12 +257,12 @@ def _wide_q_step_split(it, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do
 
     slot = it % NUM_STAGES
     phase = (it // NUM_STAGES) & 1
-    dslot = it % DO_STAGES
     DS_BUFS: gl.constexpr = pt_smem.shape[0]  # Pᵀ / dSᵀ buffers: 2, or 1 where shared memory holds one only
     buf = it % DS_BUFS
-    # K, V and the Pᵀ / dSᵀ buffers indexed by an opaque zero: constant indices let LLVM hoist the wgmma
-    # descriptors (64-bit each) out of the q loop, and ptxas spills them
+    # K, V, the Pᵀ / dSᵀ buffers and a one-slot dO ring indexed by an opaque zero: constant indices let LLVM hoist
+    # the wgmma descriptors (64-bit each) out of the q loop, and ptxas spills them
     z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+    dslot = it % DO_STAGES + z
     k_t, k_t_hi, v_t, v_t_hi, q_s, q_s_hi, do_s, do_s_hi, q_w, do_w, k_w = _step_tiles(
         z, slot, dslot, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, WG=WG)
     pt_b = pt_smem.index(buf + z)
@@ -478,7 +480,10 @@ def fa3_gluon_bwd_wide_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())  # own dO ring only
+    if DO_STAGES != NUM_STAGES:  # dO's own ring: its slots' releases
+        do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        do_empty = qdo_empty  # unread: warp_specialize's arguments must be IR values
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: one per consumer
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(2):
@@ -494,10 +499,13 @@ def fa3_gluon_bwd_wide_kernel(
         ds_empty = turn_bars
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
+        if DO_STAGES == NUM_STAGES:
+            mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(DO_STAGES):
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(do_empty.index(i), count=2)
+    if DO_STAGES != NUM_STAGES:
+        for i in gl.static_range(DO_STAGES):
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(do_empty.index(i), count=2)
 
     q_base, do_base, k_base, v_base, dk_base, dv_base, acc_base, acc_rows, stats_base = _program_bases(
         Q, DO, K, V, DK, DV, DQacc, Stats, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,

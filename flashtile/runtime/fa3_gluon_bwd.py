@@ -120,10 +120,11 @@ def smem_bytes(cfg: GluonBwdConfig, d: int, esize: int = 2) -> int:
     steps), with ``stats_smem`` ``num_stages`` pairs of ``block_m`` fp32 row statistics, under 1 KB of mbarriers
     (sm_90a compiles, Triton 3.6: 164544 B at d = 128 with 2 stages, 197360 with 3, 213776 with 3 and dq_split, 213728
     with 2, dq_split and dq_tma, 214512 with stats_smem too; 99008 / 131824 at d = 64 with 2 / 4; 231936 at 128
-    rows).  The wide kernel (d > 128): K and V of 64 rows, the ring (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ
-    tiles (or two dSᵀ and two fp32 [64, 32] dQ tiles; all six with ``split_s`` and ``dq_tma`` at 192-wide tiles,
-    one Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones), the statistics (230896 B compiled at d = 256, 2 stages;
-    181744 / 231456 at d = 192, 2 / 3 stages)."""
+    rows; without the two Pᵀ tiles with ``pt_regs``).  The wide kernel (d > 128): K and V of 64 rows, the ring of
+    ``num_stages`` Q and ``do_depth()`` dO tiles (``wide_tile_d(d)`` wide), two Pᵀ and two dSᵀ tiles (or two dSᵀ and
+    two fp32 [64, 32] dQ tiles; all six with ``split_s`` and ``dq_tma`` at 192-wide tiles or with one dO buffer, one
+    Pᵀ and one dSᵀ beside the dQ tiles at 256-wide ones otherwise), the statistics (230896 B compiled at d = 256, 2
+    stages; 181744 / 231456 at d = 192, 2 / 3 stages; 214640 at 256 with ``split_s`` and one dO buffer)."""
     bd = block_d(d)
     bm = cfg.block_m
     if d in WIDE_HEAD_DIMS:
@@ -252,9 +253,9 @@ def _check_config(cfg, d: int, esize: int) -> None:
         # would not describe what runs
         if cfg.dq_split or cfg.dq_swizzle32 or cfg.release_once or not cfg.stats_smem or \
                 cfg.pt_separate == cfg.dq_tma:
-            raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong, split_s and dq_tma "
-                             f"vary (stats_smem True, pt_separate = not dq_tma, the other dQ flags False), got {cfg} "
-                             f"at head_dim {d}")
+            raise ValueError(f"config: above head_dim 128 only num_stages, registers, pingpong, split_s, dq_tma and "
+                             f"do_stages vary (stats_smem True, pt_separate = not dq_tma, the other dQ flags False), got "
+                             f"{cfg} at head_dim {d}")
     else:
         if cfg.split_s:
             raise ValueError(f"config: split_s is True only above head_dim 128 (the wide kernel), got {cfg} at "

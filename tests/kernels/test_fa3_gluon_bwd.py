@@ -1044,7 +1044,8 @@ def test_gpu_wide_kernel_fp16_schedules_and_long_sequence(pingpong, variant, d):
     """fp16, ping-pong on and off, each dQ / score variant (and 3 ring stages with 192-wide tiles), 2000 x 3000
     (many q steps, several kv programs per head, unmasked interior tiles), MQA."""
     q, k, v, do = inputs(1, 3, 1, 2000, 3000, d, F16, "cuda", seed=5 + pingpong)
-    # 3 stages: without split_s (with it, the dQ staging tiles leave room for 2)
+    # 3 stages: without split_s (with it and dO in the Q ring the dQ staging tiles leave room for 2; with one dO
+    # buffer 3 Q stages fit at 192-wide tiles)
     flags = dict(num_stages=3, split_s=False) if variant == "3 stages" else dict(
         num_stages=3, split_s=True, do_stages=1) if variant == "split_s_do1 3 stages" else WIDE_VARIANTS[variant]
     cfg = replace(gluon_bwd_config(d, True), pingpong=pingpong, **flags)
