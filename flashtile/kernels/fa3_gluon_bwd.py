@@ -498,9 +498,9 @@ def _q_step(it, dk, dv, k_smem, v_smem, ds_smem, q_smem, do_smem, q_ready, do_re
         if CAUSAL:
             keep = keep & (gl.expand_dims(kv_rows - (seqlen_k - seqlen_q) - m0, 1) <= gl.expand_dims(cols, 0))
         pt = gl.where(keep, pt, 0.0)
-    # Pᵀ reaches the dV GEMM through shared memory: as a register operand (16 registers alive while the GEMM
-    # runs) ptxas spills at d = 128; the previous step's GEMMs reading these tiles retired at its final wait.
-    # PT_REGS: the register operand (no Pᵀ tile, store, fence or barrier)
+    # Pᵀ reaches the dV GEMM through shared memory (the previous step's GEMMs reading these tiles retired at its
+    # final wait), or with PT_REGS as its register operand (no Pᵀ tile, store, fence or barrier; 16-32 registers
+    # alive while the GEMM runs)
     NDS: gl.constexpr = 2 if DQ_SPLIT else 1  # dSᵀ buffers per warpgroup
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     if PT_REGS:

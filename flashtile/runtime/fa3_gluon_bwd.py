@@ -104,8 +104,8 @@ class GluonBwdConfig:
     # tiles); 0: dO in the Q ring (num_stages deep)
     do_stages: int = 0
     # the narrow kernel: Pᵀ the dV GEMM's register operand (FA3's Mma_dKV_is_RS), no Pᵀ tiles, store, fence or
-    # barrier; not with pt_separate (sm_90a at d = 64, 128-row steps: 601 instructions per step against 654, no
-    # spills non-causal; ptxas spills at d = 128)
+    # barrier; not with pt_separate (sm_90a: 601 instructions per 128-row step against 654 at d = 64; at d = 128 450
+    # against 468 per step and room for a third ring stage, 231456 B; no spills non-causal, 4-112 B causal)
     pt_regs: bool = False
 
     def do_depth(self) -> int:

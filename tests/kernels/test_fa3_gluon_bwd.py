@@ -205,7 +205,10 @@ def test_block_m_128_configs(monkeypatch):
         fa3_gluon_bwd._check_config(replace(base, group_loop=True), d, 2)
     assert 0 <= smem_bytes(base, 64) - 231936 <= 1024 and smem_bytes(base, 64) <= SMEM_LIMIT
     assert smem_bytes(replace(base, num_stages=3), 64) > SMEM_LIMIT
-    # pt_regs: no Pᵀ tiles (199088 B compiled at d = 64, 128-row steps)
+    # pt_regs: no Pᵀ tiles (199088 B compiled at d = 64, 128-row steps; 231456 at d = 128 with 3 stages)
+    p128 = replace(gluon_bwd_config(128, False), pt_regs=True, pt_separate=False, num_stages=3)
+    fa3_gluon_bwd._check_config(p128, 128, 2)
+    assert 0 <= smem_bytes(p128, 128) - 231456 <= 1024
     fa3_gluon_bwd._check_config(replace(base, pt_regs=True, pt_separate=False), 64, 2)
     assert 0 <= smem_bytes(replace(base, pt_regs=True, pt_separate=False), 64) - 199088 <= 1024
     for d, bad in [(64, replace(base, pt_regs=True)), (256, replace(gluon_bwd_config(256, False), pt_regs=True))]:
@@ -1223,6 +1226,22 @@ def test_gpu_block_m_128(d, causal, shape, flags):
     (with and without named barriers), Pᵀ as the dV GEMM's register operand (``pt_regs``)."""
     fields = {**dict(block_m=128, num_stages=2, named_bars=False), **flags}  # mbarriers unless the case says
     _check_switch(d, causal, shape, fields, seed=shape[3] + d + 7 * causal)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,causal,shape,flags", [
+    *[(d, c, (2, 4, 2, 333, 517), {}) for d in (128, 96) for c in (False, True)],
+    *[(128, c, (2, 4, 2, 517, 333), dict(num_stages=3)) for c in (False, True)],
+    (128, True, (1, 2, 2, 4096, 4096), dict(num_stages=3)), (80, False, (1, 2, 2, 1, 300), dict(num_stages=3)),
+    (128, True, (2, 4, 1, 333, 517), dict(group_loop=True)), (128, False, (2, 4, 2, 333, 517), dict(named_bars=True)),
+    (128, True, (2, 4, 2, 333, 517), dict(host_desc=True, num_stages=3)),
+    (128, False, (1, 4, 2, 700, 600), dict(num_stages=3, dq_split=False, dq_tma=False, stats_smem=False))])
+def test_gpu_pt_regs(d, causal, shape, flags):
+    """``pt_regs`` (Pᵀ the dV GEMM's register operand, no Pᵀ tiles) on the 64-row table's configs at 128-wide tiles:
+    ragged both ways, GQA, one query row, 4k, 3 ring stages (what the freed tiles make room for), the group loop,
+    named barriers, host descriptors, dQ by register reductions without the statistics in shared memory."""
+    _check_switch(d, causal, shape, dict(pt_regs=True, pt_separate=False, **flags), seed=shape[3] + d + 11 * causal)
 
 
 def _check_switch(d, causal, shape, fields, seed, layout="bhnd"):
