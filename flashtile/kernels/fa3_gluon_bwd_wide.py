@@ -408,8 +408,8 @@ def fa3_gluon_bwd_wide_kernel(
     DO_STAGES: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
-    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the zeroed (B * Hq, Nq rounded up
-    to 64, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
+    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the zeroed (B * Hq,
+    the same rows, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
     by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row), ``HEAD_DIM`` >
     128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
     :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  ``DO_STAGES`` (``SPLIT_S`` only, 1 or
