@@ -97,7 +97,7 @@ class GluonBwdConfig:
     host_desc: bool = False
     # q rows per step: 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, half the steps and their
     # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
-    # without host_desc (a packed call runs 64; the table takes 128 there but with the group loop)
+    # without host_desc (a packed call runs 64; the table takes 128 there except with the group loop)
     block_m: int = 64
     # the wide kernel with split_s: dO in a ring of its own this deep (1: FA3's single dO buffer at d = 256, released
     # after the dV GEMM and refilled under dK / dQ, its 32 KB letting both Pᵀ / dSᵀ buffers fit beside 256-wide
