@@ -85,6 +85,9 @@ class GluonConfig:
     # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile);
     # off: 0.99-1.01x at d = 128 (H200, bench/NOTES.md "Gluon backward: 128 q rows per step")
     named_bars: bool = False
+    # a second key part of this many keys after block_n's (0: none): kv tiles of block_n + block_n1 keys, e.g.
+    # 128 + 64 at d = 128 (FA3 runs 176); unsplit head dims, fixed lengths, not causal
+    block_n1: int = 0
 
     @property
     def block_m(self) -> int:
@@ -131,7 +134,8 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
     if cfg.o_coalesced and not cfg.o_tma:
         tile = 64 * d0 * esize
         conv = (cfg.num_wg + 1) * min(8192, tile) if d1 else cfg.num_wg * min(tile, max(8192, tile // 2))
-    return cfg.block_m * width * esize + cfg.num_stages * 2 * cfg.block_n * width * esize + 1024 + conv
+    keys = cfg.block_n + cfg.block_n1
+    return cfg.block_m * width * esize + cfg.num_stages * 2 * keys * width * esize + 1024 + conv
 
 
 # B * Hq * Nq * Nk * d from which a call builds its TMA descriptors on the host (H100, scratch/gdesc_probe.py:
@@ -299,6 +303,8 @@ def _check_config(cfg) -> None:
         # one slot would serialise every load behind a GEMM (the kernel's static_assert); the masks' aranges need
         # a power of two
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
+    if cfg.block_n1 not in (0, 16, 32, 64, 128, 256) or cfg.block_n1 > cfg.block_n:
+        raise ValueError(f"config: block_n1 must be 0 or a power of two in [16, block_n], got {cfg}")
     if not isinstance(cfg.split_d, bool):
         raise TypeError(f"config: split_d must be a bool, got {cfg}")
     if not isinstance(cfg.persistent, bool):
@@ -410,17 +416,20 @@ def _desc_strides(x: torch.Tensor) -> list[int] | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype) -> tuple:
+def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype, block_n1: int = 0) -> tuple:
     """Per kernel argument ``q_desc0`` ... ``o_desc1``: (tensor index in q, k, v, out; box; its layout), or
-    None (the second part when unsplit, ``d1`` 0; O unless ``o_tma``).  Keyed on ints: hashing a GluonConfig
-    per call costs more than the descriptors."""
+    None (the second part when unsplit, ``d1`` 0, unless K's and V's second key part, ``block_n1`` rows; O
+    unless ``o_tma``).  Keyed on ints: hashing a GluonConfig per call costs more than the descriptors."""
     plan = []
     for i, rows in enumerate((64, block_n, block_n, 64)):
-        for width in (d0, d1):
+        for part, width in enumerate((d0, d1)):
+            box_rows = rows
+            if part == 1 and width == 0 and block_n1 and i in (1, 2):
+                width, box_rows = d0, block_n1
             if width == 0 or (i == 3 and not o_tma):
                 plan.append(None)
             else:
-                plan.append((i, [1, 1, rows, width], _box_layout(rows, width, dtype)))
+                plan.append((i, [1, 1, box_rows, width], _box_layout(box_rows, width, dtype)))
     return tuple(plan)
 
 
@@ -434,7 +443,7 @@ def _desc_entries(q, k, v, out, cfg: GluonConfig) -> tuple | None:
         return None
     shapes = [list(x.shape) for x in xs]
     return tuple(None if e is None else (e[0], shapes[e[0]], strides[e[0]], e[1], e[2])
-                 for e in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype))
+                 for e in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype, cfg.block_n1))
 
 
 def bare_descriptor(base: torch.Tensor, shape: list, strides: list, box: list, layout):
@@ -470,6 +479,9 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
+    if cfg.block_n1 and (causal or varlen is not None or cfg.widths(d)[1]):
+        raise ValueError(f"config: block_n1 (a second key part) runs unsplit head dims, fixed lengths and no causal "
+                         f"mask, got {cfg} at d = {d}, causal = {causal}, packed = {varlen is not None}")
     # constexprs: no parameters without a packed batch
     total_q = total_k = n_batch = search_steps = None
     if varlen is not None:
@@ -516,7 +528,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(),
         cfg.pingpong_mode(), cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars,
+        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars, cfg.block_n1,
     )
     return GluonArgs(grid, static, descs, cfg.dynamic)
 
