@@ -138,6 +138,13 @@ def _load(src, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.
 
 
 @gluon.jit
+def _tiles(dtype: gl.constexpr, COUNT: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """``COUNT`` shared [ROWS, COLS] tiles (ring slots or warpgroups' rows) in the wgmma / TMA swizzle."""
+    return gl.allocate_shared_memory(dtype, [COUNT, ROWS, COLS], gl.NVMMASharedLayout.get_default_for([ROWS, COLS],
+                                                                                                      dtype))
+
+
+@gluon.jit
 def _load_part(src, row, bar, tile, HOST_DESC: gl.constexpr):
     """TMA copy of rows [row, + box), columns [0, box) into ``tile`` through ``src``'s second descriptor (the
     second key part's), counted on ``bar``; ``src`` as ``_load`` takes it."""
@@ -1175,38 +1182,23 @@ def fa3_gluon_kernel(
             full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N + BLOCK_N1,
                                             CAUSAL=CAUSAL)
 
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
-                                       gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
+    q_smem = _tiles(dtype, NUM_WG, 64, BLOCK_D0)
+    k_smem = _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D0)
     if FP8:
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_D0, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N], dtype))
+        v_smem = _tiles(dtype, NUM_STAGES, BLOCK_D0, BLOCK_N)
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
+        v_smem = _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D0)
     if BLOCK_D1 > 0:
-        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D1],
-                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_D1], dtype))
-        k_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
-        v_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
-        q_tiles = (q_smem, q_smem1)
-        k_tiles = (k_smem, k_smem1)
-        v_tiles = (v_smem, v_smem1)
+        q_tiles = (q_smem, _tiles(dtype, NUM_WG, 64, BLOCK_D1))
+        k_tiles = (k_smem, _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D1))
+        v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D1))
     elif BLOCK_N1 > 0:  # the second tile of K and V: the second key part
-        k_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N1, BLOCK_D0],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N1, BLOCK_D0], dtype))
-        if FP8:
-            v_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_D0, BLOCK_N1],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N1], dtype))
-        else:
-            v_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N1, BLOCK_D0],
-                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N1, BLOCK_D0], dtype))
         q_tiles = (q_smem,)
-        k_tiles = (k_smem, k_smem1)
-        v_tiles = (v_smem, v_smem1)
+        k_tiles = (k_smem, _tiles(dtype, NUM_STAGES, BLOCK_N1, BLOCK_D0))
+        if FP8:
+            v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_D0, BLOCK_N1))
+        else:
+            v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_N1, BLOCK_D0))
     else:
         q_tiles = (q_smem,)
         k_tiles = (k_smem,)
