@@ -718,7 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     s90.set_defaults(func=_cmd_bench_sm90)
     cfs = bsub.add_parser("configs", help="the dispatched Hopper config against named variants of it (checked "
                                           "against FA2, timed in interleaved rounds, FA3 beside the forward)")
-    cfs.add_argument("routine", choices=["gluon-fwd", "gluon-bwd"])
+    cfs.add_argument("routine", choices=["gluon-fwd", "gluon-bwd", "gluon-fp8"])
     cfs.add_argument("--variant", action="append", metavar="'NAME: FIELD=VALUE ...'",
                      help="a config variant (repeatable), e.g. '3wg dynamic: num_wg=3 persistent=True dynamic=True'")
     cfs.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])

@@ -99,16 +99,16 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / den)
 
 
-def check_row(row: dict, call, got, ref, timed: list, against: str = "fa2") -> None:
-    """Run ``call`` once; its outputs ``got()`` within 2e-2 of each of ``ref``'s max|x| put (row, call) in ``timed``,
-    else the row records why not (the error, or a refusal: a config the kernel or the compiler rejects).
-    ``against`` names the reference in the row (``max_rel_err_vs_<against>``) and the message."""
+def check_row(row: dict, call, got, ref, timed: list, against: str = "fa2", tol: float = 2e-2) -> None:
+    """Run ``call`` once; its outputs ``got()`` within ``tol`` of each of ``ref``'s max|x| put (row, call) in
+    ``timed``, else the row records why not (the error, or a refusal: a config the kernel or the compiler
+    rejects).  ``against`` names the reference in the row (``max_rel_err_vs_<against>``) and the message."""
     try:
         call()
         torch.cuda.synchronize()
         err = max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got(), ref))
         row[f"max_rel_err_vs_{against}"] = err
-        if err > 2e-2:
+        if err > tol:
             row["error"] = f"output differs from the {against} reference by {err:.3g} of max|out|: not timed"
         else:
             timed.append((row, call))

@@ -2,10 +2,12 @@
 
 A tuning probe for the Hopper kernels, one GPU call: per (head dim, N, causal) the dispatched config
 (``gluon-fwd``: :func:`flashtile.runtime.fa3_fwd.gluon_dispatch_config` for the shape, host descriptors, persistent
-and dynamic grids included; ``gluon-bwd``: :func:`flashtile.runtime.fa3_gluon_bwd.dispatch_config`) is the row
-``dispatch``, and each variant is that config with some fields replaced (``--variant "name: field=value ..."``).
-Every row is first checked against FA2's kernel on the same inputs (outputs, or dQ / dK / dV, within 2e-2 of
-each one's max), then the rows that pass, with FA3's forward as a peer where its wheel imports (``gluon-fwd``), are
+and dynamic grids included; ``gluon-bwd``: :func:`flashtile.runtime.fa3_gluon_bwd.dispatch_config`; ``gluon-fp8``:
+the Gluon FP8 kernel's ``gluon_fp8_config``, through ``fa3_forward_fp8`` with V's operand copy, on inputs
+quantised per (batch, head)) is the row ``dispatch``, and each variant is that config with some fields replaced
+(``--variant "name: field=value ..."``).  Every row is first checked against FA2's kernel on the same inputs
+(outputs, or dQ / dK / dV, within 2e-2 of each one's max; FP8: the dequantised inputs, within 6e-2), then the
+rows that pass, with FA3's forward as a peer where its wheel imports (``gluon-fwd``, ``gluon-fp8``), are
 timed in interleaved rounds (``bench.common.time_rounds``), so the machine's drift hits every row alike.  bf16,
 B·N = 16k tokens, H·d = 2048, inputs in flash-attn's (B, N, H, d) layout; TFLOP/s = 4·B·H·N²·d / time (halved
 when causal), 2.5× that for the backward alone.
@@ -22,7 +24,7 @@ from flashtile.bench.common import check_row, environment, median_ms, time_round
 
 __all__ = ["ROUTINES", "parse_variant", "run_configs"]
 
-ROUTINES = ("gluon-fwd", "gluon-bwd")
+ROUTINES = ("gluon-fwd", "gluon-bwd", "gluon-fp8")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -49,10 +51,26 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
 
     qv, kv, vv, dov = (x.transpose(1, 2) for x in (q, k, v, dout))  # the kernels' (B, H, N, d) views
     scale = d ** -0.5
+    tol, peak = 2e-2, 989.0
+    if routine == "gluon-fp8":
+        from flashtile.fp8 import quantize_per_head
+        from flashtile.runtime.fa3_gluon import FP8_DYNAMIC_MIN_KEYS, gluon_fp8_config
+
+        # e4m3 per (batch, head); FA2 runs the dequantised inputs (in bf16), which P's e4m3 rounding in the
+        # kernel moves by a few % of max|out|: the check only catches broken configs (the twin tests the rest)
+        (q8, qs), (k8, ks), (v8, vs) = (quantize_per_head(x, layout="bnhd") for x in (q, k, v))
+        qv, kv, vv = ((x8.to(torch.bfloat16) * ds.to(torch.bfloat16)[:, None, :, None]).transpose(1, 2)
+                      for x8, ds in ((q8, qs), (k8, ks), (v8, vs)))
+        q8v, k8v, v8v = (x.transpose(1, 2) for x in (q8, k8, v8))
+        tol, peak = 6e-2, 1979.0
     out_ref, lse = fa2_forward(qv, kv, vv, softmax_scale=scale, causal=causal)
     flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
     if routine == "gluon-fwd":
         base = fa3_fwd.gluon_dispatch_config(qv, kv, causal)
+        ref = [out_ref]
+    elif routine == "gluon-fp8":
+        # the Gluon FP8 kernel's table config at this point (forced where the dispatch runs the Triton kernel)
+        base = gluon_fp8_config(d, causal, n >= FP8_DYNAMIC_MIN_KEYS)
         ref = [out_ref]
     else:
         base = fa3_gluon_bwd.dispatch_config(qv, kv, causal)
@@ -73,7 +91,13 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
             row["error"] = f"TypeError: {e}"
             continue
         row["config"] = dataclasses.asdict(cfg)
-        if routine == "gluon-fwd":
+        if routine == "gluon-fp8":
+            outs = [torch.empty_like(qv)]
+
+            def call(cfg=cfg, outs=outs):
+                fa3_fwd.fa3_forward_fp8(q8v, k8v, v8v, (qs, ks, vs), softmax_scale=scale, causal=causal, out=outs[0],
+                                        gluon_config=cfg)
+        elif routine == "gluon-fwd":
             outs = [torch.empty_like(qv)]
 
             def call(cfg=cfg, outs=outs):
@@ -85,21 +109,25 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
                 fa3_gluon_bwd.fa3_gluon_backward(dov, qv, kv, vv, out_ref, lse, softmax_scale=scale, causal=causal,
                                                  dq=outs[0], dk=outs[1], dv=outs[2], config=cfg)
 
-        check_row(row, call, lambda outs=outs: outs, ref, timed)
-    if fa3 is not None and routine == "gluon-fwd":
+        check_row(row, call, lambda outs=outs: outs, ref, timed, tol=tol)
+    if fa3 is not None and routine in ("gluon-fwd", "gluon-fp8"):
         row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, variant="fa3", fields={})
         rows.append(row)
         got = []
 
-        def peer():
-            got[:] = [fa3.flash_attn_func(q, k, v, causal=causal)]
+        if routine == "gluon-fp8":
+            def peer():
+                got[:] = [fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)]
+        else:
+            def peer():
+                got[:] = [fa3.flash_attn_func(q, k, v, causal=causal)]
 
         def peer_out():
             out = got[0][0] if isinstance(got[0], tuple) else got[0]
             return [out.transpose(1, 2)]
 
-        check_row(row, peer, peer_out, ref, timed)
-    time_rounds(timed, rounds, flops, timer=median_ms)
+        check_row(row, peer, peer_out, ref, timed, tol=tol)
+    time_rounds(timed, rounds, flops, peak=peak, timer=median_ms)
     return rows
 
 
@@ -114,7 +142,7 @@ def run_configs(routine: str, grid, variants: dict[str, dict[str, Any]], rounds:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise RuntimeError("`flashtile bench configs` needs an sm_90 (Hopper) GPU")
     fa3 = None
-    if peers and routine == "gluon-fwd":
+    if peers and routine in ("gluon-fwd", "gluon-fp8"):
         try:
             import fa3_fwd_interface as fa3
         except ImportError:

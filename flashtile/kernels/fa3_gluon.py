@@ -1009,7 +1009,8 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE,
+                   BLOCK_N1=BLOCK_N1)
 
 
 @gluon.jit
@@ -1020,7 +1021,8 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
+                              BLOCK_N1: gl.constexpr):
     """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
     ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
@@ -1160,6 +1162,7 @@ def fa3_gluon_kernel(
     # (BLOCK_D0, BLOCK_N) tiles; one column part, device descriptors, O not staged in Q's (8-bit) tiles
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(not FP8 or (BLOCK_D1 == 0 and not HOST_DESC and not IS_VARLEN and O_STORE != 2))
+    gl.static_assert(not FP8 or BLOCK_N1 % 32 == 0)  # P's operand order permutes whole 32-key chunks
     if FP8:
         ds = (QDescale, KDescale, VDescale, Err, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
               stride_vsh, kv_group)

@@ -245,11 +245,14 @@ def fa3_forward_fp8(
     softmax_scale: float,
     causal: bool = False,
     out: torch.Tensor | None = None,
+    gluon_config=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 Hopper forward on e4m3 (B, H, N, d) views with float32 ``descales`` (q, k, v) broadcast to
     (B, Hk): ``(out, lse)``, out bf16.  Callers check :func:`prefer_hopper_fp8` first; the descales'
     values are checked in the kernel (a q * k product not in (0, inf) or a non-finite v descale sets
-    the device error word's ``ERR_DESCALE`` bit, read by ``flashtile.check_errors()``, and outputs 0)."""
+    the device error word's ``ERR_DESCALE`` bit, read by ``flashtile.check_errors()``, and outputs 0).
+    ``gluon_config``: a ``GluonConfig`` the Gluon FP8 kernel runs instead of the dispatch's (ablations, `bench
+    configs gluon-fp8`)."""
     from flashtile.kernels.fa3_fwd import fa3_fwd_kernel  # noqa: F401  (the error bit's home)
     from flashtile.runtime.decode import error_flags
 
@@ -263,10 +266,15 @@ def fa3_forward_fp8(
         return out, lse
     ensure_allocator()
     err = error_flags(q.device, "flash_attn_func")[1:]
-    from flashtile.runtime.fa3_gluon import fp8_v_operand, gluon_launch
+    from flashtile.runtime.fa3_gluon import FP8_KEY_CHUNK, _check_config, fp8_v_operand, gluon_launch
 
+    if gluon_config is not None:
+        _check_config(gluon_config)
     with on_device(q):
-        gluon_cfg, triton_cfg, multiple = _fp8_route(d, causal, nk)
+        if gluon_config is not None:
+            gluon_cfg, triton_cfg, multiple = gluon_config, None, FP8_KEY_CHUNK
+        else:
+            gluon_cfg, triton_cfg, multiple = _fp8_route(d, causal, nk)
         vt = fp8_v_operand(v, permute=gluon_cfg is not None, multiple=multiple)
         if gluon_cfg is not None:
             gluon_launch(q, k, vt, out, lse, float(softmax_scale), causal, gluon_cfg, fp8=(descales, err))
@@ -348,8 +356,9 @@ def fp8_block_sizes(d: int, causal: bool, nk: int) -> tuple[int, int]:
     keys: P is rounded to e4m3 against each key tile's running max, so the float64 twin
     (``reference.fp8``) takes these to match it."""
     gluon_cfg, triton_cfg, _ = _fp8_route(d, causal, nk)
-    cfg = gluon_cfg or triton_cfg
-    return cfg.block_m, cfg.block_n
+    if gluon_cfg is not None:
+        return gluon_cfg.block_m, gluon_cfg.block_n + gluon_cfg.block_n1
+    return triton_cfg.block_m, triton_cfg.block_n
 
 
 def use_gluon_fp8(d: int, causal: bool) -> bool:

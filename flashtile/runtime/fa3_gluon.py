@@ -227,14 +227,14 @@ FP8_KEY_CHUNK = 32
 
 @functools.lru_cache(maxsize=None)
 def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int = 0,
-                     num_stages: int = 0) -> GluonConfig:
+                     num_stages: int = 0, block_n1: int = 0) -> GluonConfig:
     """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
     width (consumer warpgroups, schedules, persistent / dynamic grid, ``many_keys`` the caller's Nk >=
     ``FP8_DYNAMIC_MIN_KEYS``; not its two-warpgroup variant for 4k-8k causal keys at width 64: 321 vs 359 TFLOP/s
     at 4k, nor its short-call persistent grid ``few_keys``) with the column part unsplit, plain stores (O is bf16,
     Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0:
-    128 keys at width 128, 64 elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at
-    least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles
+    128 keys at width 128, 64 elsewhere), ``block_n1`` (a second key part, non-causal) and ``num_stages`` (0: 3),
+    the stages then lowered to what fits, at least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles
     spill 148-348 B with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256,
     64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64 causal 16k 447 vs 397 TFLOP/s for
     128 keys.
@@ -245,7 +245,7 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
         raise NotImplementedError(f"the Gluon FP8 forward covers head dims of widths {FP8_WIDTHS}, got d = {d}")
     cfg = replace(gluon_config(width, causal, many_keys=many_keys), split_d=False, o_tma=False, host_desc=False,
                   pack_p=False, block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3,
-                  pingpong=width != 256)
+                  pingpong=width != 256, block_n1=block_n1)
     while smem_bytes(cfg, d, esize=1) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     if smem_bytes(cfg, d, esize=1) > SMEM_LIMIT:
@@ -509,6 +509,9 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
+        if cfg.block_n1 % FP8_KEY_CHUNK:
+            raise ValueError(f"config: FP8 key parts are whole {FP8_KEY_CHUNK}-key chunks (P's operand order), got "
+                             f"block_n1 = {cfg.block_n1}")
         want = fp8_v_shape((b, hk, nk, d))
         if tuple(v.shape) != want or v.stride(3) != 1:
             # the kernel's V descriptor spans Nk rounded up to a whole chunk, columns of unit stride

@@ -125,6 +125,39 @@ def test_forward_peer_row(monkeypatch):
     assert rows[1]["max_rel_err_vs_fa2"] == 0.0 and rows[1]["ms"] == 2.0
 
 
+def test_fp8_rows_quantise_and_run_the_gluon_fp8_config(monkeypatch):
+    """``gluon-fp8``: e4m3 inputs per (batch, head), the Gluon FP8 table config (forced through
+    ``fa3_forward_fp8(gluon_config=)``) and variants, checked against FA2 on the dequantised inputs, FA3's FP8
+    forward with the descales as the peer, % of the FP8 peak."""
+    from flashtile.runtime import fa3_fwd
+    from flashtile.runtime.fa3_gluon import gluon_fp8_config
+
+    _fakes(monkeypatch, [1.0, 2.0, 3.0])
+    ran = []
+
+    def fp8_forward(q8, k8, v8, descales, *, softmax_scale, causal, out, gluon_config):
+        ran.append(gluon_config)
+        assert q8.dtype == torch.float8_e4m3fn and descales[0].shape == (1, 2)
+        out.copy_(q8.to(torch.bfloat16) * descales[0].to(torch.bfloat16)[:, :, None, None])
+
+    class FA3:
+        @staticmethod
+        def flash_attn_func(q, k, v, causal, q_descale, k_descale, v_descale):
+            assert q.dtype == torch.float8_e4m3fn and q_descale.shape == (1, 2)
+            return (q.to(torch.bfloat16) * q_descale.to(torch.bfloat16)[:, None, :, None],)
+
+    monkeypatch.setattr(fa3_fwd, "fa3_forward_fp8", fp8_forward)
+    q, k, v, dout = _inputs(1, 128, 2, 128)
+    rows = configs._rows("gluon-fp8", 128, 128, 1, 2, False, q, k, v, dout, {"192 keys": dict(block_n1=64)}, FA3,
+                         rounds=1)
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["dispatch", "192 keys", "fa3"] and all("error" not in r for r in rows)
+    assert ran[:2] == [gluon_fp8_config(128, False), dataclasses.replace(gluon_fp8_config(128, False), block_n1=64)]
+    assert by["fa3"]["max_rel_err_vs_fa2"] == 0.0
+    flops = 4.0 * 1 * 2 * 128 * 128 * 128
+    assert by["192 keys"]["pct_peak"] == pytest.approx(100 * flops / 2.0e-3 / 1e12 / 1979.0)
+
+
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
 def test_cli_refuses_without_hopper(capsys):
     assert cli.main(["bench", "configs", "gluon-fwd", "--variant", "a: num_wg=3"]) == 2

@@ -247,6 +247,25 @@ def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("block_n1", [32, 64])
+def test_gpu_gluon_fp8_key_split(block_n1):
+    """The Gluon FP8 kernel with kv tiles of two key parts (``block_n1``, non-causal) against the twin with the
+    tile's 128 + block_n1 keys: ragged, GQA, the second part wholly past Nk (it re-reads masked keys), one key."""
+    from flashtile.runtime.fa3_gluon import gluon_fp8_config
+
+    cfg = gluon_fp8_config(128, False, block_n1=block_n1)
+    for nq, nk in ((1, 1), (333, 517), (517, 150), (300, 2 * (128 + block_n1))):
+        q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, 128, "cuda", seed=nq + nk)
+        qb, kb, vb = (x.transpose(1, 2) for x in (q8, k8, v8))
+        out, lse = fa3_fwd.fa3_forward_fp8(qb, kb, vb, (qs, ks, vs), softmax_scale=128 ** -0.5, gluon_config=cfg)
+        ref = twin(q8, k8, v8, qs, ks, vs, False, block_sizes=(cfg.block_m, cfg.block_n + cfg.block_n1))
+        assert_fp8_close(out, ref.out, f"block_n1={block_n1} {nq}x{nk}")
+        assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
+    flashtile.check_errors()
+
+
+@pytest.mark.gpu
+@hopper
 def test_gpu_long_rows_and_layouts():
     """N = 8k keys (64 key tiles), a (B, H, N, d)-storage view for q, and a non-contiguous v."""
     q8, k8, v8, qs, ks, vs = quantised(1, 2, 1, 8192, 8192, 128, "cuda", seed=9)
