@@ -1162,7 +1162,7 @@ def fa3_gluon_kernel(
     # (BLOCK_D0, BLOCK_N) tiles; one column part, device descriptors, O not staged in Q's (8-bit) tiles
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(not FP8 or (BLOCK_D1 == 0 and not HOST_DESC and not IS_VARLEN and O_STORE != 2))
-    gl.static_assert(not FP8 or BLOCK_N1 % 32 == 0)  # P's operand order permutes whole 32-key chunks
+    gl.static_assert(not FP8 or (BLOCK_N % 32 == 0 and BLOCK_N1 % 32 == 0))  # P's operand: whole 32-key chunks
     if FP8:
         ds = (QDescale, KDescale, VDescale, Err, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
               stride_vsh, kv_group)

@@ -261,15 +261,15 @@ def fa3_forward_fp8(
         require_hopper("fa3_forward_fp8", q.get_device())
     if out is not None and not _tma_ready(out):
         raise ValueError("out must be descriptor-ready: unit stride on d, 16-byte aligned base and strides")
+    from flashtile.runtime.fa3_gluon import FP8_KEY_CHUNK, _check_config, fp8_v_operand, gluon_launch
+
+    if gluon_config is not None:
+        _check_config(gluon_config)
     out, lse, work = outputs(q, k, out, torch.bfloat16)
     if not work:
         return out, lse
     ensure_allocator()
     err = error_flags(q.device, "flash_attn_func")[1:]
-    from flashtile.runtime.fa3_gluon import FP8_KEY_CHUNK, _check_config, fp8_v_operand, gluon_launch
-
-    if gluon_config is not None:
-        _check_config(gluon_config)
     with on_device(q):
         if gluon_config is not None:
             gluon_cfg, triton_cfg, multiple = gluon_config, None, FP8_KEY_CHUNK

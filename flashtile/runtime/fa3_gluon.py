@@ -243,6 +243,9 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     width = block_d(d)
     if width not in FP8_WIDTHS:
         raise NotImplementedError(f"the Gluon FP8 forward covers head dims of widths {FP8_WIDTHS}, got d = {d}")
+    if block_n1 and (causal or block_n1 % FP8_KEY_CHUNK):
+        raise ValueError(f"block_n1 (a second key part) runs non-causal FP8 tiles in whole {FP8_KEY_CHUNK}-key chunks, "
+                         f"got block_n1 = {block_n1}, causal = {causal}")
     cfg = replace(gluon_config(width, causal, many_keys=many_keys), split_d=False, o_tma=False, host_desc=False,
                   pack_p=False, block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3,
                   pingpong=width != 256, block_n1=block_n1)
@@ -299,6 +302,9 @@ def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY
 def _check_config(cfg) -> None:
     if not isinstance(cfg, GluonConfig):
         raise TypeError(f"config must be a GluonConfig, got {type(cfg).__name__}")
+    for name in ("block_n", "block_n1", "num_stages"):
+        if not isinstance(getattr(cfg, name), int) or isinstance(getattr(cfg, name), bool):
+            raise TypeError(f"config: {name} must be an int, got {cfg}")
     if cfg.block_n not in (16, 32, 64, 128, 256) or cfg.num_stages < 2:
         # one slot would serialise every load behind a GEMM (the kernel's static_assert); the masks' aranges need
         # a power of two
@@ -364,12 +370,12 @@ def fa3_gluon_forward(
     _check(q, k, v, out)
     cfg = config if config is not None else gluon_config(q.shape[3], causal)
     width = sum(cfg.widths(q.shape[3]))
-    if cfg.num_wg == 3 and width > 64 and (cfg.block_n > 64 or width > 128):
+    if cfg.num_wg == 3 and width > 64 and (cfg.block_n + cfg.block_n1 > 64 or width > 128):
         # 160 registers per consumer thread: with 128-key tiles ptxas spills 0.2 KB at d = 80 (split) to
         # 1.3-1.7 KB at d = 128; 64-key tiles spill nothing up to 144 columns, 300 B at 192
         # (scratch/cc_gluon.py)
-        raise ValueError(f"config: num_wg = 3 covers tiles up to 64 columns, or up to 128 with block_n <= 64; "
-                         f"got {width} columns at d = {q.shape[3]} and block_n = {cfg.block_n}")
+        raise ValueError(f"config: num_wg = 3 covers tiles up to 64 columns, or up to 128 with block_n + block_n1 <= "
+                         f"64; got {width} columns at d = {q.shape[3]} and {cfg.block_n} + {cfg.block_n1} keys")
     if config is not None and smem_bytes(cfg, q.shape[3], q.element_size()) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, q.shape[3], q.element_size())} bytes of shared "
                          f"memory at d = {q.shape[3]}, over {SMEM_LIMIT}")
@@ -509,9 +515,14 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
-        if cfg.block_n1 % FP8_KEY_CHUNK:
+        if cfg.block_n % FP8_KEY_CHUNK or cfg.block_n1 % FP8_KEY_CHUNK:
             raise ValueError(f"config: FP8 key parts are whole {FP8_KEY_CHUNK}-key chunks (P's operand order), got "
-                             f"block_n1 = {cfg.block_n1}")
+                             f"block_n = {cfg.block_n}, block_n1 = {cfg.block_n1}")
+        if block_d(d) not in FP8_WIDTHS:
+            raise ValueError(f"the Gluon FP8 kernel covers head dims of widths {FP8_WIDTHS}, got d = {d}")
+        if smem_bytes(cfg, d, esize=1) > SMEM_LIMIT:
+            raise ValueError(f"config {cfg} needs {smem_bytes(cfg, d, esize=1)} bytes of shared memory at d = {d} "
+                             f"(FP8), over {SMEM_LIMIT}")
         want = fp8_v_shape((b, hk, nk, d))
         if tuple(v.shape) != want or v.stride(3) != 1:
             # the kernel's V descriptor spans Nk rounded up to a whole chunk, columns of unit stride

@@ -138,13 +138,13 @@ def test_fp8_rows_quantise_and_run_the_gluon_fp8_config(monkeypatch):
     def fp8_forward(q8, k8, v8, descales, *, softmax_scale, causal, out, gluon_config):
         ran.append(gluon_config)
         assert q8.dtype == torch.float8_e4m3fn and descales[0].shape == (1, 2)
-        out.copy_(q8.to(torch.bfloat16) * descales[0].to(torch.bfloat16)[:, :, None, None])
+        out.copy_((q8.float() * descales[0][:, :, None, None]).to(torch.bfloat16))
 
     class FA3:
         @staticmethod
         def flash_attn_func(q, k, v, causal, q_descale, k_descale, v_descale):
             assert q.dtype == torch.float8_e4m3fn and q_descale.shape == (1, 2)
-            return (q.to(torch.bfloat16) * q_descale.to(torch.bfloat16)[:, None, :, None],)
+            return ((q.float() * q_descale[:, None, :, None]).to(torch.bfloat16),)
 
     monkeypatch.setattr(fa3_fwd, "fa3_forward_fp8", fp8_forward)
     q, k, v, dout = _inputs(1, 128, 2, 128)

@@ -329,6 +329,41 @@ def test_key_split_launch(monkeypatch, host_desc):
     with pytest.raises(ValueError, match="block_n1.*d = 96"):
         fa3_gluon_forward(x, x, x, softmax_scale=0.5, config=GluonConfig(128, 2, block_n1=64))
     assert len(calls) == 1
+    with pytest.raises(TypeError, match="block_n1 must be an int"):
+        fa3_gluon_forward(q, k, k, softmax_scale=0.5, config=GluonConfig(128, 2, block_n1=64.0))
+    with pytest.raises(ValueError, match="num_wg = 3 .* 64 \\+ 64 keys"):  # 128 keys per tile under 160 registers
+        fa3_gluon_forward(q, k, k, softmax_scale=0.5, config=GluonConfig(64, 2, num_wg=3, block_n1=64))
+
+
+def test_key_split_refusals_of_the_launch_arguments(monkeypatch):
+    """gluon_args (shapes and strides only, CPU tensors): a second key part is refused for packed batches, and
+    the FP8 kernel's configs (whole 32-key parts, its widths, its shared memory) before any launch."""
+    from flashtile.runtime import fa3_gluon
+    from flashtile.runtime.fa3_gluon import gluon_args, gluon_fp8_config
+
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 5)  # the persistent grid's size, no device here
+
+    q = torch.zeros(1, 4, 300, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_n1.*packed = True"):
+        gluon_args(q, q, q, q, False, GluonConfig(128, 2, block_n1=64), varlen=(cu, cu, 200, 200))
+    q8 = q.to(torch.float8_e4m3fn)
+    vt = torch.zeros(1, 4, 128, 320, dtype=torch.float8_e4m3fn)  # fp8_v_operand's shape: Nk rounded up to 32
+    ds = (torch.ones(1, 4),) * 3
+    out = torch.zeros(1, 4, 300, 128, dtype=torch.bfloat16)
+    assert gluon_args(q8, q8, vt, out, False, gluon_fp8_config(128, False, block_n1=64), descales=ds).static
+    for cfg, match in [(GluonConfig(128, 2, block_n1=16), "whole 32-key chunks"),
+                       (GluonConfig(16, 2), "whole 32-key chunks"),
+                       (GluonConfig(128, 4, block_n1=128), "bytes of shared memory")]:
+        with pytest.raises(ValueError, match=match):
+            gluon_args(q8, q8, vt, out, False, cfg, descales=ds)
+    x8 = torch.zeros(1, 4, 300, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="widths"):
+        gluon_args(x8, x8, torch.zeros(1, 4, 32, 320, dtype=torch.float8_e4m3fn), x8.to(torch.bfloat16), False,
+                   GluonConfig(128, 2), descales=ds)
+    for causal, block_n1 in [(True, 64), (False, 48)]:
+        with pytest.raises(ValueError, match="block_n1"):
+            gluon_fp8_config(128, causal, block_n1=block_n1)
 
 
 @pytest.mark.parametrize("host_desc", [False, True])

@@ -254,7 +254,7 @@ def test_gpu_gluon_fp8_key_split(block_n1):
     from flashtile.runtime.fa3_gluon import gluon_fp8_config
 
     cfg = gluon_fp8_config(128, False, block_n1=block_n1)
-    for nq, nk in ((1, 1), (333, 517), (517, 150), (300, 2 * (128 + block_n1))):
+    for nq, nk in ((1, 1), (333, 517), (517, 150), (300, 2 * (128 + block_n1)), (200, 128 + block_n1 + 100)):
         q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, 128, "cuda", seed=nq + nk)
         qb, kb, vb = (x.transpose(1, 2) for x in (q8, k8, v8))
         out, lse = fa3_fwd.fa3_forward_fp8(qb, kb, vb, (qs, ks, vs), softmax_scale=128 ** -0.5, gluon_config=cfg)
