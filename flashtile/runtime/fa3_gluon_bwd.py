@@ -105,7 +105,8 @@ class GluonBwdConfig:
     do_stages: int = 0
     # the narrow kernel: Pᵀ the dV GEMM's register operand (FA3's Mma_dKV_is_RS), no Pᵀ tiles, store, fence or
     # barrier; not with pt_separate (sm_90a: 601 instructions per 128-row step against 654 at d = 64; at d = 128 450
-    # against 468 per step and room for a third ring stage, 231456 B; no spills non-causal, 4-112 B causal)
+    # against 468 per step and room for a third ring stage, 231456 B; at the table's configs no spills non-causal,
+    # 4-112 B causal; others spill more: docs/gluon_bwd.md)
     pt_regs: bool = False
 
     def do_depth(self) -> int:
@@ -412,7 +413,8 @@ def dispatch_config(q, k, causal: bool) -> GluonBwdConfig:
     they fit)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    group_loop = hq > hk and d not in WIDE_HEAD_DIMS and group_loop_wins(causal, b, hk, nk, q.device.index)
+    group_loop = (hq > hk and d not in WIDE_HEAD_DIMS and group_loop_wins(causal, b, hk, nk, q.device.index)
+                  and _stats_span(nq, hq // hk, 128) < 2**31)
     if host_desc_wins(d, b, hq, nq, nk, group_loop):
         # host descriptors have 64-row boxes: the 64-row config
         return replace(gluon_bwd_config(d, causal, group_loop, block_m=64), host_desc=True)
@@ -572,6 +574,10 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     block_n = WIDE_BLOCK_N if q.shape[-1] in WIDE_HEAD_DIMS else BLOCK_N
     if not varlen_fits(n_seqs, q.shape[1], q.shape[0], k.shape[0], min(max_seqlen_k, k.shape[0]), block_n):
         return False
+    from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+
+    if _stats_span(varlen_rows(q.shape[0], n_seqs), 1, 4) >= 2**31:  # past the statistics' int32 coordinates
+        return False
     from flashtile.runtime.fa3_fwd import packed_view
 
     return _prefer_views(packed_view(q), packed_view(k), packed_view(v), packed_view(dout), causal, window, plain,
@@ -692,6 +698,12 @@ def _desc_layouts(bd: int, dtype: torch.dtype, dq_split: bool, dq_tma: bool, dq_
     return ([1, 1, 64, bd], l4, lk), stats_l, dq
 
 
+def _stats_span(rows: int, heads: int, row_pad: int) -> int:
+    """Elements the narrow kernel's 1-D statistics descriptor spans for ``heads`` adjacent heads of ``rows`` query
+    rows padded to ``row_pad`` (its box coordinates are int32)."""
+    return 2 * triton.cdiv(rows, row_pad) * row_pad * heads
+
+
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
     """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes and strides are
     read (of ``varlen``, its ints and cu_seqlens_q's length); ``cfg`` as launched (:func:`_host_desc_or_not`)."""
@@ -702,6 +714,14 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         cu_q, _, nq, nk = varlen
         b = cu_q.shape[0] - 1
     wide = d in WIDE_HEAD_DIMS
+    if wide or cfg.stats_smem:  # the wide kernel reads them through its 1-D descriptor always
+        from flashtile.kernels.fa3_gluon_bwd import varlen_rows
+
+        rows = varlen_rows(total_q, b) if varlen is not None else nq
+        heads = hq // hk if cfg.group_loop and not wide else 1
+        if _stats_span(rows, heads, 4 if varlen is not None else cfg.block_m) >= 2**31:
+            raise ValueError(f"the Gluon backward's statistics of {heads} head(s) x {rows} query rows exceed its "
+                             f"descriptor's int32 coordinates (group_loop = {cfg.group_loop})")
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N as block_n
     else:
@@ -817,6 +837,8 @@ def prefer_gluon_bwd(
     if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
     if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64), backward=True):  # 64-key tiles+
+        return False
+    if _stats_span(q.shape[2], 1, 128) >= 2**31:  # one head's statistics past the descriptor's int32 coordinates
         return False
     return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
 

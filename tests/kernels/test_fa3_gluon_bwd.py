@@ -241,6 +241,17 @@ def test_block_m_128_configs(monkeypatch):
                        config=gluon_bwd_config(64, True, block_m=64))
     bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
     assert bound["BLOCK_M"] == 64 and bound["DQacc"].shape == (b * hq, 320, 64)  # 64-row steps: 64-row padding
+    # the switches reach the kernel: pt_regs, and the group loop at 128-row steps (GQA 4:2, kv-head programs)
+    for fields, hk in [(dict(pt_regs=True, pt_separate=False), hq), (dict(group_loop=True), 2),
+                       (dict(group_loop=True, pt_regs=True, pt_separate=False), 2)]:
+        calls.clear()
+        kg = torch.zeros(b, hk, nk, d, dtype=BF16)
+        fa3_gluon_backward(q, q, kg, kg, q, torch.zeros(b, hq, nq), softmax_scale=0.5, causal=True,
+                           config=replace(base, **fields))
+        bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+        assert bound["BLOCK_M"] == 128 and bound["PT_REGS"] is fields.get("pt_regs", False), fields
+        assert bound["GROUP_LOOP"] is fields.get("group_loop", False) and calls[1][0][1] == (b * hk * 4,)
+        assert bound["LSE"].shape == (b * hq, 2, 384) and bound["DQacc"].shape == (b * hq, 384, 64)
     for bad in (96, True, 0):
         with pytest.raises(ValueError, match="block_m"):
             gluon_bwd_config(64, True, block_m=bad)
@@ -458,6 +469,32 @@ def test_plan_host_descriptors_over_the_planned_layout(monkeypatch):
             assert desc.base.data_ptr() == y.data_ptr()
             assert desc.shape == [b, h, n, d] and desc.strides == list(y.transpose(1, 2).stride()), name
         assert [bound["stride_qb"], bound["stride_qh"], bound["stride_qm"]] == bound["QDesc"].strides[:3]
+
+
+def test_statistics_span_past_int32_is_refused_or_avoided(monkeypatch):
+    """The narrow kernel reads the rows' statistics through a 1-D descriptor of int32 coordinates spanning the
+    group loop's heads: a span from 2^31 elements is refused by the launcher (ValueError naming the group loop),
+    the dispatch keeps fp32 partials instead of the group loop there, and prefer_gluon_bwd declines one head past
+    it (FA2's backward runs it); only shapes are read (meta tensors)."""
+    import flashtile.runtime.fa3_gluon as fa3_gluon
+
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 132)
+    meta = dict(dtype=BF16, device="meta")
+    b, hq, hk, nq, nk, d = 1, 64, 1, 2**24, 128, 64  # 2 x 2^24 rows x 64 heads = 2^31
+    q, k = torch.empty(b, hq, nq, d, **meta), torch.empty(b, hk, nk, d, **meta)
+    cfg = replace(gluon_bwd_config(d, False, True), block_m=64)
+    acc = torch.empty(b * hq, nq, d, dtype=F32, device="meta")
+    with pytest.raises(ValueError, match="group_loop = True"):
+        fa3_gluon_bwd.gluon_bwd_args(q, k, k, q, k, k, acc, False, cfg)
+    assert not fa3_gluon_bwd.dispatch_config(q, k, False).group_loop
+    q1 = torch.empty(b, hq, 2**24 - 128, d, **meta)  # just under: the group loop stays
+    assert fa3_gluon_bwd.dispatch_config(q1, k, False).group_loop
+    monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # the views' checks want a CUDA device
+    keys = torch.empty(1, 1, 4096, 128, **meta)
+    for rows, ok in [(2**30 - 128, True), (2**30, False)]:
+        one = torch.empty(1, 1, rows, 128, **meta)
+        assert fa3_gluon_bwd.prefer_gluon_bwd(one, keys, keys, one, causal=False, window=(-1, -1), plain=True,
+                                              deterministic=False) is ok, rows
 
 
 def test_launcher_group_loop(monkeypatch):
@@ -1236,11 +1273,13 @@ def test_gpu_block_m_128(d, causal, shape, flags):
     (128, True, (1, 2, 2, 4096, 4096), dict(num_stages=3)), (80, False, (1, 2, 2, 1, 300), dict(num_stages=3)),
     (128, True, (2, 4, 1, 333, 517), dict(group_loop=True)), (128, False, (2, 4, 2, 333, 517), dict(named_bars=True)),
     (128, True, (2, 4, 2, 333, 517), dict(host_desc=True, num_stages=3)),
-    (128, False, (1, 4, 2, 700, 600), dict(num_stages=3, dq_split=False, dq_tma=False, stats_smem=False))])
+    (128, False, (1, 4, 2, 700, 600), dict(num_stages=3, dq_split=False, dq_tma=False, stats_smem=False)),
+    (64, True, (2, 8, 2, 333, 517), dict(group_loop=True)), (32, False, (2, 4, 2, 333, 517), {})])
 def test_gpu_pt_regs(d, causal, shape, flags):
     """``pt_regs`` (Pᵀ the dV GEMM's register operand, no Pᵀ tiles) on the 64-row table's configs at 128-wide tiles:
     ragged both ways, GQA, one query row, 4k, 3 ring stages (what the freed tiles make room for), the group loop,
-    named barriers, host descriptors, dQ by register reductions without the statistics in shared memory."""
+    named barriers, host descriptors, dQ by register reductions without the statistics in shared memory; at 64- and
+    32-wide tiles too (the group loop's 64-row steps at d = 64, no dQ split at d = 32)."""
     _check_switch(d, causal, shape, dict(pt_regs=True, pt_separate=False, **flags), seed=shape[3] + d + 11 * causal)
 
 
