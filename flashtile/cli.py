@@ -464,7 +464,7 @@ def _cmd_bench_configs(args: argparse.Namespace) -> int:
                 for c in ([False, True] if args.causal == "both" else [args.causal == "yes"])]
         with console.status(f"configs {args.routine}") as status:
             payload = configs.run_configs(args.routine, grid, variants, rounds=args.rounds,
-                                          progress=lambda what: status.update(what))
+                                          progress=lambda what: status.update(what), gqa=args.gqa)
     except (RuntimeError, ValueError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
@@ -725,6 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfs.add_argument("--seqlens", nargs="+", type=_positive, default=[4096, 16384])
     cfs.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     cfs.add_argument("--rounds", type=_positive, default=3, help="interleaved timing rounds (median)")
+    cfs.add_argument("--gqa", type=_positive, default=1, help="query heads per kv head (e.g. 4: GQA 16 / 4 at d = 128)")
     cfs.add_argument("--out", default="bench/results")
     cfs.set_defaults(func=_cmd_bench_configs)
     bnd = bsub.add_parser("banded", help="sliding windows and softcap, forward: the dispatch, the Triton Hopper "

@@ -58,9 +58,10 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
 
         # e4m3 per (batch, head); FA2 runs the dequantised inputs (in bf16), which P's e4m3 rounding in the
         # kernel moves by a few % of max|out|: the check only catches broken configs (the twin tests the rest)
-        (q8, qs), (k8, ks), (v8, vs) = (quantize_per_head(x, layout="bnhd") for x in (q, k, v))
-        qv, kv, vv = ((x8.float() * ds[:, None, :, None]).to(torch.bfloat16).transpose(1, 2)
-                      for x8, ds in ((q8, qs), (k8, ks), (v8, vs)))
+        hk = k.shape[2]  # FA3's descales are per (batch, kv head), q's shared by a GQA group
+        (q8, qs), (k8, ks), (v8, vs) = (quantize_per_head(x, layout="bnhd", kv_heads=hk) for x in (q, k, v))
+        qv, kv, vv = ((x8.float() * ds.repeat_interleave(x8.shape[2] // hk, dim=1)[:, None, :, None])
+                      .to(torch.bfloat16).transpose(1, 2) for x8, ds in ((q8, qs), (k8, ks), (v8, vs)))
         q8v, k8v, v8v = (x.transpose(1, 2) for x in (q8, k8, v8))
         tol, peak = 6e-2, 1979.0
     out_ref, lse = fa2_forward(qv, kv, vv, softmax_scale=scale, causal=causal)
@@ -136,14 +137,20 @@ def _rows(routine: str, d: int, n: int, b: int, h: int, causal: bool, q, k, v, d
 
 
 def run_configs(routine: str, grid, variants: dict[str, dict[str, Any]], rounds: int = 3, progress=None,
-                peers: bool = True) -> dict:
+                peers: bool = True, gqa: int = 1) -> dict:
     """The payload ``{env, routine, variants, rows}`` over ``grid`` ((d, N, causal) triples); needs an sm_90 GPU.
+    ``gqa``: query heads per kv head (K and V get H / gqa heads; the backward's group loop times only so).
     ``peers``: FA3's forward as a row of ``gluon-fwd`` / ``gluon-fp8`` points where ``fa3_fwd_interface`` imports
     (its FP8 forward transposes V in the kernel; the Gluon FP8 rows time V's operand copy too)."""
     if routine not in ROUTINES:
         raise ValueError(f"routine must be one of {', '.join(ROUTINES)}, got {routine!r}")
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    if not isinstance(gqa, int) or isinstance(gqa, bool) or gqa < 1:
+        raise ValueError(f"gqa must be an int >= 1, got {gqa!r}")
+    for d, _, _ in grid:
+        if max(1, 2048 // d) % gqa:
+            raise ValueError(f"gqa = {gqa} must divide the {max(1, 2048 // d)} heads at d = {d} (H * d = 2048)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise RuntimeError("`flashtile bench configs` needs an sm_90 (Hopper) GPU")
     fa3 = None
@@ -156,10 +163,11 @@ def run_configs(routine: str, grid, variants: dict[str, dict[str, Any]], rounds:
     for d, n, causal in grid:
         b, h = max(1, 16384 // n), max(1, 2048 // d)
         gen = torch.Generator(device="cuda").manual_seed(n + d + 7)
-        q, k, v, dout = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        q, k, v, dout = (torch.randn(b, n, h // gqa if i in (1, 2) else h, d, device="cuda", dtype=torch.bfloat16,
+                                     generator=gen) for i in range(4))
         rows.extend(_rows(routine, d, n, b, h, causal, q, k, v, dout, variants, fa3, progress, rounds))
         torch.cuda.empty_cache()
-    return {"env": environment(), "routine": routine, "variants": variants,
+    return {"env": environment(), "routine": routine, "variants": variants, "gqa": gqa,
             "flops_convention": "4*B*H*N^2*d forward, /2 causal" + (", x2.5 backward alone" if routine == "gluon-bwd"
                                                                      else ""),
             "rows": rows}

@@ -158,6 +158,15 @@ def test_fp8_rows_quantise_and_run_the_gluon_fp8_config(monkeypatch):
     assert by["192 keys"]["pct_peak"] == pytest.approx(100 * flops / 2.0e-3 / 1e12 / 1979.0)
 
 
+def test_gqa_must_divide_the_heads():
+    """``gqa`` (query heads per kv head) is checked before any GPU work: an int >= 1 dividing H = 2048 / d."""
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="gqa must be an int"):
+            configs.run_configs("gluon-bwd", [(64, 1024, False)], {}, gqa=bad)
+    with pytest.raises(ValueError, match="gqa = 3 must divide the 32 heads at d = 64"):
+        configs.run_configs("gluon-bwd", [(64, 1024, False)], {}, gqa=3)
+
+
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
 def test_cli_refuses_without_hopper(capsys):
     assert cli.main(["bench", "configs", "gluon-fwd", "--variant", "a: num_wg=3"]) == 2
