@@ -10,12 +10,13 @@ One program owns a kv tile of ``BLOCK_N = 128`` keys of one (batch, q head) and 
   bottom-right: from the first q tile whose last row reaches the tile's first key); slots guarded by
   ``q_ready`` / ``do_ready`` (tx-count) and ``qdo_empty`` (both consumers release a slot after its last GEMM);
 * two consumer warpgroups (the default partition and a 4-warp worker), each owning 64 of the 128 kv rows:
-  Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e) (masked on the causal diagonal and past Nk; rows that see
-  no key and rows past Nq have LSE treated as +inf, so P = 0 there), dPᵀ − D = V dOᵀ accumulated onto −D,
-  dV += Pᵀ dO (Pᵀ through shared memory, or with ``PT_REGS`` the register A operand), dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (the register A operand); dSᵀ also
-  goes to this warpgroup's shared tile and dQ_i += dS K_half is wgmmas reading it transposed, 64 columns at a
-  time, each fp32 result added into the (B·Hq, Nq padded to whole q tiles, BLOCK_D) accumulator by vector reductions
-  (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns past d).
+  Sᵀ = K Qᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − LSE·log2e) (masked on the causal diagonal and past Nk; rows that see no key
+  and rows past Nq have LSE treated as +inf, so P = 0 there), dPᵀ − D = V dOᵀ accumulated onto −D, dV += Pᵀ dO (Pᵀ
+  through shared memory, or with ``PT_REGS`` the register A operand), dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ Q (the register
+  A operand); dSᵀ also goes to this warpgroup's shared tile and dQ_i += dS K_half is wgmmas reading it transposed,
+  64 columns at a time, each fp32 result added into the (B·Hq, Nq padded to whole q tiles, BLOCK_D) accumulator by
+  vector reductions (``red.global.add.v2.f32``, unmasked: the accumulator's padding absorbs rows past Nq and columns
+  past d).
 
 ``DQ_SPLIT`` (BLOCK_D 64 or 128): warpgroup w computes dQ_i[:, w·BLOCK_D/2 : (w+1)·BLOCK_D/2] over all 128 keys from
 both warpgroups' dSᵀ tiles (double-buffered, ``ds_full`` / ``ds_empty``), half the reductions; K is swizzled in

@@ -234,10 +234,10 @@ def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int
     at 4k, nor its short-call persistent grid ``few_keys``) with the column part unsplit, plain stores (O is bf16,
     Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0:
     128 keys at width 128, 64 elsewhere), ``block_n1`` (a second key part, non-causal) and ``num_stages`` (0: 3),
-    the stages then lowered to what fits, at least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles
-    spill 148-348 B with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256,
-    64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64 causal 16k 447 vs 397 TFLOP/s for
-    128 keys.
+    the stages then lowered to what fits, at least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32
+    (kernel ``_p_operand``): 128-key tiles spill 148-348 B with three 160-register consumers (width 64) and 80 B
+    with serialised wgmmas at width 256, 64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64
+    causal 16k 447 vs 397 TFLOP/s for 128 keys.
     Width 256 without ping-pong: 1.01-1.06x with it (its 64-key GEMMs are short beside the softmax of a
     256-wide O); narrower widths keep it (0.97-1.0x without)."""
     width = block_d(d)
