@@ -104,6 +104,7 @@ GLUON_BWD_VARIANTS = {
     "gluon bwd, named barriers, host descriptors": dict(named_bars=True, host_desc=True),
     "gluon bwd, 64 q rows per step": dict(block_m=64),
     "gluon bwd, mbarriers": dict(named_bars=False),
+    "gluon bwd, Pᵀ through shared memory": dict(pt_regs=False, pt_separate=True),
 }
 
 

@@ -174,7 +174,10 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
     with named barriers: backward alone 1.03-1.08x the 64-row config at d = 48 / 64 from 4k keys, causal and not
     (H200, ``flashtile bench configs gluon-bwd``, bench/NOTES.md "Gluon backward: 128 q rows per step");
     ``block_m=64`` asks for the 64-row config (packed calls, host descriptors); the group loop keeps it too (128 rows
-    with the group loop compile, but have not run on a GPU yet)."""
+    with the group loop compile, but have not run on a GPU yet).  128-wide tiles (d = 72-128) take Pᵀ as the dV
+    GEMM's register operand (``pt_regs``, FA3's Mma_dKV_is_RS): backward alone 1.02-1.08x the shared-tile config at
+    d = 96 / 128, 1k-16k, causal and not, 576 TFLOP/s at d = 128 16k non-causal (H100, ``flashtile bench configs
+    gluon-bwd``, bench/NOTES.md "pt_regs timed"); packed calls keep the shared tile (``varlen_config``)."""
     del causal
     if block_m is not None and (isinstance(block_m, bool) or block_m not in (64, 128)):
         raise ValueError(f"block_m must be None (the table's), 64 or 128, got {block_m!r}")
@@ -190,10 +193,22 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
     if block_d(d) == 64 and block_m != 64 and not group_loop:
         return GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
                               pt_separate=True, dq_swizzle32=True, named_bars=True, block_m=128)
+    if block_d(d) == 128:  # Pᵀ the dV GEMM's register operand: 1.02-1.08x at d = 96 / 128 (2 stages; 3: 0.95-1.03x)
+        return GluonBwdConfig(num_stages=2, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
+                              pt_regs=True, group_loop=group_loop)
     cfg = GluonBwdConfig(num_stages=4, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True,
                          dq_swizzle32=block_d(d) == 64, group_loop=group_loop)
     while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+def varlen_config(d: int, causal: bool) -> GluonBwdConfig:
+    """The packed backward's config: the table's at 64-row steps (its per-sequence padding), no group loop (fp32
+    partials under GQA), Pᵀ through its shared tile (``pt_regs`` has not run packed on a GPU)."""
+    cfg = gluon_bwd_config(d, causal, block_m=64)
+    if cfg.pt_regs:
+        cfg = replace(cfg, pt_regs=False, pt_separate=True)
     return cfg
 
 
@@ -535,7 +550,7 @@ def fa3_gluon_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         for ret in rets:
             ret.zero_()
         return rets
-    cfg = gluon_bwd_config(d, causal, block_m=64)  # no group_loop (fp32 partials under GQA); 64-row steps
+    cfg = varlen_config(d, causal)
     hq, hk = q.shape[1], k.shape[1]
     partials = hq > hk
     views = tuple(packed_view(r) for r in rets)

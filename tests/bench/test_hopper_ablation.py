@@ -152,7 +152,8 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
     steps = {name: cfg.block_m for name, cfg in zip(ha.GLUON_BWD_VARIANTS, configs)}
     assert steps == {"gluon bwd": 128, "gluon bwd no ping-pong": 128, "gluon bwd, named barriers": 128,
                      "gluon bwd, host descriptors": 64, "gluon bwd, named barriers, host descriptors": 64,
-                     "gluon bwd, 64 q rows per step": 64, "gluon bwd, mbarriers": 128}
+                     "gluon bwd, 64 q rows per step": 64, "gluon bwd, mbarriers": 128,
+                     "gluon bwd, Pᵀ through shared memory": 128}
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")

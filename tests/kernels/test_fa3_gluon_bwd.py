@@ -41,9 +41,15 @@ def test_config_table_fits():
             cfg = gluon_bwd_config(d, causal)
             assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
             assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
-    # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128
+    # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128, where
+    # Pᵀ is the dV GEMM's register operand (pt_regs); packed calls keep its shared tile
     both = dict(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True)
-    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **both)
+    regs = dict(both, pt_separate=False, pt_regs=True)
+    assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **regs)
+    assert gluon_bwd_config(96, True, block_m=64) == gluon_bwd_config(96, True)
+    assert fa3_gluon_bwd.varlen_config(128, True) == GluonBwdConfig(num_stages=2, **both)
+    assert fa3_gluon_bwd.varlen_config(64, True) == gluon_bwd_config(64, True, block_m=64)
+    assert all(gluon_bwd_config(d, c).pt_regs == (block_d(d) == 128) for d in GLUON_BWD_HEAD_DIMS for c in (0, 1))
     # 64-wide tiles: 128 q rows per step on 2 stages with named barriers; the 64-row config on 4 on request
     assert gluon_bwd_config(64, True) == gluon_bwd_config(40, False) == GluonBwdConfig(
         num_stages=2, dq_swizzle32=True, named_bars=True, block_m=128, **both)
@@ -104,6 +110,12 @@ def test_smem_estimate_matches_compile_reports():
         cfg = GluonBwdConfig(num_stages=stages, dq_split=True, dq_tma=True, pingpong=True, stats_smem=True,
                              dq_swizzle32=sw_pt, pt_separate=sw_pt, release_once=sw_pt and stages == 2)
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and smem_bytes(cfg, d) <= SMEM_LIMIT, cfg
+
+
+def _shared_pt(cfg: GluonBwdConfig) -> GluonBwdConfig:
+    """``cfg`` with Pᵀ through its shared tile (the table takes it as a register operand at 128-wide tiles): the
+    switches of that path (pt_separate, release_once) are tested on it."""
+    return replace(cfg, pt_regs=False, pt_separate=True) if cfg.pt_regs else cfg
 
 
 def _rows(nq: int, block_m: int = 64) -> int:
@@ -1209,7 +1221,7 @@ def test_gpu_dq_swizzle32_pt_separate_release_once(d, causal, nq, nk, flags):
     """dq_swizzle32 (the fp32 dQ tiles in 32-byte atoms: 8-column bulk reduces from the 4 warps), pt_separate
     (Pᵀ in its own allocation), release_once (2 stages: ds_empty frees the ring slot too), all with stats_smem and
     each alone, on the table's config (release_once where it has 2 stages: d = 128)."""
-    table = gluon_bwd_config(d, causal, block_m=64)  # the 64-row config's switches
+    table = _shared_pt(gluon_bwd_config(d, causal, block_m=64))  # the 64-row config's switches, Pᵀ in shared memory
     if flags == "all":
         on = dict(stats_smem=True, dq_swizzle32=True, pt_separate=True, release_once=table.num_stages == 2)
     else:
@@ -1324,8 +1336,8 @@ def test_gpu_stats_smem_long_sequence_and_plain_config(d, stages):
     (N = 4k, causal) on the table's config; then fp16 without split and ping-pong (d = 64: unsplit dq_tma, its
     64-column tile in 8 swizzle-32 boxes)."""
     q, k, v, do = inputs(1, 2, 2, 4096, 4096, d, BF16, "cuda", seed=d)
-    cfg = replace(gluon_bwd_config(d, True, block_m=64), stats_smem=True, dq_swizzle32=True, pt_separate=True,
-                  release_once=stages == 2)
+    cfg = replace(_shared_pt(gluon_bwd_config(d, True, block_m=64)), stats_smem=True, dq_swizzle32=True,
+                  pt_separate=True, release_once=stages == 2)
     got, ref, _ = run(q, k, v, do, causal=True, config=cfg)
     assert_grads(got, ref)
     q, k, v, do = inputs(1, 2, 1, 300, 200, d, F16, "cuda", seed=stages)
