@@ -34,11 +34,6 @@ Head-dim split: the head dim is tiled as ``BLOCK_D0`` columns and, when ``BLOCK_
 that is not a power of two does not pay for a ``next_pow2(d)``-wide tile: Q, K, V each land in two shared
 tiles, S = Q0 K0ᵀ + Q1 K1ᵀ (two chained async wgmmas) and O is two accumulators, O_i += P V_i.
 
-Key split (``BLOCK_N1`` > 0; unsplit head dims, fixed lengths, not causal): a kv tile is ``BLOCK_N`` +
-``BLOCK_N1`` keys in two power-of-two parts (FA3's 176-key d = 128 tiles are not a power of two; Gluon's
-tensors are): K and V land in two shared tiles per ring slot (the tuples' second tile, which the head-dim split
-uses otherwise), S and S1 are two accumulators with one online-softmax step over both, O += P V + P1 V1.
-
 Causal (bottom-right) and ragged Nk: the kv tiles every row of the program sees in full run an unmasked
 loop, the tiles crossed by the diagonal or the end of K a masked one.  Ragged Nq / Nk and columns past d:
 per-head device-side tensor descriptors of the (N, d) head zero-fill loads past the head's end and past d;
@@ -138,24 +133,6 @@ def _load(src, row, bar, tiles, idx, pred, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.
 
 
 @gluon.jit
-def _tiles(dtype: gl.constexpr, COUNT: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """``COUNT`` shared [ROWS, COLS] tiles (ring slots or warpgroups' rows) in the wgmma / TMA swizzle."""
-    return gl.allocate_shared_memory(dtype, [COUNT, ROWS, COLS], gl.NVMMASharedLayout.get_default_for([ROWS, COLS],
-                                                                                                      dtype))
-
-
-@gluon.jit
-def _load_part(src, row, bar, tile, HOST_DESC: gl.constexpr):
-    """TMA copy of rows [row, + box), columns [0, box) into ``tile`` through ``src``'s second descriptor (the
-    second key part's), counted on ``bar``; ``src`` as ``_load`` takes it."""
-    if HOST_DESC:
-        gl.static_assert(_same_swizzle(src[1].layout, tile.layout))
-        tma.async_copy_global_to_shared(src[1], [src[2], src[3], row, 0], bar, _unit4(tile))
-    else:
-        tma.async_copy_global_to_shared(src[1], [row, 0], bar, tile)
-
-
-@gluon.jit
 def _tile_coords(tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr):
     """(bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles) of tile ``tile_id`` of ``total_tiles`` =
@@ -206,13 +183,11 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, it0,
                    HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr,
-                   NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                   NAMED_RELEASE: gl.constexpr):
     """TMA loads of one tile's Q (one 64-row box per consumer) and of K_j, V_j for j < ``n_tiles`` into ring
     slot (it0 + j) % NUM_STAGES (``it0``: kv iterations of the program's earlier tiles).  Columns past
     HEAD_DIM read 0, as rows past Nq / Nk do.  ``Q``, ``K``, ``V``: the head's base pointers (descriptors
-    built here), or with ``HOST_DESC`` (desc0, desc1, b, h) as ``_load`` takes them.  ``BLOCK_N1`` > 0: kv tile
-    j is keys [j * (BLOCK_N + BLOCK_N1), + BLOCK_N) in ``tiles[0]`` and the next BLOCK_N1 in ``tiles[1]``
-    (the second descriptor of each pair has BLOCK_N1-row boxes)."""
+    built here), or with ``HOST_DESC`` (desc0, desc1, b, h) as ``_load`` takes them."""
     if HOST_DESC:
         dtype: gl.constexpr = Q[0].dtype
         q_src = Q
@@ -234,16 +209,6 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
             q_desc1 = _head_desc(Q, seqlen_q, stride_qm, HEAD_DIM, 64, BLOCK_D1)
             k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D1)
             v_desc1 = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D1)
-        elif BLOCK_N1 > 0:  # the second key part's boxes
-            q_desc1 = q_desc
-            k_desc1 = _head_desc(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N1, BLOCK_D0)
-            if dtype.primitive_bitwidth == 8:
-                v_desc1 = tma.make_tensor_descriptor(V, [HEAD_DIM, gl.cdiv(seqlen_k, 32) * 32], [stride_vn, 1],
-                                                     [BLOCK_D0, BLOCK_N1],
-                                                     gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N1],
-                                                                                          dtype))
-            else:
-                v_desc1 = _head_desc(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N1, BLOCK_D0)
         else:  # unread
             q_desc1 = q_desc
             k_desc1 = k_desc
@@ -253,8 +218,7 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         v_src = (v_desc, v_desc1)
     # a box's transaction bytes count its zero-filled part too
     q_bytes: gl.constexpr = NUM_WG * 64 * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
-    TILE_N: gl.constexpr = BLOCK_N + BLOCK_N1
-    kv_bytes: gl.constexpr = TILE_N * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = BLOCK_N * (BLOCK_D0 + BLOCK_D1) * dtype.primitive_bitwidth // 8
     has_work = n_tiles > 0  # consumers never wait for Q when there is no tile; no copy may outlive them
     mbarrier.expect(q_bar, q_bytes, pred=has_work)
     for w in gl.static_range(NUM_WG):
@@ -270,29 +234,17 @@ def _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, 
         phase = ((it // NUM_STAGES) & 1) ^ 1
         _acquire(kv_empty, slot, it, phase, NUM_WG=NUM_WG, NUM_STAGES=NUM_STAGES,
                  NAMED_RELEASE=NAMED_RELEASE)  # K_{j - NUM_STAGES}'s S GEMMs retired
-        row = j * TILE_N
-        if BLOCK_N1 > 0:
-            # the second part's box wholly past Nk (the last tile) re-reads the tile's first keys instead: its
-            # scores are masked (P = 0, V finite), and no box lies wholly out of bounds
-            row1 = row + BLOCK_N
-            row1 = gl.where(row1 < seqlen_k, row1, row)
         mbarrier.expect(k_ready.index(slot), kv_bytes)
-        _load(k_src, row, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
+        _load(k_src, j * BLOCK_N, k_ready.index(slot), k_tiles, slot, True, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
               HOST_DESC=HOST_DESC)
-        if BLOCK_N1 > 0:
-            _load_part(k_src, row1, k_ready.index(slot), k_tiles[1].index(slot), HOST_DESC=HOST_DESC)
         _acquire(kv_empty, NUM_STAGES + slot, it, phase, NUM_WG=NUM_WG, NUM_STAGES=NUM_STAGES,
                  NAMED_RELEASE=NAMED_RELEASE)  # V_{j - NUM_STAGES}'s P V GEMMs retired
         mbarrier.expect(v_ready.index(slot), kv_bytes)
         if dtype.primitive_bitwidth == 8:  # FP8: the (BLOCK_D0, BLOCK_N) tile of V's transpose (unsplit)
-            tma.async_copy_global_to_shared(v_src[0], [0, row], v_ready.index(slot), v_tiles[0].index(slot))
-            if BLOCK_N1 > 0:
-                tma.async_copy_global_to_shared(v_src[1], [0, row1], v_ready.index(slot), v_tiles[1].index(slot))
+            tma.async_copy_global_to_shared(v_src[0], [0, j * BLOCK_N], v_ready.index(slot), v_tiles[0].index(slot))
         else:
-            _load(v_src, row, v_ready.index(slot), v_tiles, slot, True, BLOCK_D0=BLOCK_D0,
+            _load(v_src, j * BLOCK_N, v_ready.index(slot), v_tiles, slot, True, BLOCK_D0=BLOCK_D0,
                   BLOCK_D1=BLOCK_D1, HOST_DESC=HOST_DESC)
-            if BLOCK_N1 > 0:
-                _load_part(v_src, row1, v_ready.index(slot), v_tiles[1].index(slot), HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -300,12 +252,12 @@ def _producer(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_em
               stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles,
               HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, HOST_DESC: gl.constexpr,
-              NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+              NAMED_RELEASE: gl.constexpr):
     """One program, one tile: its loads from ring slot 0 on."""
     _producer_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                    stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, 0,
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
-                   NUM_STAGES=NUM_STAGES, HOST_DESC=HOST_DESC, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                   NUM_STAGES=NUM_STAGES, HOST_DESC=HOST_DESC, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit
@@ -315,12 +267,12 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                               total_tiles, tile_id, kv_it, q_count, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
                               BLOCK_D1: gl.constexpr, NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr,
                               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                              HOST_DESC: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """The loads of tile ``tile_id`` after ``kv_it`` kv iterations and ``q_count`` tiles with work:
     (kv_it, q_count) after it."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
         tile_id, total_tiles, n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
-        BLOCK_N=BLOCK_N + BLOCK_N1, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+        BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
     if n_tiles > 0:
         # the first tile passes on the fresh barrier
         mbarrier.wait(q_empty, (q_count & 1) ^ 1)
@@ -331,7 +283,7 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                            k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
                            start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                            NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=True,
-                           NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                           NAMED_RELEASE=NAMED_RELEASE)
         else:
             # invariant: the descriptors (one global scratch slot per call site) are rebuilt only here,
             # after q_empty, when every load issued with the previous ones has completed: each consumer
@@ -342,7 +294,7 @@ def _producer_persistent_tile(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty
                            k_ready, v_ready, kv_empty, stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k,
                            start_m, n_tiles, kv_it, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                            NUM_WG=NUM_WG, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, HOST_DESC=False,
-                           NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                           NAMED_RELEASE=NAMED_RELEASE)
     kv_it += n_tiles
     q_count += (n_tiles > 0).to(gl.int32)
     return kv_it, q_count
@@ -380,7 +332,7 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                          total_tiles, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                          NUM_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          CAUSAL: gl.constexpr, LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr,
-                         DYNAMIC: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                         DYNAMIC: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Loads of tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` of pid, then of the tiles the
     program claims (P + the global counter's old value, in claim order), each claim made once the previous
     tile's loads are issued and handed to the consumers (``_ring_put``; a value >= total_tiles stops both).
@@ -400,7 +352,7 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
                 HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
                 NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC,
-                NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                NAMED_RELEASE=NAMED_RELEASE)
             # the counter counts claims past the first P tiles; relaxed: only its atomicity matters
             tile_id = gl.num_programs(0) + gl.atomic_add(sched[0], 1, sem="relaxed")
             _ring_put(sched, n, tile_id)
@@ -413,7 +365,7 @@ def _producer_persistent(Q, K, V, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_r
                 n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, tile_id, kv_it, q_count,
                 HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, NUM_WG=NUM_WG, BLOCK_N=BLOCK_N,
                 NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP, HOST_DESC=HOST_DESC,
-                NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                NAMED_RELEASE=NAMED_RELEASE)
 
 
 # hardware named barriers (``_named_bar``): Triton's warp specialisation takes 0 (default partition), 1 (the whole
@@ -493,41 +445,31 @@ def _turn_pass(turn_bars, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.c
 
 
 @gluon.jit
-def _qk(q_wg, k_tiles, slot, s_zero, s1_zero, BLOCK_D1: gl.constexpr, BLOCK_N1: gl.constexpr):
-    """(S, S1) of ring slot ``slot``, async, one wgmma commit group per GEMM: S = Q0 K0ᵀ (+ Q1 K1ᵀ when the
-    head dim is split, accumulating on the first); with a second key part (``BLOCK_N1`` > 0) S1 = Q K1ᵀ of its
-    keys, otherwise S1 is S (unread)."""
+def _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1: gl.constexpr):
+    """S = Q0 K0ᵀ (+ Q1 K1ᵀ when split) of ring slot ``slot``, async: one wgmma commit group per part, the
+    second accumulating on the first."""
     s = warpgroup_mma(q_wg[0], k_tiles[0].index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if BLOCK_D1 > 0:
         s = warpgroup_mma(q_wg[1], k_tiles[1].index(slot).permute((1, 0)), s, is_async=True)
-    if BLOCK_N1 > 0:
-        s1 = warpgroup_mma(q_wg[0], k_tiles[1].index(slot).permute((1, 0)), s1_zero, use_acc=False, is_async=True)
-    else:
-        s1 = s
-    return s, s1
+    return s
 
 
 @gluon.jit
-def _pv(p, p1, v_tiles, slot, acc0, acc1, BLOCK_D1: gl.constexpr, BLOCK_N1: gl.constexpr):
-    """O_i += P V_i of ring slot ``slot`` (and O += P1 V1 of the second key part), async: one wgmma commit group
-    per GEMM.  FP8 (8-bit tiles): ``p`` is fp32 in the operand's layout, rounded here (``_p_operand``); the slot
-    holds Vᵀ, (width, keys), read as the k-major B operand that fp8 wgmma needs (unsplit)."""
+def _pv(p, v_tiles, slot, acc0, acc1, BLOCK_D1: gl.constexpr):
+    """O_i += P V_i of ring slot ``slot``, async: one wgmma commit group per part.  FP8 (8-bit tiles): ``p`` is
+    fp32 in the operand's layout, rounded here (``_p_operand``); the slot holds Vᵀ, (width, BLOCK_N), read as
+    the k-major B operand that fp8 wgmma needs (unsplit)."""
     if v_tiles[0].dtype.primitive_bitwidth == 8:
         acc0 = warpgroup_mma(p.to(v_tiles[0].dtype), v_tiles[0].index(slot).permute((1, 0)), acc0, is_async=True)
-        if BLOCK_N1 > 0:
-            acc0 = warpgroup_mma(p1.to(v_tiles[1].dtype), v_tiles[1].index(slot).permute((1, 0)), acc0,
-                                 is_async=True)
     else:
         acc0 = warpgroup_mma(p, v_tiles[0].index(slot), acc0, is_async=True)
-        if BLOCK_N1 > 0:
-            acc0 = warpgroup_mma(p1, v_tiles[1].index(slot), acc0, is_async=True)
     if BLOCK_D1 > 0:
         acc1 = warpgroup_mma(p, v_tiles[1].index(slot), acc1, is_async=True)
     return acc0, acc1
 
 
 @gluon.jit
-def _wait_pv(acc0, acc1, p, p1, BLOCK_D1: gl.constexpr, BLOCK_N1: gl.constexpr):
+def _wait_pv(acc0, acc1, p, BLOCK_D1: gl.constexpr):
     """Every wgmma retired; O and P (read by the P V GEMMs from registers, kept alive until here) back.  FP8
     carries P in fp32 (``_p_operand``): its 8-bit operand could not pass through the wait (Triton 3.6 lowers
     16- to 64-bit values only), and ptxas keeps a wgmma's input registers until its wait_group (none of the
@@ -539,47 +481,31 @@ def _wait_pv(acc0, acc1, p, p1, BLOCK_D1: gl.constexpr, BLOCK_N1: gl.constexpr):
             acc0 = warpgroup_mma_wait(0, deps=(acc0,))
     elif BLOCK_D1 > 0:
         acc0, acc1, p = warpgroup_mma_wait(0, deps=(acc0, acc1, p))
-        p1 = p
-    elif BLOCK_N1 > 0:
-        acc0, p, p1 = warpgroup_mma_wait(0, deps=(acc0, p, p1))
     else:
         acc0, p = warpgroup_mma_wait(0, deps=(acc0, p))
-        p1 = p
-    return acc0, acc1, p, p1
+    return acc0, acc1, p
 
 
 @gluon.jit
-def _wait_s(s, s1, acc0, acc1, p, p1, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr, BLOCK_N1: gl.constexpr):
-    """S (and S1) back in registers: with ``INTRA`` only S (groups retire in order: the P V groups issued
-    after it may still run), otherwise every group (FP8's fp32 P as in :func:`_wait_pv`)."""
+def _wait_s(s, acc0, acc1, p, BLOCK_D1: gl.constexpr, INTRA: gl.constexpr):
+    """S back in registers: with ``INTRA`` only S (groups retire in order: the P V groups issued after it
+    may still run), otherwise every group (FP8's fp32 P as in :func:`_wait_pv`)."""
     if INTRA:
         if BLOCK_D1 > 0:
             s = warpgroup_mma_wait(2, deps=(s,))
-            s1 = s
-        elif BLOCK_N1 > 0:
-            s, s1 = warpgroup_mma_wait(2, deps=(s, s1))
         else:
             s = warpgroup_mma_wait(1, deps=(s,))
-            s1 = s
-    elif BLOCK_N1 > 0:
-        if p.dtype == gl.float32:
-            s, s1, acc0 = warpgroup_mma_wait(0, deps=(s, s1, acc0))
+    elif p.dtype == gl.float32:
+        if BLOCK_D1 > 0:
+            s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
         else:
-            s, s1, acc0, p, p1 = warpgroup_mma_wait(0, deps=(s, s1, acc0, p, p1))
+            s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
     else:
-        if p.dtype == gl.float32:
-            if BLOCK_D1 > 0:
-                s, acc0, acc1 = warpgroup_mma_wait(0, deps=(s, acc0, acc1))
-            else:
-                s, acc0 = warpgroup_mma_wait(0, deps=(s, acc0))
+        if BLOCK_D1 > 0:
+            s, acc0, acc1, p = warpgroup_mma_wait(0, deps=(s, acc0, acc1, p))
         else:
-            if BLOCK_D1 > 0:
-                s, acc0, acc1, p = warpgroup_mma_wait(0, deps=(s, acc0, acc1, p))
-            else:
-                s, acc0, p = warpgroup_mma_wait(0, deps=(s, acc0, p))
-        s1 = s
-        p1 = p
-    return s, s1, acc0, acc1, p, p1
+            s, acc0, p = warpgroup_mma_wait(0, deps=(s, acc0, p))
+    return s, acc0, acc1, p
 
 
 @gluon.jit
@@ -620,77 +546,50 @@ def _rows_times(acc, x):
 
 
 @gluon.jit
-def _row_max(s, s1, BLOCK_N1: gl.constexpr):
-    """Row maxima of S, and of S1 too with a second key part (in S's row layout)."""
-    mx = gl.max(s, 1)
-    if BLOCK_N1 > 0:
-        mx = gl.maximum(mx, gl.convert_layout(gl.max(s1, 1), mx.type.layout))
-    return mx
-
-
-@gluon.jit
-def _mask_cols(s, first_key, last_key):
-    """``s`` with the scores of keys past each row's ``last_key`` at -inf; column c is key ``first_key`` + c."""
-    cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-    bound = gl.convert_layout(last_key - first_key, gl.SliceLayout(1, s.type.layout))
-    return gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(bound, 1), s, float("-inf"))
-
-
-@gluon.jit
-def _softmax_step(s, s1, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-                  FP8: gl.constexpr, BLOCK_N1: gl.constexpr):
-    """Online softmax of the raw scores ``s`` of kv tile ``start_n`` (and ``s1``, its next BLOCK_N1 keys, when
-    ``BLOCK_N1`` > 0): (p, p1, m, l, alpha), p1 = p without a second part.  Unmasked scores stay unscaled:
-    ``rowmax(s) * qk_scale`` is the scaled max because ``qk_scale > 0`` (host-checked, and with FP8 made so per
-    tile).  FP8: P~ = 2^8 exp(S - m) spans e4m3's [0, 256] (FA3's Max_offset; l carries the 2^8 too)."""
+def _softmax_step(s, m_i, l_i, qk_scale, start_n, last_key, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
+                  FP8: gl.constexpr = False):
+    """Online softmax of the raw scores ``s`` of kv tile ``start_n``: (p, m, l, alpha).  Unmasked scores
+    stay unscaled: ``rowmax(s) * qk_scale`` is the scaled max because ``qk_scale > 0`` (host-checked, and
+    with FP8 made so per tile).  FP8: P~ = 2^8 exp(S - m) spans e4m3's [0, 256] (FA3's Max_offset; l carries
+    the 2^8 too)."""
     if MASKED:
-        s = _mask_cols(s, start_n, last_key)
-        if BLOCK_N1 > 0:
-            s1 = _mask_cols(s1, start_n + BLOCK_N, last_key)
-    m_new = gl.maximum(m_i, _row_max(s, s1, BLOCK_N1=BLOCK_N1) * qk_scale)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - start_n, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if MASKED:
         # a row with no allowed key so far keeps m = -inf: subtract 0, never -inf - -inf
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     if FP8:
-        m_sub = m_use - _P_OCTAVES
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use - _P_OCTAVES, 1))
     else:
-        m_sub = m_use
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_sub, 1))
-    row_sum = gl.sum(p, 1)
-    if BLOCK_N1 > 0:
-        m_sub1 = gl.convert_layout(m_sub, gl.SliceLayout(1, s1.type.layout))
-        p1 = gl.exp2(s1 * qk_scale - gl.expand_dims(m_sub1, 1))
-        row_sum = row_sum + gl.convert_layout(gl.sum(p1, 1), row_sum.type.layout)
-    else:
-        p1 = p
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + row_sum
-    return p, p1, m_new, l_i, alpha
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
-def _kv_iter(j, it0, acc0, acc1, p_prev, p1_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready,
-             kv_empty, turn_bars, qk_scale, last_key, s_zero, s1_zero,
+def _kv_iter(j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+             turn_bars, qk_scale, last_key, s_zero,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
              BLOCK_D1: gl.constexpr, MASKED: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
-             PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+             PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tile j >= 1: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} issued together, the softmax of S_j beside the
     P V GEMM (``INTRA``) or after it (K_j released once S_j is back), then O rescaled and V_{j - 1} released.
     Ring slots and parities count from ``it0`` (kv iterations of the program's earlier tiles), key offsets
-    from j.  ``p1_prev``: P of the previous tile's second key part (``BLOCK_N1`` > 0), else ``p_prev``."""
+    from j."""
     it = it0 + j
     slot = it % NUM_STAGES
     prev = (it - 1) % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
     turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
-    s, s1 = _qk(q_wg, k_tiles, slot, s_zero, s1_zero, BLOCK_D1=BLOCK_D1, BLOCK_N1=BLOCK_N1)
-    acc0, acc1 = _pv(p_prev, p1_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1, BLOCK_N1=BLOCK_N1)
+    s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
+    acc0, acc1 = _pv(p_prev, v_tiles, prev, acc0, acc1, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
-    s, s1, acc0, acc1, p_prev, p1_prev = _wait_s(s, s1, acc0, acc1, p_prev, p1_prev, BLOCK_D1=BLOCK_D1,
-                                                 INTRA=INTRA, BLOCK_N1=BLOCK_N1)
+    s, acc0, acc1, p_prev = _wait_s(s, acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1, INTRA=INTRA)
     _release(kv_empty, slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     if INTRA == 2:
         # a block boundary: ptxas hoists the P V wait above straight-line code, not into a branch; always true
@@ -699,57 +598,47 @@ def _kv_iter(j, it0, acc0, acc1, p_prev, p1_prev, m_i, l_i, turn, q_wg, k_tiles,
     else:
         in_block: gl.constexpr = True
     if in_block:
-        p, p1, m_i, l_i, alpha = _softmax_step(s, s1, m_i, l_i, qk_scale, j * (BLOCK_N + BLOCK_N1), last_key,
-                                               BLOCK_N=BLOCK_N, MASKED=MASKED,
-                                               FP8=k_tiles[0].dtype.primitive_bitwidth == 8, BLOCK_N1=BLOCK_N1)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, j * BLOCK_N, last_key, BLOCK_N=BLOCK_N,
+                                           MASKED=MASKED, FP8=k_tiles[0].dtype.primitive_bitwidth == 8)
     else:  # never taken
         p = s
-        p1 = s1
         alpha = m_i
-    acc0, acc1, p_prev, p1_prev = _wait_pv(acc0, acc1, p_prev, p1_prev, BLOCK_D1=BLOCK_D1, BLOCK_N1=BLOCK_N1)
+    acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
     _release(kv_empty, NUM_STAGES + prev, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     acc0 = _rows_times(acc0, alpha)
     if BLOCK_D1 > 0:
         acc1 = _rows_times(acc1, alpha)
     p_next = _p_operand(p, dtype=k_tiles[0].dtype, p_layout=gl.constexpr(p_prev.type.layout), PACK=PACK_P)
-    if BLOCK_N1 > 0:
-        p1_next = _p_operand(p1, dtype=k_tiles[0].dtype, p_layout=gl.constexpr(p_prev.type.layout), PACK=PACK_P)
-    else:
-        p1_next = p_next
-    return acc0, acc1, p_next, p1_next, m_i, l_i, turn
+    return acc0, acc1, p_next, m_i, l_i, turn
 
 
 @gluon.jit
-def _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, s1_zero,
-              full_tiles, it0, turn,
+def _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key, s_zero, full_tiles, it0,
+              turn,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr,
               BLOCK_D1: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr,
-              NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
-    """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: (p, p1, m, l, turn), masked
-    unless ``SKIP_MASK0`` and every row sees all of tile 0."""
+              NAMED_RELEASE: gl.constexpr):
+    """S_0 (ring iteration ``it0``, ping-pong turn ``turn``) and its softmax: masked unless ``SKIP_MASK0``
+    and every row sees all of tile 0."""
     FP8: gl.constexpr = k_tiles[0].dtype.primitive_bitwidth == 8
     slot = it0 % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (it0 // NUM_STAGES) & 1)
     turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
-    s, s1 = _qk(q_wg, k_tiles, slot, s_zero, s1_zero, BLOCK_D1=BLOCK_D1, BLOCK_N1=BLOCK_N1)
+    s = _qk(q_wg, k_tiles, slot, s_zero, BLOCK_D1=BLOCK_D1)
     _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
-    if BLOCK_N1 > 0:
-        s, s1 = warpgroup_mma_wait(0, deps=(s, s1))
-    else:
-        s = warpgroup_mma_wait(0, deps=(s,))
-        s1 = s
+    s = warpgroup_mma_wait(0, deps=(s,))
     _release(kv_empty, slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
     if SKIP_MASK0:
         if full_tiles > 0:
-            p, p1, m_i, l_i, _alpha = _softmax_step(s, s1, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N,
-                                                    MASKED=False, FP8=FP8, BLOCK_N1=BLOCK_N1)
+            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=False,
+                                               FP8=FP8)
         else:
-            p, p1, m_i, l_i, _alpha = _softmax_step(s, s1, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N,
-                                                    MASKED=True, FP8=FP8, BLOCK_N1=BLOCK_N1)
+            p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True,
+                                               FP8=FP8)
     else:
-        p, p1, m_i, l_i, _alpha = _softmax_step(s, s1, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N,
-                                                MASKED=True, FP8=FP8, BLOCK_N1=BLOCK_N1)
-    return p, p1, m_i, l_i, turn
+        p, m_i, l_i, _alpha = _softmax_step(s, m_i, l_i, qk_scale, 0, last_key, BLOCK_N=BLOCK_N, MASKED=True,
+                                           FP8=FP8)
+    return p, m_i, l_i, turn
 
 
 @gluon.jit
@@ -872,7 +761,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                    PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr,
-                   NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                   NAMED_RELEASE: gl.constexpr):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
     parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
@@ -915,35 +804,25 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
         q_wg = (q_tiles[0].index(WG),)
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
-        if BLOCK_N1 > 0:
-            s1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, BLOCK_N1, KI])
-            s1_zero = gl.zeros([M, BLOCK_N1], gl.float32, layout=s1_layout)
-        else:
-            s1_zero = s_zero  # unread
         mbarrier.wait(q_bar, q_phase)
-        p, p1, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale,
-                                          last_key, s_zero, s1_zero, full_tiles, it0, turn0, BLOCK_N=BLOCK_N,
-                                          NUM_STAGES=NUM_STAGES, WG=WG, NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1,
-                                          PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, NAMED_RELEASE=NAMED_RELEASE,
-                                          BLOCK_N1=BLOCK_N1)
+        p, m_i, l_i, turn = _prologue(q_wg, k_tiles, k_ready, kv_empty, turn_bars, m_i, l_i, qk_scale, last_key,
+                                      s_zero,
+                                      full_tiles, it0, turn0, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                                      NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
+                                      SKIP_MASK0=SKIP_MASK0, NAMED_RELEASE=NAMED_RELEASE)
         p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout, PACK=PACK_P)
-        if BLOCK_N1 > 0:
-            p1_prev = _p_operand(p1, dtype=in_dtype, p_layout=p_layout, PACK=PACK_P)
-        else:
-            p1_prev = p_prev
         for j in range(1, full_tiles):
-            acc0, acc1, p_prev, p1_prev, m_i, l_i, turn = _kv_iter(
-                j, it0, acc0, acc1, p_prev, p1_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready,
-                kv_empty, turn_bars, qk_scale, last_key, s_zero, s1_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-                WG=WG, NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG,
-                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+            acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
+                j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG,
+                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
         for j in range(gl.maximum(full_tiles, 1), n_tiles):
-            acc0, acc1, p_prev, p1_prev, m_i, l_i, turn = _kv_iter(
-                j, it0, acc0, acc1, p_prev, p1_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready,
-                kv_empty, turn_bars, qk_scale, last_key, s_zero, s1_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-                WG=WG, NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG,
-                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+            acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
+                j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
+                turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
+                NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG,
+                PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
         # epilogue: O += P_{n-1} V_{n-1}
         last = it0 + n_tiles - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
@@ -953,10 +832,9 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                 # load the next tile's Q and rebuild its descriptors while this epilogue runs
                 mbarrier.arrive(q_empty)
         turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
-        acc0, acc1 = _pv(p_prev, p1_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1,
-                         BLOCK_N1=BLOCK_N1)
+        acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
-        acc0, acc1, p_prev, p1_prev = _wait_pv(acc0, acc1, p_prev, p1_prev, BLOCK_D1=BLOCK_D1, BLOCK_N1=BLOCK_N1)
+        acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
         _release(kv_empty, NUM_STAGES + last % NUM_STAGES, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
 
     empty = l_i == 0.0
@@ -1001,7 +879,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
     ``_out_target``; ``qk_scale``, ``fp8s``: the tile's, as ``_consumer_tile`` takes them."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
@@ -1009,8 +887,7 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE,
-                   BLOCK_N1=BLOCK_N1)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit
@@ -1021,13 +898,12 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
-                              BLOCK_N1: gl.constexpr):
+                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
     ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
         tile_id, total_tiles, n_heads, 1, num_m_tiles, seqlen_q, seqlen_k, BLOCK_M=NUM_WG * 64,
-        BLOCK_N=BLOCK_N + BLOCK_N1, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+        BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
     if k_tiles[0].dtype.primitive_bitwidth == 8:
         tile_scale, v_ds, scale_ok = _fp8_scales(ds, off_b, off_h // ds[10], qk_scale)
         fp8s = (v_ds, scale_ok, ds[3])
@@ -1046,7 +922,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                    PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
-                   HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                   HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
     kv_it += n_tiles
     turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
     return kv_it, turn
@@ -1061,7 +937,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                          LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr,
-                         PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr, BLOCK_N1: gl.constexpr):
+                         PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
     """Tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` pid and then the tiles the producer hands
     over (``_ring_get``, read after each tile; a value >= total_tiles stops), as the producer walks them: the
     ring index, the Q barrier's parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile
@@ -1079,7 +955,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
             tile_id = _ring_get(sched, n)
             n += 1
     else:
@@ -1090,7 +966,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, BLOCK_N1=BLOCK_N1)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
@@ -1103,8 +979,7 @@ def fa3_gluon_kernel(
     QDescale, KDescale, VDescale, Err,
     qk_scale,  # softmax_scale * log2(e), > 0
     # HOST_DESC: host TMA descriptors over the (B, H, N, d) views, boxes [1, 1, rows, BLOCK_D0 | BLOCK_D1]
-    # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0, k / v_desc1 with
-    # BLOCK_N1 > 0 (boxes [1, 1, BLOCK_N1, BLOCK_D0]); otherwise None
+    # (Q: 64 rows, K / V: BLOCK_N, O with O_STORE 2: 64); the *_desc1 with BLOCK_D1 > 0; otherwise None
     q_desc0, q_desc1, k_desc0, k_desc1, v_desc0, v_desc1, o_desc0, o_desc1,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -1120,7 +995,6 @@ def fa3_gluon_kernel(
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
     DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
-    BLOCK_N1: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -1146,10 +1020,6 @@ def fa3_gluon_kernel(
     gl.static_assert(BLOCK_D1 == 0 or (BLOCK_D0 < HEAD_DIM and BLOCK_D1 >= 16 and BLOCK_D1 <= BLOCK_D0))
     gl.static_assert((BLOCK_D1 & (BLOCK_D1 - 1)) == 0)
     gl.static_assert(BLOCK_N % 16 == 0)
-    # a second key part (FA3's key tiles that are not a power of two, e.g. 128 + 64): unsplit head dims, fixed
-    # lengths, not causal (its last box may re-read the tile's first keys: seen by every row, P = 0 there)
-    gl.static_assert(BLOCK_N1 == 0 or (BLOCK_D1 == 0 and not IS_VARLEN and not CAUSAL and BLOCK_N1 >= 16
-                                       and BLOCK_N1 <= BLOCK_N and (BLOCK_N1 & (BLOCK_N1 - 1)) == 0))
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     # one slot would load K_{j+1} only after S_j and V_j only after P V_{j-1}: no overlap of loads and GEMMs
     gl.static_assert(NUM_STAGES >= 2)
@@ -1162,7 +1032,6 @@ def fa3_gluon_kernel(
     # (BLOCK_D0, BLOCK_N) tiles; one column part, device descriptors, O not staged in Q's (8-bit) tiles
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     gl.static_assert(not FP8 or (BLOCK_D1 == 0 and not HOST_DESC and not IS_VARLEN and O_STORE != 2))
-    gl.static_assert(not FP8 or (BLOCK_N % 32 == 0 and BLOCK_N1 % 32 == 0))  # P's operand: whole 32-key chunks
     if FP8:
         ds = (QDescale, KDescale, VDescale, Err, stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb,
               stride_vsh, kv_group)
@@ -1171,7 +1040,7 @@ def fa3_gluon_kernel(
     if not PERSISTENT:
         bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
             gl.program_id(0), gl.num_programs(0), n_heads, kv_group, num_m_tiles, seqlen_q, seqlen_k,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N + BLOCK_N1, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, LPT_GROUP=LPT_GROUP)
         if IS_VARLEN:
             # one "batch" of slots per head: the slot's sequence and query tile, then that sequence's rows
             seq, tile = _packed_slot(CuQ, start_m // BLOCK_M, n_batch, total_q, search_steps, BLOCK_M=BLOCK_M)
@@ -1182,26 +1051,29 @@ def fa3_gluon_kernel(
             if (tile < 0) | (tile >= gl.cdiv(seqlen_q, BLOCK_M)):
                 return
             start_m = tile * BLOCK_M
-            full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N + BLOCK_N1,
+            full_tiles, n_tiles = _kv_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                             CAUSAL=CAUSAL)
 
-    q_smem = _tiles(dtype, NUM_WG, 64, BLOCK_D0)
-    k_smem = _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D0)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D0],
+                                       gl.NVMMASharedLayout.get_default_for([64, BLOCK_D0], dtype))
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
     if FP8:
-        v_smem = _tiles(dtype, NUM_STAGES, BLOCK_D0, BLOCK_N)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_D0, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_D0, BLOCK_N], dtype))
     else:
-        v_smem = _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D0)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D0],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D0], dtype))
     if BLOCK_D1 > 0:
-        q_tiles = (q_smem, _tiles(dtype, NUM_WG, 64, BLOCK_D1))
-        k_tiles = (k_smem, _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D1))
-        v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_N, BLOCK_D1))
-    elif BLOCK_N1 > 0:  # the second tile of K and V: the second key part
-        q_tiles = (q_smem,)
-        k_tiles = (k_smem, _tiles(dtype, NUM_STAGES, BLOCK_N1, BLOCK_D0))
-        if FP8:
-            v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_D0, BLOCK_N1))
-        else:
-            v_tiles = (v_smem, _tiles(dtype, NUM_STAGES, BLOCK_N1, BLOCK_D0))
+        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, 64, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_D1], dtype))
+        k_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
+        v_smem1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D1],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D1], dtype))
+        q_tiles = (q_smem, q_smem1)
+        k_tiles = (k_smem, k_smem1)
+        v_tiles = (v_smem, v_smem1)
     else:
         q_tiles = (q_smem,)
         k_tiles = (k_smem,)
@@ -1223,10 +1095,6 @@ def fa3_gluon_kernel(
     if HOST_DESC:
         if BLOCK_D1 > 0:
             q_pair = (q_desc0, q_desc1)
-            k_pair = (k_desc0, k_desc1)
-            v_pair = (v_desc0, v_desc1)
-        elif BLOCK_N1 > 0:  # K's and V's second: the second key part's boxes
-            q_pair = (q_desc0, q_desc0)
             k_pair = (k_desc0, k_desc1)
             v_pair = (v_desc0, v_desc1)
         else:  # the second of each pair unread
@@ -1273,36 +1141,36 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC,
-                 NAMED_RELEASE, BLOCK_N1)),
+                 NAMED_RELEASE)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
                  BLOCK_D0, BLOCK_D1, NUM_WG, BLOCK_N, NUM_STAGES, CAUSAL, LPT_GROUP, HOST_DESC, DYNAMIC,
-                 NAMED_RELEASE, BLOCK_N1)),
+                 NAMED_RELEASE)),
                 ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         if HOST_DESC:
@@ -1342,30 +1210,30 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE, BLOCK_N1)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE, BLOCK_N1)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
-                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE, BLOCK_N1)),
+                 NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

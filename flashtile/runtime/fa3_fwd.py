@@ -356,9 +356,8 @@ def fp8_block_sizes(d: int, causal: bool, nk: int) -> tuple[int, int]:
     keys: P is rounded to e4m3 against each key tile's running max, so the float64 twin
     (``reference.fp8``) takes these to match it."""
     gluon_cfg, triton_cfg, _ = _fp8_route(d, causal, nk)
-    if gluon_cfg is not None:
-        return gluon_cfg.block_m, gluon_cfg.block_n + gluon_cfg.block_n1
-    return triton_cfg.block_m, triton_cfg.block_n
+    cfg = gluon_cfg or triton_cfg
+    return cfg.block_m, cfg.block_n
 
 
 def use_gluon_fp8(d: int, causal: bool) -> bool:

@@ -85,9 +85,6 @@ class GluonConfig:
     # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile);
     # off: 0.99-1.01x at d = 128 (H200, bench/NOTES.md "Gluon backward: 128 q rows per step")
     named_bars: bool = False
-    # a second key part of this many keys after block_n's (0: none): kv tiles of block_n + block_n1 keys, e.g.
-    # 128 + 64 at d = 128 (FA3 runs 176); unsplit head dims, fixed lengths, not causal
-    block_n1: int = 0
 
     @property
     def block_m(self) -> int:
@@ -134,8 +131,7 @@ def smem_bytes(cfg: GluonConfig, d: int, esize: int = 2) -> int:
     if cfg.o_coalesced and not cfg.o_tma:
         tile = 64 * d0 * esize
         conv = (cfg.num_wg + 1) * min(8192, tile) if d1 else cfg.num_wg * min(tile, max(8192, tile // 2))
-    keys = cfg.block_n + cfg.block_n1
-    return cfg.block_m * width * esize + cfg.num_stages * 2 * keys * width * esize + 1024 + conv
+    return cfg.block_m * width * esize + cfg.num_stages * 2 * cfg.block_n * width * esize + 1024 + conv
 
 
 # B * Hq * Nq * Nk * d from which a call builds its TMA descriptors on the host (H100, scratch/gdesc_probe.py:
@@ -227,28 +223,25 @@ FP8_KEY_CHUNK = 32
 
 @functools.lru_cache(maxsize=None)
 def gluon_fp8_config(d: int, causal: bool, many_keys: bool = False, block_n: int = 0,
-                     num_stages: int = 0, block_n1: int = 0) -> GluonConfig:
+                     num_stages: int = 0) -> GluonConfig:
     """The config of the FP8 forward at head dim ``d`` (``block_d(d)`` in ``FP8_WIDTHS``): the bf16 row of that
     width (consumer warpgroups, schedules, persistent / dynamic grid, ``many_keys`` the caller's Nk >=
     ``FP8_DYNAMIC_MIN_KEYS``; not its two-warpgroup variant for 4k-8k causal keys at width 64: 321 vs 359 TFLOP/s
     at 4k, nor its short-call persistent grid ``few_keys``) with the column part unsplit, plain stores (O is bf16,
     Q's tiles 8-bit: no staging there), P as FP8's own operand (``pack_p`` off) and 1-byte tiles: ``block_n`` (0:
-    128 keys at width 128, 64 elsewhere), ``block_n1`` (a second key part, non-causal) and ``num_stages`` (0: 3),
-    the stages then lowered to what fits, at least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32
-    (kernel ``_p_operand``): 128-key tiles spill 148-348 B with three 160-register consumers (width 64) and 80 B
-    with serialised wgmmas at width 256, 64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64
-    causal 16k 447 vs 397 TFLOP/s for 128 keys.
+    128 keys at width 128, 64 elsewhere) and ``num_stages`` (0: 3), the stages then lowered to what fits, at
+    least 2 (ValueError otherwise).  sm_90a compiles with P carried in fp32 (kernel ``_p_operand``): 128-key tiles
+    spill 148-348 B with three 160-register consumers (width 64) and 80 B with serialised wgmmas at width 256,
+    64-key tiles nothing; H100 (bench/NOTES.md "Gluon FP8 forward"): width 64 causal 16k 447 vs 397 TFLOP/s for
+    128 keys.
     Width 256 without ping-pong: 1.01-1.06x with it (its 64-key GEMMs are short beside the softmax of a
     256-wide O); narrower widths keep it (0.97-1.0x without)."""
     width = block_d(d)
     if width not in FP8_WIDTHS:
         raise NotImplementedError(f"the Gluon FP8 forward covers head dims of widths {FP8_WIDTHS}, got d = {d}")
-    if block_n1 and (causal or block_n1 % FP8_KEY_CHUNK):
-        raise ValueError(f"block_n1 (a second key part) runs non-causal FP8 tiles in whole {FP8_KEY_CHUNK}-key chunks, "
-                         f"got block_n1 = {block_n1}, causal = {causal}")
     cfg = replace(gluon_config(width, causal, many_keys=many_keys), split_d=False, o_tma=False, host_desc=False,
                   pack_p=False, block_n=block_n or (128 if width == 128 else 64), num_stages=num_stages or 3,
-                  pingpong=width != 256, block_n1=block_n1)
+                  pingpong=width != 256)
     while smem_bytes(cfg, d, esize=1) > SMEM_LIMIT and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
     if smem_bytes(cfg, d, esize=1) > SMEM_LIMIT:
@@ -302,15 +295,13 @@ def fp8_v_operand(v: torch.Tensor, permute: bool = True, multiple: int = FP8_KEY
 def _check_config(cfg) -> None:
     if not isinstance(cfg, GluonConfig):
         raise TypeError(f"config must be a GluonConfig, got {type(cfg).__name__}")
-    for name in ("block_n", "block_n1", "num_stages"):
+    for name in ("block_n", "num_stages"):
         if not isinstance(getattr(cfg, name), int) or isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be an int, got {cfg}")
     if cfg.block_n not in (16, 32, 64, 128, 256) or cfg.num_stages < 2:
         # one slot would serialise every load behind a GEMM (the kernel's static_assert); the masks' aranges need
         # a power of two
         raise ValueError(f"config: block_n must be a power of two in [16, 256] and num_stages >= 2, got {cfg}")
-    if cfg.block_n1 not in (0, 16, 32, 64, 128, 256) or cfg.block_n1 > cfg.block_n:
-        raise ValueError(f"config: block_n1 must be 0 or a power of two in [16, block_n], got {cfg}")
     if not isinstance(cfg.split_d, bool):
         raise TypeError(f"config: split_d must be a bool, got {cfg}")
     if not isinstance(cfg.persistent, bool):
@@ -370,12 +361,12 @@ def fa3_gluon_forward(
     _check(q, k, v, out)
     cfg = config if config is not None else gluon_config(q.shape[3], causal)
     width = sum(cfg.widths(q.shape[3]))
-    if cfg.num_wg == 3 and width > 64 and (cfg.block_n + cfg.block_n1 > 64 or width > 128):
+    if cfg.num_wg == 3 and width > 64 and (cfg.block_n > 64 or width > 128):
         # 160 registers per consumer thread: with 128-key tiles ptxas spills 0.2 KB at d = 80 (split) to
         # 1.3-1.7 KB at d = 128; 64-key tiles spill nothing up to 144 columns, 300 B at 192
         # (scratch/cc_gluon.py)
-        raise ValueError(f"config: num_wg = 3 covers tiles up to 64 columns, or up to 128 with block_n + block_n1 <= "
-                         f"64; got {width} columns at d = {q.shape[3]} and {cfg.block_n} + {cfg.block_n1} keys")
+        raise ValueError(f"config: num_wg = 3 covers tiles up to 64 columns, or up to 128 with block_n <= 64; "
+                         f"got {width} columns at d = {q.shape[3]} and block_n = {cfg.block_n}")
     if config is not None and smem_bytes(cfg, q.shape[3], q.element_size()) > SMEM_LIMIT:
         raise ValueError(f"config {cfg} needs {smem_bytes(cfg, q.shape[3], q.element_size())} bytes of shared "
                          f"memory at d = {q.shape[3]}, over {SMEM_LIMIT}")
@@ -422,20 +413,17 @@ def _desc_strides(x: torch.Tensor) -> list[int] | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype, block_n1: int = 0) -> tuple:
+def _desc_plan(d0: int, d1: int, block_n: int, o_tma: bool, dtype: torch.dtype) -> tuple:
     """Per kernel argument ``q_desc0`` ... ``o_desc1``: (tensor index in q, k, v, out; box; its layout), or
-    None (the second part when unsplit, ``d1`` 0, unless K's and V's second key part, ``block_n1`` rows; O
-    unless ``o_tma``).  Keyed on ints: hashing a GluonConfig per call costs more than the descriptors."""
+    None (the second part when unsplit, ``d1`` 0; O unless ``o_tma``).  Keyed on ints: hashing a GluonConfig
+    per call costs more than the descriptors."""
     plan = []
     for i, rows in enumerate((64, block_n, block_n, 64)):
-        for part, width in enumerate((d0, d1)):
-            box_rows = rows
-            if part == 1 and width == 0 and block_n1 and i in (1, 2):
-                width, box_rows = d0, block_n1
+        for width in (d0, d1):
             if width == 0 or (i == 3 and not o_tma):
                 plan.append(None)
             else:
-                plan.append((i, [1, 1, box_rows, width], _box_layout(box_rows, width, dtype)))
+                plan.append((i, [1, 1, rows, width], _box_layout(rows, width, dtype)))
     return tuple(plan)
 
 
@@ -449,7 +437,7 @@ def _desc_entries(q, k, v, out, cfg: GluonConfig) -> tuple | None:
         return None
     shapes = [list(x.shape) for x in xs]
     return tuple(None if e is None else (e[0], shapes[e[0]], strides[e[0]], e[1], e[2])
-                 for e in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype, cfg.block_n1))
+                 for e in _desc_plan(*cfg.widths(q.shape[3]), cfg.block_n, cfg.o_tma, q.dtype))
 
 
 def bare_descriptor(base: torch.Tensor, shape: list, strides: list, box: list, layout):
@@ -485,9 +473,6 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     bm = cfg.block_m
-    if cfg.block_n1 and (causal or varlen is not None or cfg.widths(d)[1]):
-        raise ValueError(f"config: block_n1 (a second key part) runs unsplit head dims, fixed lengths and no causal "
-                         f"mask, got {cfg} at d = {d}, causal = {causal}, packed = {varlen is not None}")
     # constexprs: no parameters without a packed batch
     total_q = total_k = n_batch = search_steps = None
     if varlen is not None:
@@ -515,9 +500,9 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
     if descales is not None:
         if cfg.host_desc or cfg.o_tma or varlen is not None or cfg.widths(d)[1]:
             raise ValueError(f"the FP8 kernel runs one column part, device descriptors and no O staging, got {cfg}")
-        if cfg.block_n % FP8_KEY_CHUNK or cfg.block_n1 % FP8_KEY_CHUNK:
-            raise ValueError(f"config: FP8 key parts are whole {FP8_KEY_CHUNK}-key chunks (P's operand order), got "
-                             f"block_n = {cfg.block_n}, block_n1 = {cfg.block_n1}")
+        if cfg.block_n % FP8_KEY_CHUNK:
+            raise ValueError(f"config: FP8 key tiles are whole {FP8_KEY_CHUNK}-key chunks (P's operand order), got "
+                             f"block_n = {cfg.block_n}")
         if block_d(d) not in FP8_WIDTHS:
             raise ValueError(f"the Gluon FP8 kernel covers head dims of widths {FP8_WIDTHS}, got d = {d}")
         if smem_bytes(cfg, d, esize=1) > SMEM_LIMIT:
@@ -542,7 +527,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(),
         cfg.pingpong_mode(), cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars, cfg.block_n1,
+        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars,
     )
     return GluonArgs(grid, static, descs, cfg.dynamic)
 

@@ -148,14 +148,14 @@ def test_fp8_rows_quantise_and_run_the_gluon_fp8_config(monkeypatch):
 
     monkeypatch.setattr(fa3_fwd, "fa3_forward_fp8", fp8_forward)
     q, k, v, dout = _inputs(1, 128, 2, 128)
-    rows = configs._rows("gluon-fp8", 128, 128, 1, 2, False, q, k, v, dout, {"192 keys": dict(block_n1=64)}, FA3,
+    rows = configs._rows("gluon-fp8", 128, 128, 1, 2, False, q, k, v, dout, {"2 stages": dict(num_stages=2)}, FA3,
                          rounds=1)
     by = {r["variant"]: r for r in rows}
-    assert list(by) == ["dispatch", "192 keys", "fa3"] and all("error" not in r for r in rows)
-    assert ran[:2] == [gluon_fp8_config(128, False), dataclasses.replace(gluon_fp8_config(128, False), block_n1=64)]
+    assert list(by) == ["dispatch", "2 stages", "fa3"] and all("error" not in r for r in rows)
+    assert ran[:2] == [gluon_fp8_config(128, False), dataclasses.replace(gluon_fp8_config(128, False), num_stages=2)]
     assert by["fa3"]["max_rel_err_vs_fa2"] == 0.0
     flops = 4.0 * 1 * 2 * 128 * 128 * 128
-    assert by["192 keys"]["pct_peak"] == pytest.approx(100 * flops / 2.0e-3 / 1e12 / 1979.0)
+    assert by["2 stages"]["pct_peak"] == pytest.approx(100 * flops / 2.0e-3 / 1e12 / 1979.0)
 
 
 def test_gqa_must_divide_the_heads():

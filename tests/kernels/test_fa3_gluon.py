@@ -227,7 +227,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
         True, 2 if cfg.fence else int(cfg.intra), (2 if cfg.named_bars else 1) if cfg.pingpong else 0,
         cfg.skip_mask0)
     assert bound["INTRA"] == cfg.intra_mode() and type(bound["INTRA"]) is int  # 0 off, 1 on, 2 fenced
-    assert bound["PACK_P"] is cfg.pack_p and bound["NAMED_RELEASE"] is cfg.named_bars and bound["BLOCK_N1"] == 0
+    assert bound["PACK_P"] is cfg.pack_p and bound["NAMED_RELEASE"] is cfg.named_bars
     assert type(bound["PINGPONG"]) is int  # 0 off, 1 turns on mbarriers, 2 on named barriers
     assert (bound["CONSUMER_REGS"], bound["PRODUCER_REGS"], bound["O_STORE"], bound["LPT_GROUP"]) == (
         cfg.regs(), cfg.producer(), cfg.o_store(), cfg.lpt_group)
@@ -297,73 +297,30 @@ def test_launcher_passes_host_descriptors(monkeypatch, d, cfg):
     assert bound["Q"] is q and bound["Out"] is out and bound["stride_om"] == 4 * d
 
 
-@pytest.mark.parametrize("host_desc", [False, True])
-def test_key_split_launch(monkeypatch, host_desc):
-    """block_n1: BLOCK_N1 reaches the kernel, tiles count block_n + block_n1 keys in shared memory, and with
-    host descriptors K's and V's second descriptors have [1, 1, block_n1, D0] boxes (Q's and O's second none);
-    causal masks, split head dims and packed batches are refused by name before any launch."""
-    from triton.experimental.gluon import language as gl
-
-    calls, _ = _capture_launch(monkeypatch)
-    cfg = GluonConfig(128, 2, persistent=True, block_n1=64, host_desc=host_desc)
-    assert smem_bytes(cfg, 128) == 128 * 128 * 2 + 2 * 2 * 192 * 128 * 2 + 1024 <= SMEM_LIMIT
-    q = torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16)
-    k = torch.zeros(2, 2, 500, 128, dtype=torch.bfloat16)
-    fa3_gluon_forward(q, k, k, softmax_scale=0.5, causal=False, config=cfg)
-    (_, bound), = calls
-    assert (bound["BLOCK_N"], bound["BLOCK_N1"], bound["BLOCK_D1"], bound["HOST_DESC"]) == (128, 64, 0, host_desc)
-    for t in "qkvo":
-        desc = bound[f"{t}_desc1"]
-        if t in "kv" and host_desc:
-            assert desc.block_shape == [1, 1, 64, 128] and desc.base is k
-            layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-            assert desc.layout.swizzle_byte_width == layout.swizzle_byte_width
-        else:
-            assert desc is None, t
-    for bad, match in [(48, "block_n1 must be 0 or a power of two"), (256, "block_n1 must be 0 or a power of two")]:
-        with pytest.raises(ValueError, match=match):
-            fa3_gluon_forward(q, k, k, softmax_scale=0.5, config=GluonConfig(128, 2, block_n1=bad))
-    with pytest.raises(ValueError, match="block_n1.*causal = True"):
-        fa3_gluon_forward(q, k, k, softmax_scale=0.5, causal=True, config=GluonConfig(128, 2, block_n1=64))
-    x = torch.zeros(2, 4, 300, 96, dtype=torch.bfloat16)  # split 64 + 32
-    with pytest.raises(ValueError, match="block_n1.*d = 96"):
-        fa3_gluon_forward(x, x, x, softmax_scale=0.5, config=GluonConfig(128, 2, block_n1=64))
-    assert len(calls) == 1
-    with pytest.raises(TypeError, match="block_n1 must be an int"):
-        fa3_gluon_forward(q, k, k, softmax_scale=0.5, config=GluonConfig(128, 2, block_n1=64.0))
-    with pytest.raises(ValueError, match="num_wg = 3 .* 64 \\+ 64 keys"):  # 128 keys per tile under 160 registers
-        fa3_gluon_forward(q, k, k, softmax_scale=0.5, config=GluonConfig(64, 2, num_wg=3, block_n1=64))
-
-
-def test_key_split_refusals_of_the_launch_arguments(monkeypatch):
-    """gluon_args (shapes and strides only, CPU tensors): a second key part is refused for packed batches, and
-    the FP8 kernel's configs (whole 32-key parts, its widths, its shared memory) before any launch."""
+def test_fp8_launch_refusals(monkeypatch):
+    """gluon_args (shapes and strides only, CPU tensors): a config the FP8 kernel cannot run (key tiles not whole
+    32-key chunks, a tile width it does not cover, more shared memory than fits) is refused by name before any
+    launch (``fa3_forward_fp8(gluon_config=)`` takes any GluonConfig), the table's accepted; ints are ints."""
     from flashtile.runtime import fa3_gluon
     from flashtile.runtime.fa3_gluon import gluon_args, gluon_fp8_config
 
     monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 5)  # the persistent grid's size, no device here
-
-    q = torch.zeros(1, 4, 300, 128, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    with pytest.raises(ValueError, match="block_n1.*packed = True"):
-        gluon_args(q, q, q, q, False, GluonConfig(128, 2, block_n1=64), varlen=(cu, cu, 200, 200))
-    q8 = q.to(torch.float8_e4m3fn)
+    q8 = torch.zeros(1, 4, 300, 128, dtype=torch.float8_e4m3fn)
     vt = torch.zeros(1, 4, 128, 320, dtype=torch.float8_e4m3fn)  # fp8_v_operand's shape: Nk rounded up to 32
     ds = (torch.ones(1, 4),) * 3
     out = torch.zeros(1, 4, 300, 128, dtype=torch.bfloat16)
-    assert gluon_args(q8, q8, vt, out, False, gluon_fp8_config(128, False, block_n1=64), descales=ds).static
-    for cfg, match in [(GluonConfig(128, 2, block_n1=16), "whole 32-key chunks"),
-                       (GluonConfig(16, 2), "whole 32-key chunks"),
-                       (GluonConfig(128, 4, block_n1=128), "bytes of shared memory")]:
+    assert gluon_args(q8, q8, vt, out, False, gluon_fp8_config(128, False), descales=ds).static
+    for cfg, match in [(GluonConfig(16, 2), "whole 32-key chunks"), (GluonConfig(256, 4), "bytes of shared memory")]:
         with pytest.raises(ValueError, match=match):
             gluon_args(q8, q8, vt, out, False, cfg, descales=ds)
     x8 = torch.zeros(1, 4, 300, 32, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="widths"):
         gluon_args(x8, x8, torch.zeros(1, 4, 32, 320, dtype=torch.float8_e4m3fn), x8.to(torch.bfloat16), False,
                    GluonConfig(128, 2), descales=ds)
-    for causal, block_n1 in [(True, 64), (False, 48)]:
-        with pytest.raises(ValueError, match="block_n1"):
-            gluon_fp8_config(128, causal, block_n1=block_n1)
+    q = torch.zeros(1, 4, 300, 128, dtype=torch.bfloat16)
+    for bad in (dict(block_n=64.0), dict(num_stages=True)):
+        with pytest.raises(TypeError, match="must be an int"):
+            fa3_gluon_forward(q, q, q, softmax_scale=0.5, config=replace(GluonConfig(64, 2), **bad))
 
 
 @pytest.mark.parametrize("host_desc", [False, True])
@@ -481,32 +438,6 @@ def test_gpu_matches_float64(d, causal, schedule, nq, nk):
     if smem_bytes(cfg, d) > SMEM_LIMIT or (cfg.num_wg == 3 and d > 64):  # refused: spills at d = 128
         pytest.skip("config does not fit at this head dim")
     _gpu_case(d, causal, cfg, nq, nk)
-
-
-KEY_SPLITS = {  # (d, block_n, block_n1, extra fields)
-    "d128-128+64": (128, 128, 64, {}), "d128-128+32": (128, 128, 32, {}),
-    "d64-128+64": (64, 128, 64, dict(num_wg=2)), "d256-64+16": (256, 64, 16, {}),
-}
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("case", list(KEY_SPLITS))
-@pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic", "host_desc"])
-def test_gpu_key_split_matches_float64(monkeypatch, case, grid):
-    """block_n1: kv tiles of two key parts against the float64 oracle, non-causal, GQA 4:2: Nk past the first
-    part only (the second box wholly past Nk re-reads the tile's first keys, masked), past both, one key, two
-    full tiles, one query; every grid (persistent with 3 programs: many tiles each) and host descriptors."""
-    from flashtile.runtime import fa3_gluon
-
-    d, block_n, block_n1, extra = KEY_SPLITS[case]
-    cfg = GluonConfig(block_n, 2, block_n1=block_n1, **extra, persistent=grid != "tile", dynamic=grid == "dynamic",
-                      host_desc=grid == "host_desc")
-    assert smem_bytes(cfg, d) <= SMEM_LIMIT
-    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
-    tile = block_n + block_n1
-    for nq, nk in [(333, tile + block_n // 2), (517, 2 * tile + block_n + 3), (130, 1), (1, 2 * tile), (300, 100)]:
-        _gpu_case(d, False, cfg, nq, nk, contiguous=grid == "host_desc")
 
 
 @pytest.mark.gpu

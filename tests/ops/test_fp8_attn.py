@@ -247,27 +247,6 @@ def test_gpu_gluon_fp8_every_width(d, causal, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d,block_n1", [(128, 32), (128, 64), (64, 32)])
-def test_gpu_gluon_fp8_key_split(d, block_n1):
-    """The Gluon FP8 kernel with kv tiles of two key parts (``block_n1``, non-causal) against the twin with the
-    tile's block_n + block_n1 keys: ragged, GQA, the second part wholly past Nk (it re-reads masked keys), one
-    key; d = 64 with its three consumer warpgroups."""
-    from flashtile.runtime.fa3_gluon import gluon_fp8_config
-
-    cfg = gluon_fp8_config(d, False, block_n1=block_n1)
-    tile = cfg.block_n + block_n1
-    for nq, nk in ((1, 1), (333, 517), (517, 150), (300, 2 * tile), (200, tile + 100)):
-        q8, k8, v8, qs, ks, vs = quantised(2, 4, 2, nq, nk, d, "cuda", seed=nq + nk)
-        qb, kb, vb = (x.transpose(1, 2) for x in (q8, k8, v8))
-        out, lse = fa3_fwd.fa3_forward_fp8(qb, kb, vb, (qs, ks, vs), softmax_scale=d ** -0.5, gluon_config=cfg)
-        ref = twin(q8, k8, v8, qs, ks, vs, False, block_sizes=(cfg.block_m, cfg.block_n + cfg.block_n1))
-        assert_fp8_close(out, ref.out, f"block_n1={block_n1} {nq}x{nk}")
-        assert_close(lse, ref.lse, torch.float32, "cuda", "lse", tol=2e-3)
-    flashtile.check_errors()
-
-
-@pytest.mark.gpu
-@hopper
 def test_gpu_long_rows_and_layouts():
     """N = 8k keys (64 key tiles), a (B, H, N, d)-storage view for q, and a non-contiguous v."""
     q8, k8, v8, qs, ks, vs = quantised(1, 2, 1, 8192, 8192, 128, "cuda", seed=9)
