@@ -429,7 +429,7 @@ def dispatch_config(q, k, causal: bool) -> GluonBwdConfig:
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     group_loop = (hq > hk and d not in WIDE_HEAD_DIMS and group_loop_wins(causal, b, hk, nk, q.device.index)
-                  and _stats_span(nq, hq // hk, 128) < 2**31)
+                  and _stats_fit(nq, hq // hk, 128))
     if host_desc_wins(d, b, hq, nq, nk, group_loop):
         # host descriptors have 64-row boxes: the 64-row config
         return replace(gluon_bwd_config(d, causal, group_loop, block_m=64), host_desc=True)
@@ -591,7 +591,7 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
         return False
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
 
-    if _stats_span(varlen_rows(q.shape[0], n_seqs), 1, 4) >= 2**31:  # past the statistics' int32 coordinates
+    if not _stats_fit(varlen_rows(q.shape[0], n_seqs), 1, 4):
         return False
     from flashtile.runtime.fa3_fwd import packed_view
 
@@ -713,10 +713,10 @@ def _desc_layouts(bd: int, dtype: torch.dtype, dq_split: bool, dq_tma: bool, dq_
     return ([1, 1, 64, bd], l4, lk), stats_l, dq
 
 
-def _stats_span(rows: int, heads: int, row_pad: int) -> int:
-    """Elements the narrow kernel's 1-D statistics descriptor spans for ``heads`` adjacent heads of ``rows`` query
-    rows padded to ``row_pad`` (its box coordinates are int32)."""
-    return 2 * triton.cdiv(rows, row_pad) * row_pad * heads
+def _stats_fit(rows: int, heads: int, row_pad: int) -> bool:
+    """Whether the 1-D statistics descriptor over ``heads`` adjacent heads of ``rows`` query rows padded to
+    ``row_pad`` stays inside its int32 box coordinates."""
+    return 2 * triton.cdiv(rows, row_pad) * row_pad * heads < 2**31
 
 
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
@@ -734,7 +734,7 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
 
         rows = varlen_rows(total_q, b) if varlen is not None else nq
         heads = hq // hk if cfg.group_loop and not wide else 1
-        if _stats_span(rows, heads, 4 if varlen is not None else cfg.block_m) >= 2**31:
+        if not _stats_fit(rows, heads, 4 if varlen is not None else cfg.block_m):
             raise ValueError(f"the Gluon backward's statistics of {heads} head(s) x {rows} query rows exceed its "
                              f"descriptor's int32 coordinates (group_loop = {cfg.group_loop})")
     if wide:
@@ -853,7 +853,7 @@ def prefer_gluon_bwd(
         return False
     if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64), backward=True):  # 64-key tiles+
         return False
-    if _stats_span(q.shape[2], 1, 128) >= 2**31:  # one head's statistics past the descriptor's int32 coordinates
+    if not _stats_fit(q.shape[2], 1, 128):
         return False
     return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
 
