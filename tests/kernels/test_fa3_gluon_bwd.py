@@ -24,7 +24,8 @@ from flashtile.runtime.fa3_gluon_bwd import (
     smem_bytes, stats_preprocess,
 )
 from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
-from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, assert_grads, inputs
+from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, inputs
+from tests.kernels.test_fa2_bwd import assert_grads as assert_grads_whole
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
@@ -1011,6 +1012,29 @@ def test_env_var_turns_the_switch_off():
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
+def assert_grads(got, ref: Ref, tile: int = 128):
+    """:func:`assert_grads_whole`, then each ``tile`` rows of dq (query axis) and of dk, dv (key axis) relative to
+    that tile's own largest entry: a causal 4k call's late keys (and early queries) have gradients far below the
+    early keys' (seen by ~N queries), so an error confined to them hides under the whole tensor's tolerance."""
+    assert_grads_whole(got, ref)
+    if not all(g.numel() for g in got):
+        return
+    where = got[0].device
+    dq, dk, dv = (g.detach().cpu().double() for g in got)
+    rq, rk, rv = (r.detach().cpu().double() for r in ref[:3])
+    sq, sk, sv = ref.slack
+    for start in range(0, dq.shape[2], tile):
+        part = slice(start, start + tile)
+        assert_close(dq[:, :, part], rq[:, :, part], dtype=got[0].dtype, device=where, what=f"dq rows {start}+",
+                     magnitude=float(rq[:, :, part].abs().max()), slack=sq)
+    for start in range(0, dk.shape[2], tile):
+        part = slice(start, start + tile)
+        size = max(float(rk[:, :, part].abs().max()), float(rv[:, :, part].abs().max()))
+        for name, g, r, extra in (("dk", dk, rk, sk), ("dv", dv, rv, sv)):
+            assert_close(g[:, :, part], r[:, :, part], dtype=got[1].dtype, device=where, what=f"{name} keys {start}+",
+                         magnitude=size, slack=extra)
+
+
 def run(q, k, v, dout, *, causal=False, config=None, scale=None, **views):
     """Kernel gradients (from the oracle's O and LSE) and the oracle's, as tests/kernels/test_fa3_bwd.py's ``run``."""
     scale = q.shape[3] ** -0.5 if scale is None else scale
