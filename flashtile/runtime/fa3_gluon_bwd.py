@@ -177,7 +177,9 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
     with the group loop compile, but have not run on a GPU yet).  128-wide tiles (d = 72-128) take Pᵀ as the dV
     GEMM's register operand (``pt_regs``, FA3's Mma_dKV_is_RS): backward alone 1.02-1.08x the shared-tile config at
     d = 96 / 128, 1k-16k, causal and not, 576 TFLOP/s at d = 128 16k non-causal (H100, ``flashtile bench configs
-    gluon-bwd``, bench/NOTES.md "pt_regs timed"); packed calls keep the shared tile (``varlen_config``)."""
+    gluon-bwd``, bench/NOTES.md "pt_regs timed"); packed calls keep the shared tile (``varlen_config``).  The wide
+    kernel takes dO in a one-slot ring of its own (``do_stages``, which needs ``split_s``, now at 256-wide tiles too):
+    backward alone 1.02-1.13x at d = 256, 1.01-1.04x at d = 192, 1k-16k (H100, bench/NOTES.md "do_stages timed")."""
     del causal
     if block_m is not None and (isinstance(block_m, bool) or block_m not in (64, 128)):
         raise ValueError(f"block_m must be None (the table's), 64 or 128, got {block_m!r}")
@@ -186,8 +188,8 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
                          f"head_dim {d}, group_loop {group_loop}")
     if d not in GLUON_BWD_HEAD_DIMS:
         raise NotImplementedError(f"the Gluon backward covers head dims multiple of 8 up to 256, got head_dim {d}")
-    if d in WIDE_HEAD_DIMS:
-        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=wide_tile_d(d) == 192)
+    if d in WIDE_HEAD_DIMS:  # dO in its own one-slot ring beside the split score GEMMs: 1.01-1.13x (d = 192 / 256)
+        return GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=True, do_stages=1)
     if block_d(d) <= 32:  # not dispatched (gluon_bwd_wins): the configuration the GPU tests checked there
         return GluonBwdConfig(num_stages=4)
     if block_d(d) == 64 and block_m != 64 and not group_loop:
@@ -205,10 +207,13 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
 
 def varlen_config(d: int, causal: bool) -> GluonBwdConfig:
     """The packed backward's config: the table's at 64-row steps (its per-sequence padding), no group loop (fp32
-    partials under GQA), Pᵀ through its shared tile (``pt_regs`` has not run packed on a GPU)."""
+    partials under GQA), Pᵀ through its shared tile and dO in the Q ring (``pt_regs`` and ``do_stages`` have not run
+    packed on a GPU): the wide kernel splits its score GEMMs at 192-wide tiles only, as before ``do_stages``."""
     cfg = gluon_bwd_config(d, causal, block_m=64)
     if cfg.pt_regs:
         cfg = replace(cfg, pt_regs=False, pt_separate=True)
+    if cfg.do_stages:
+        cfg = replace(cfg, do_stages=0, split_s=wide_tile_d(d) == 192)
     return cfg
 
 

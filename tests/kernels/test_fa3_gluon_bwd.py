@@ -56,10 +56,12 @@ def test_config_table_fits():
         num_stages=2, dq_swizzle32=True, named_bars=True, block_m=128, **both)
     assert gluon_bwd_config(64, True, block_m=64) == GluonBwdConfig(num_stages=4, dq_swizzle32=True, **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
-    # above 128 the wide kernel: dQ through TMA, and the split score GEMMs beside 192-wide tiles
-    wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
-    assert gluon_bwd_config(200, False) == gluon_bwd_config(256, True) == wide
-    assert gluon_bwd_config(136, False) == gluon_bwd_config(192, True) == replace(wide, split_s=True)
+    # above 128 the wide kernel: dQ through TMA, the split score GEMMs and dO in its own one-slot ring at both tile
+    # widths; packed calls keep dO in the Q ring and split the score GEMMs beside 192-wide tiles only
+    wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=True, do_stages=1)
+    assert gluon_bwd_config(200, False) == gluon_bwd_config(256, True) == gluon_bwd_config(136, False) == wide
+    assert fa3_gluon_bwd.varlen_config(256, True) == replace(wide, split_s=False, do_stages=0)
+    assert fa3_gluon_bwd.varlen_config(192, False) == replace(wide, do_stages=0)
     # group_loop (the caller's group_loop_wins) up to 128 where the statistics go through shared memory
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
@@ -90,9 +92,14 @@ def test_smem_estimate_matches_compile_reports():
                                        (192, 2, dict(split_s=False), 181744), (136, 3, dict(split_s=False), 231456),
                                        (160, 2, dict(dq_tma=False, pt_separate=True), 181744),
                                        (192, 2, dict(split_s=True, dq_tma=False, pt_separate=True), 181808),
-                                       (192, 2, {}, 198224),  # the table's: split_s with dQ through TMA
-                                       (256, 2, dict(split_s=True), 230992)]:  # one Pᵀ / dSᵀ buffer there
-        cfg = replace(gluon_bwd_config(d, False), num_stages=stages, **flags)
+                                       (192, 2, {}, 198224),  # split_s with dQ through TMA
+                                       (256, 2, dict(split_s=True), 230992),  # one Pᵀ / dSᵀ buffer there
+                                       # the table's: dO in its own one-slot ring, two buffers at both widths
+                                       (256, 2, dict(split_s=True, do_stages=1), 214640),
+                                       (192, 2, dict(split_s=True, do_stages=1), 173680)]:
+        cfg = GluonBwdConfig(num_stages=stages, pingpong=True, stats_smem=True, dq_tma=True, split_s=d <= 192)
+        cfg = replace(cfg, **flags)
+        assert gluon_bwd_config(d, False) == cfg or "do_stages" not in flags
         assert 0 <= smem_bytes(cfg, d) - reported <= 1024 and reported <= SMEM_LIMIT, (d, stages, flags)
     assert fa3_gluon_bwd.wide_tile_d(136) == fa3_gluon_bwd.wide_tile_d(192) == 192
     assert fa3_gluon_bwd.wide_tile_d(200) == fa3_gluon_bwd.wide_tile_d(256) == 256
@@ -309,21 +316,25 @@ def test_wide_configs_refuse_what_the_wide_kernel_does_not_have(monkeypatch):
     through shared memory, Pᵀ in its own tiles exactly when dQ is reduced from registers): anything else is a
     ValueError naming config, before any launch."""
     monkeypatch.setattr(fa3_gluon_bwd, "_check", lambda *a: None)  # no sm_90 device here
-    base = gluon_bwd_config(256, False)  # dq_tma: Pᵀ a register operand, no tile of its own
+    # dq_tma: Pᵀ a register operand, no tile of its own
+    base = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True)
     registers = replace(base, dq_tma=False, pt_separate=True)  # dQ reduced from registers, Pᵀ in its own tiles
-    for cfg in (base, registers, replace(registers, split_s=True), replace(base, pingpong=False)):
+    table = gluon_bwd_config(256, False)  # dO in its own one-slot ring
+    for cfg in (base, registers, replace(registers, split_s=True), replace(base, pingpong=False), table):
         for d in (136, 192, 256):
             fa3_gluon_bwd._check_config(cfg, d, 2)  # accepted
     for bad in (dict(stats_smem=False), dict(pt_separate=True), dict(dq_tma=False),
                 dict(release_once=True, dq_split=True), dict(dq_split=True), dict(dq_swizzle32=True)):
         with pytest.raises(ValueError, match="config: above head_dim 128"):
             fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, **bad))
-    # split_s with dQ through TMA (the table's at d <= 192), with 2 ring stages only
-    fa3_gluon_bwd._check_config(gluon_bwd_config(136, False), 136, 2)
+    # split_s with dQ through TMA, with 2 ring stages only unless dO has its own one-slot ring (192-wide tiles)
+    fa3_gluon_bwd._check_config(replace(base, split_s=True), 136, 2)
     fa3_gluon_bwd._check_config(replace(base, split_s=True), 256, 2)
     with pytest.raises(ValueError, match="shared memory"):
-        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(gluon_bwd_config(192, False),
-                                                                              num_stages=3))
+        fa3_gluon_backward(*_args(d=192), softmax_scale=0.125, config=replace(base, split_s=True, num_stages=3))
+    fa3_gluon_bwd._check_config(replace(table, num_stages=3), 192, 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        fa3_gluon_backward(*_args(d=256), softmax_scale=0.125, config=replace(table, num_stages=3))
     fa3_gluon_bwd._check_config(replace(base, num_stages=3), 192, 2)  # 192-wide tiles: a third ring stage fits
     with pytest.raises(ValueError, match="shared memory"):  # 256-wide ones: not
         fa3_gluon_backward(*_args(d=200), softmax_scale=0.125, config=replace(base, num_stages=3))
@@ -694,7 +705,7 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["DQacc"].shape == (b * hq, _rows(nq), 256) and bound["stride_acc_h"] == _rows(nq) * 256
     assert (bound["HEAD_DIM"], bound["BLOCK_D"], bound["TILE_D"], bound["NUM_STAGES"], bound["CAUSAL"],
             bound["PINGPONG"], bound["SPLIT_S"], bound["DQ_TMA"]) == (d, 256, 192, 2, True, True, True, True)
-    assert bound["DO_STAGES"] == 2  # dO in the Q ring
+    assert bound["DO_STAGES"] == 1  # dO in its own one-slot ring (the table's)
     assert bound["num_n_tiles"] == 8 and grid == (b * hq * 8,)  # 64-key tiles
     assert bound["GQA_PARTIAL"] and bound["DK"].dtype == F32 and bound["DK"].shape == (b, hq, nk, d)
     assert (bound["n_heads"], bound["kv_group"], bound["seqlen_q"], bound["seqlen_k"]) == (hq, 2, nq, nk)
