@@ -39,7 +39,13 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "varlen", False):
         return _bench_attention_varlen(args, console)
-    grid = list(ab.default_grid(head_dims=args.head_dims, seqlens=args.seqlens))
+    gqa = getattr(args, "gqa", 1)
+    heads = getattr(args, "heads", None)
+    grid = list(ab.default_grid(head_dims=args.head_dims, seqlens=args.seqlens, heads=heads))
+    bad = sorted({g[3] for g in grid if g[3] % gqa})
+    if bad:
+        console.print(f"[red]--gqa {gqa} must divide the q heads of every point (got {bad}; set --heads)[/red]")
+        return 2
     if args.causal != "both":
         grid = [g for g in grid if g[4] == (args.causal == "yes")]
     with Progress(console=console, transient=True) as prog:
@@ -48,7 +54,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         def progress(i, n, what):
             prog.update(task, completed=i, description=what)
 
-        payload = ab.run(providers=args.providers, grid=grid, modes=args.modes, progress=progress)
+        payload = ab.run(providers=args.providers, grid=grid, modes=args.modes, progress=progress, gqa=gqa)
     rows = ab.ratios(payload)
     peers = [p for p in args.providers if p != "flashtile"]
     table = Table(title=f"attention TFLOP/s (bf16 inputs; -fp8: quantised to e4m3) on {payload['env']['device']} (ratio = flashtile / peer)")
@@ -56,7 +62,9 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     for r in rows:
         t = r["tflops"]
-        cells = [str(r["head_dim"]), str(r["seqlen"]), f"{r['batch']}×{r['heads']}", "y" if r["causal"] else "n", r["mode"]]
+        hk = "" if r["kv_heads"] == r["heads"] else f"/{r['kv_heads']}"
+        cells = [str(r["head_dim"]), str(r["seqlen"]), f"{r['batch']}×{r['heads']}{hk}", "y" if r["causal"] else "n",
+                 r["mode"]]
         cells.append(f"{t['flashtile']:.0f}" if t.get("flashtile") else "—")
         for p in peers:
             ratio = r["ratio"].get(p)
@@ -644,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--out", default="bench/results")
     att.add_argument("--name", default="attention", help="result file stem (<name>_<device>.json)")
     att.add_argument("--no-plot", action="store_true")
+    att.add_argument("--heads", type=_positive, default=None, help="q heads of every point (default 2048 / d)")
+    att.add_argument("--gqa", type=_positive, default=1,
+                     help="q heads per kv head (GQA; 1: multi-head); FLOPs count the q heads")
     att.add_argument("--varlen", action="store_true",
                      help="instead of the grid: a packed batch of 64k tokens (lengths 128..8k) through "
                           "flash_attn_varlen_func vs a fixed-length batch of equal FLOPs and FlexAttention "
@@ -772,7 +783,8 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--no-plot", action="store_true")
     trn.set_defaults(func=_cmd_bench_train)
     bench.set_defaults(func=_cmd_bench_attention, **{k: att.get_default(k) for k in
-                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot", "varlen")})
+                       ("providers", "head_dims", "seqlens", "causal", "modes", "out", "name", "no_plot", "varlen",
+                        "heads", "gqa")})
     return p
 
 

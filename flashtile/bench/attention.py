@@ -46,6 +46,7 @@ class Point:
     ms: dict = field(default_factory=dict)  # provider -> median ms (None when unsupported)
     tflops: dict = field(default_factory=dict)
     err: dict = field(default_factory=dict)  # provider -> rel err of the forward output vs fp32 math (sampled heads)
+    kv_heads: int = 0  # GQA / MQA: heads of k and v (0: as many as q's)
 
     @property
     def flops(self) -> float:
@@ -53,12 +54,13 @@ class Point:
                                self.mode == "fwd_bwd")
 
 
-def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384)):
-    """bf16, batch·seqlen = 16k tokens, heads = 2048 / head_dim (the issue's grid)."""
+def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384),
+                 heads: int | None = None):
+    """bf16, batch·seqlen = 16k tokens, heads = 2048 / head_dim (the issue's grid) unless ``heads`` is given."""
     for d in head_dims:
         for n in seqlens:
             for causal in (False, True):
-                yield d, n, max(1, total_tokens // n), 2048 // d, causal
+                yield d, n, max(1, total_tokens // n), heads or 2048 // d, causal
 
 
 def sdpa_fn(backend_name: str) -> Callable:
@@ -77,7 +79,8 @@ def sdpa_fn(backend_name: str) -> Callable:
     def run(q, k, v, causal):
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                enable_gqa=k.shape[2] != q.shape[2],
             ).transpose(1, 2)
 
     return run
@@ -102,7 +105,8 @@ def _flex_fn():
             if n not in masks:
                 masks[n] = create_block_mask(causal_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
             bm = masks[n]
-        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm).transpose(1, 2)
+        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                        enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
 
     return run
 
@@ -205,9 +209,10 @@ def reference_rows(q, k, v, causal, heads=2, rows=256):
     (1, heads, len(idx), d) float32 and ``idx`` the query rows, so an output ``o`` (B, N, H, d) is
     compared as ``o[:1, idx, :heads].transpose(1, 2)``."""
     n = q.shape[1]
+    kv = [i * k.shape[2] // q.shape[2] for i in range(heads)]  # the kv head of each sampled q head (GQA)
     qs = q[:1, :, :heads].float().transpose(1, 2)  # (1, h, n, d)
-    ks = k[:1, :, :heads].float().transpose(1, 2)
-    vs = v[:1, :, :heads].float().transpose(1, 2)
+    ks = k[:1, :, kv].float().transpose(1, 2)
+    vs = v[:1, :, kv].float().transpose(1, 2)
     idx = torch.linspace(0, n - 1, min(rows, n), device=q.device).long()
     s = (qs[:, :, idx] @ ks.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
@@ -215,15 +220,18 @@ def reference_rows(q, k, v, causal, heads=2, rows=256):
     return torch.softmax(s, dim=-1) @ vs, idx
 
 
-def run_point(providers: dict, d: int, n: int, b: int, h: int, causal: bool, modes=("fwd", "fwd_bwd"), dtype=torch.bfloat16):
+def run_point(providers: dict, d: int, n: int, b: int, h: int, causal: bool, modes=("fwd", "fwd_bwd"),
+              dtype=torch.bfloat16, gqa: int = 1):
+    """One grid point: q (b, n, h, d), k and v with ``h // gqa`` heads."""
     torch.manual_seed(n * 7 + d)
     dev = "cuda"
-    q, k, v = (torch.randn(b, n, h, d, device=dev, dtype=dtype) for _ in range(3))
+    q = torch.randn(b, n, h, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(b, n, h // gqa, d, device=dev, dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
     ref, idx = reference_rows(q, k, v, causal)
     results = []
     for mode in modes:
-        pt = Point(d, n, b, h, causal, mode)
+        pt = Point(d, n, b, h, causal, mode, kv_heads=h // gqa)
         for name, fn in providers.items():
             try:
                 if mode == "fwd":
@@ -268,17 +276,21 @@ def peak_extra_memory(providers: dict, d=128, n=4096, b=4, h=16, causal=False) -
     return out
 
 
-def run(providers=PROVIDERS, grid=None, modes=("fwd", "fwd_bwd"), progress=None) -> dict:
-    """Run the grid; returns the JSON-able payload (env, points, memory)."""
+def run(providers=PROVIDERS, grid=None, modes=("fwd", "fwd_bwd"), progress=None, gqa: int = 1) -> dict:
+    """Run the grid (``gqa`` q heads per kv head); returns the JSON-able payload (env, points, memory)."""
     if not torch.cuda.is_available():
         raise RuntimeError("`flashtile bench attention` needs a CUDA GPU")
+    if isinstance(gqa, bool) or not isinstance(gqa, int) or gqa < 1:
+        raise ValueError(f"gqa must be a positive int (q heads per kv head), got {gqa!r}")
     fns = make_providers(providers)
     grid = list(grid if grid is not None else default_grid())
     points = []
     for i, (d, n, b, h, causal) in enumerate(grid):
         if progress:
             progress(i, len(grid), f"d={d} N={n} causal={causal}")
-        points.extend(run_point(fns, d, n, b, h, causal, modes))
+        if h % gqa:
+            raise ValueError(f"gqa {gqa} must divide the q heads of every point, got {h} at head_dim {d}")
+        points.extend(run_point(fns, d, n, b, h, causal, modes, gqa=gqa))
     return {
         "env": environment(),
         "providers": list(providers),
@@ -293,6 +305,7 @@ def ratios(payload: dict, ours: str = "flashtile") -> list[dict]:
     rows = []
     for p in payload["points"]:
         r = {k: p[k] for k in ("head_dim", "seqlen", "batch", "heads", "causal", "mode")}
+        r["kv_heads"] = p.get("kv_heads") or p["heads"]
         r["tflops"] = p["tflops"]
         mine = p["tflops"].get(ours)
         r["ratio"] = {

@@ -67,3 +67,36 @@ def test_varlen_bench_routine_runs(monkeypatch):
         assert p["ms"] == {"flashtile-varlen": 4.0, "flashtile-fixed": 3.0}  # without the rotation: 3 and 4
         mult = 3.5 if p["mode"] == "fwd_bwd" else 1.0
         assert p["tflops"]["flashtile-varlen"] == pytest.approx(4 * 16 * sq / 2 * mult / 4e-3 / 1e12)
+
+
+def test_gqa_grid_reference_and_sdpa_provider():
+    """`bench attention --heads 32 --gqa 4`: the grid's q heads as given, the sampled reference rows read each q
+    head's kv head (h // 4), and the SDPA provider takes fewer kv heads (its output equals the expanded-heads one)."""
+    from flashtile.bench.attention import default_grid, reference_rows, sdpa_fn
+    from flashtile.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "attention", "--heads", "32", "--gqa", "4", "--seqlens", "8192"])
+    assert (args.heads, args.gqa) == (32, 4)
+    assert {g[3] for g in default_grid(head_dims=(128,), seqlens=(8192,), heads=32)} == {32}
+    assert [g[:4] for g in default_grid(head_dims=(64,), seqlens=(4096,))] == [(64, 4096, 4, 32)] * 2
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 40, 8, 16, generator=gen)
+    k, v = (torch.randn(1, 40, 2, 16, generator=gen) for _ in range(2))
+    wide = [x.repeat_interleave(4, dim=2) for x in (k, v)]
+    for causal in (False, True):
+        ref, idx = reference_rows(q, k, v, causal, heads=6, rows=13)
+        full, idx_full = reference_rows(q, *wide, causal, heads=6, rows=13)
+        assert torch.equal(idx, idx_full) and torch.allclose(ref, full, atol=1e-6)
+        got = sdpa_fn("sdpa-math")(q, k, v, causal)
+        assert torch.allclose(got, sdpa_fn("sdpa-math")(q, *wide, causal), atol=1e-6)
+        assert torch.allclose(got[:1, idx, :6].transpose(1, 2), ref, atol=1e-5)
+
+
+def test_gqa_that_does_not_divide_the_heads_is_refused(monkeypatch):
+    from flashtile import cli
+    from flashtile.bench import attention as ab
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab, "run", lambda **kw: pytest.fail("ran a grid whose heads --gqa does not divide"))
+    args = cli.build_parser().parse_args(["bench", "attention", "--head-dims", "96", "--gqa", "4", "--seqlens", "1024"])
+    assert cli._cmd_bench_attention(args) == 2  # 2048 / 96 = 21 heads

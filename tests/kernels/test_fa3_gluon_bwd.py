@@ -1546,6 +1546,20 @@ def test_gpu_varlen_wide_kernel_matches_oracle(d, causal):
     _check_varlen(d, causal, 4, 2, "mixed")
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", ["mixed", "one"])
+def test_gpu_varlen_fixed_length_table(monkeypatch, d, causal, lens):
+    """The packed backward on the fixed-length table's 64-row config (what ``varlen_config`` holds back until this
+    runs): Pᵀ as a register operand at d = 128, dO in its own one-slot ring beside the split score GEMMs above."""
+    table = gluon_bwd_config(d, causal, block_m=64)
+    assert table.pt_regs or table.do_stages == 1
+    monkeypatch.setattr(fa3_gluon_bwd, "varlen_config", lambda d_, c_: gluon_bwd_config(d_, c_, block_m=64))
+    _check_varlen(d, causal, 4, 2, lens)
+
+
 def _check_varlen(d, causal, hq, hk, lens):
     lens_q, lens_k = {"mixed": ([70, 0, 64, 1, 333, 200], [90, 40, 64, 0, 517, 128]), "one": ([1000], [1000]),
                       "tiny": ([1 + i % 5 for i in range(300)], [1 + (i * 7) % 9 for i in range(300)])}[lens]
