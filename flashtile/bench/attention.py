@@ -208,7 +208,7 @@ def reference_rows(q, k, v, causal, heads=2, rows=256):
     (cheap: no N×N for every head).  q, k, v: (B, N, H, d).  Returns ``(ref, idx)``: ``ref`` is
     (1, heads, len(idx), d) float32 and ``idx`` the query rows, so an output ``o`` (B, N, H, d) is
     compared as ``o[:1, idx, :heads].transpose(1, 2)``."""
-    n = q.shape[1]
+    n, heads = q.shape[1], min(heads, q.shape[2])
     kv = [i * k.shape[2] // q.shape[2] for i in range(heads)]  # the kv head of each sampled q head (GQA)
     qs = q[:1, :, :heads].float().transpose(1, 2)  # (1, h, n, d)
     ks = k[:1, :, kv].float().transpose(1, 2)

@@ -3,7 +3,7 @@ fp32 reductions), beside the Triton one in :mod:`flashtile.runtime.fa3_bwd`.
 
 Above d = 128 the wide kernel (:mod:`flashtile.kernels.fa3_gluon_bwd_wide`: the warpgroups split the head dim).
 Dispatched where :func:`gluon_bwd_wins` says (H100, bench/NOTES.md "Gluon backward", "Dispatch sweep, backward",
-"Gluon backward above 128"): every head dim from 72 to 128, 40-64 from 4k keys, 256; ``ENABLED`` (environment
+"Gluon backward above 128"): every head dim from 72 to 128, 40-64 from 2k keys (packed: 4k), 136-256; ``ENABLED`` (environment
 ``FLASHTILE_GLUON_BWD=0`` when this module is first imported turns it off) gates the dispatch.
 
 ``fa3_gluon_backward`` has :func:`flashtile.runtime.fa3_bwd.fa3_backward`'s contract on what it covers: bf16 / fp16
@@ -239,8 +239,9 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     """The measured part of :func:`prefer_gluon_bwd`, against FA2's backward (H100, bf16, B*N = 16k, H*d = 2048):
     128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
-    dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles fwd+bwd 1.05-1.11x at 4k (d = 48,
-    64), 0.92-0.98x at 1k, backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
+    dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles (128-row steps) fwd+bwd 1.06-1.11x at
+    2k, 1.11-1.15x at 4k (d = 48, 64), 0.85-1.03x at 1k (bench/NOTES.md "Dispatch of the 64-wide backward"),
+    backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
     against the Triton Hopper backward ("Gluon backward above 128"), backward alone with dQ through TMA (the
     table's): 1.06-1.41x at d = 136-256, 1k-16k (``scratch/gwide_probe.py``, ``scratch/gwide2_probe.py``): every
     d > 128.  Causal under 1k keys with 128-wide tiles: FA2 (d = 128, 512 keys, fwd+bwd in interleaved rounds,
@@ -248,7 +249,7 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     width = block_d(d)
     if width == 128:
         return not causal or nk >= 1024
-    return (width == 64 and nk >= 4096) or d in WIDE_HEAD_DIMS
+    return (width == 64 and nk >= 2048) or d in WIDE_HEAD_DIMS
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
@@ -588,6 +589,8 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     if q.shape[-1] in WIDE_HEAD_DIMS and not VARLEN_WIDE:
         return False
     if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k):
+        return False
+    if block_d(q.shape[-1]) == 64 and max_seqlen_k < 4096:  # packed: 64-row steps, measured ahead of FA2 from 4k
         return False
     from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N
 

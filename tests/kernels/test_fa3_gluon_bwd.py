@@ -879,7 +879,7 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     got = fa3_gluon_bwd.fa3_gluon_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 0, softmax_scale=0.5)
     assert not calls and all((g == 0).all() for g in got)
     # dispatch: on by default, refused on CPU tensors (the sm_90 part: test_gpu_varlen_*), and where the
-    # fixed-length rule would keep FA2 (64-wide tiles under 4k keys), and with VARLEN off
+    # fixed-length rule would keep FA2 (64-wide tiles under 2k keys), and with VARLEN off
     assert fa3_gluon_bwd.VARLEN is True
     args = dict(causal=False, window=(-1, -1), plain=True, deterministic=False, capability=(9, 0), max_seqlen_k=140,
                 n_seqs=2)
@@ -888,6 +888,9 @@ def test_varlen_launcher_and_refusals(monkeypatch):
     assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **args)
     q64, k64 = q[..., :64], k[..., :64]
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **args)
+    # packed at 64-wide tiles (64-row steps): from 4k keys, where the fixed-length rule takes 2k
+    assert fa3_gluon_bwd.gluon_bwd_wins(64, False, 2048)
+    assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **{**args, "max_seqlen_k": 4095})
     assert fa3_gluon_bwd.prefer_gluon_bwd_varlen(q64, k64, k64, q64, **{**args, "max_seqlen_k": 4096})
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q[..., :32], k[..., :32], k[..., :32], q[..., :32], **args)
     assert not fa3_gluon_bwd.prefer_gluon_bwd_varlen(q, k, k, q, **{**args, "n_seqs": 5})  # padding > total_q
@@ -973,11 +976,11 @@ def test_float64_twin_at_the_kernels_tiling(causal):
 
 def test_dispatch_rule():
     """Measured (``gluon_bwd_wins``): 128-wide tiles at every length without a mask and from 1k keys causal, 64-wide
-    from 4k keys, narrower never (the rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
+    from 2k keys, narrower never (the rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
     wins = fa3_gluon_bwd.gluon_bwd_wins
     assert all(wins(d, False, 1) and wins(d, True, 1024) for d in (72, 96, 128))
     assert not any(wins(d, True, 1023) for d in (72, 96, 128))
-    assert wins(64, False, 4096) and wins(40, True, 16384) and not wins(64, False, 4095) and not wins(48, True, 1024)
+    assert wins(64, False, 2048) and wins(40, True, 16384) and not wins(64, False, 2047) and not wins(48, True, 1024)
     assert not wins(32, False, 1 << 20)
     assert all(wins(d, c, 1) for d in (136, 160, 192, 200, 248, 256) for c in (False, True))  # the wide kernel
     assert fa3_gluon_bwd.ENABLED is True
