@@ -38,6 +38,9 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
         console.print("[red]`flashtile bench attention` needs a CUDA GPU[/red]")
         return 2
     if getattr(args, "varlen", False):
+        if getattr(args, "heads", None) is not None or getattr(args, "gqa", 1) != 1:
+            console.print("[red]--heads / --gqa are options of the grid, not of --varlen (2048 / d heads)[/red]")
+            return 2
         return _bench_attention_varlen(args, console)
     gqa = getattr(args, "gqa", 1)
     heads = getattr(args, "heads", None)

@@ -38,6 +38,7 @@ __all__ = [
     "attention_varlen_ref_grads",
     "backend",
     "grads_ref",
+    "rounding_bounds",
     "rounding_slack",
     "ref_kwargs",
     "scores_ref",
@@ -355,6 +356,18 @@ def rounding_slack(
     cancels to far below the size of its terms (dq of a row with one visible key is exactly 0).
     Inputs (B, H, N, d) in float64; ``kwargs`` as :func:`attention_ref`.  dv gets no such term: 0.
     """
+    dq_bound, dk_bound = rounding_bounds(q, k, v, dout, dtype, **kwargs)
+    if not dq_bound.numel() or not dk_bound.numel():
+        return 0.0, 0.0, 0.0
+    return float(dq_bound.max()), float(dk_bound.max()), 0.0
+
+
+def rounding_bounds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dtype: torch.dtype, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rounding_slack`'s bounds per query row and per key: ``(dq_bound (B, Hq, Nq), dk_bound (B, Hk, Nk))``,
+    float64 on the inputs' device (a causal call's late keys are seen by few rows: their bound is far below the
+    early keys', which the maximum reports)."""
     u = torch.finfo(dtype).eps / 2
     out, lse = attention_ref(q, k, v, **kwargs)
     score_kw = {key: val for key, val in kwargs.items() if key not in ("keep", "dropout_p")}
@@ -362,13 +375,9 @@ def rounding_slack(
     delta = u * (dout.to(torch.float64) * out).abs().sum(-1)  # (B, Hq, Nq)
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)  # a bound: |scale| (negative scales too)
-    if not delta.numel() or not k.numel():
-        return 0.0, 0.0, 0.0
     b, hq, nq, _ = q.shape
     hk, nk = k.shape[1], k.shape[2]
+    if not delta.numel() or not k.numel():
+        return delta.new_zeros(b, hq, nq), delta.new_zeros(b, hk, nk)
     per_key = (p * delta.unsqueeze(-1)).sum(-2).view(b, hk, hq // hk, nk).sum(2)
-    return (
-        scale * float(delta.max()) * float(k.abs().max()),
-        scale * float(per_key.max()) * float(q.abs().max()),
-        0.0,
-    )
+    return scale * delta * float(k.abs().max()), scale * per_key * float(q.abs().max())

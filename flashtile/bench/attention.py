@@ -57,6 +57,8 @@ class Point:
 def default_grid(total_tokens: int = 16384, head_dims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384),
                  heads: int | None = None):
     """bf16, batch·seqlen = 16k tokens, heads = 2048 / head_dim (the issue's grid) unless ``heads`` is given."""
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"heads must be None (2048 / head_dim) or a positive int, got {heads!r}")
     for d in head_dims:
         for n in seqlens:
             for causal in (False, True):
@@ -282,14 +284,15 @@ def run(providers=PROVIDERS, grid=None, modes=("fwd", "fwd_bwd"), progress=None,
         raise RuntimeError("`flashtile bench attention` needs a CUDA GPU")
     if isinstance(gqa, bool) or not isinstance(gqa, int) or gqa < 1:
         raise ValueError(f"gqa must be a positive int (q heads per kv head), got {gqa!r}")
-    fns = make_providers(providers)
     grid = list(grid if grid is not None else default_grid())
+    for d, _, _, h, _ in grid:  # before any point is timed
+        if h % gqa:
+            raise ValueError(f"gqa {gqa} must divide the q heads of every point, got {h} at head_dim {d}")
+    fns = make_providers(providers)
     points = []
     for i, (d, n, b, h, causal) in enumerate(grid):
         if progress:
             progress(i, len(grid), f"d={d} N={n} causal={causal}")
-        if h % gqa:
-            raise ValueError(f"gqa {gqa} must divide the q heads of every point, got {h} at head_dim {d}")
         points.extend(run_point(fns, d, n, b, h, causal, modes, gqa=gqa))
     return {
         "env": environment(),
@@ -297,6 +300,7 @@ def run(providers=PROVIDERS, grid=None, modes=("fwd", "fwd_bwd"), progress=None,
         "flops_convention": "4*B*H*N^2*d forward, /2 causal, x3.5 fwd+bwd",
         "points": [asdict(p) | {"flops": p.flops} for p in points],
         "peak_extra_memory_mib": peak_extra_memory(fns),
+        "peak_extra_memory_shape": "d=128 N=4096 B=4 H=16 (multi-head, non-causal forward)",
     }
 
 

@@ -164,10 +164,10 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
     wide kernel: 2 stages (all that fits), ping-pong, the statistics through shared memory (it has no
     other path) and dQ through 32-column staging tiles and TMA reduce-adds (``dq_tma``, Pᵀ then a register operand):
     1.06-1.41x the Triton Hopper backward and 1.13-1.30x the wide kernel's register reductions at d = 136-256,
-    1k / 4k (``scratch/gwide2_probe.py``); with 192-wide tiles (d = 136-192) also the split score GEMMs
-    (``split_s``, whose two Pᵀ / dSᵀ buffers fit beside the staging tiles there): backward alone 1.08-1.23x at
-    d = 192, 1.06-1.16x at 160, 1.03-1.07x at 136, 1k-16k (``scratch/gsplit192_probe.py``; at 256-wide tiles, on
-    one buffer, 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
+    1k / 4k (``scratch/gwide2_probe.py``); the split score GEMMs (``split_s``; at 192-wide tiles their two Pᵀ /
+    dSᵀ buffers fit beside the staging tiles: backward alone 1.08-1.23x at d = 192, 1.06-1.16x at 160, 1.03-1.07x at
+    136, 1k-16k, ``scratch/gsplit192_probe.py``; at 256-wide tiles only with dO's own one-slot ring, below, on one
+    buffer 0.90-1.07x: ``scratch/gsplit256_probe.py``).  ``group_loop`` (GQA, up to d = 128): the caller's
     :func:`group_loop_wins`.  ``named_bars`` stays off at 64 q rows per step (0.97-1.01x, bench/NOTES.md "Gluon
     backward: named barriers and host descriptors"); ``host_desc`` is the caller's (:func:`dispatch_config`).
     64-wide tiles (d = 40-64) take 128 q rows per step (``block_m``, FA3's d = 64 tiles: 2 stages are what fit)
@@ -240,7 +240,8 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles (128-row steps) fwd+bwd 1.06-1.11x at
-    2k, 1.11-1.15x at 4k (d = 48, 64), 0.85-1.03x at 1k (bench/NOTES.md "Dispatch of the 64-wide backward"),
+    2k, 1.11-1.15x at 4k (d = 48, 64), 0.85-1.03x at 1k (bench/NOTES.md "... the 64-wide backward's dispatch"; the
+    64-row configs from 4k: :func:`prefer_gluon_bwd`, :func:`prefer_gluon_bwd_varlen`),
     backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
     against the Triton Hopper backward ("Gluon backward above 128"), backward alone with dQ through TMA (the
     table's): 1.06-1.41x at d = 136-256, 1k-16k (``scratch/gwide_probe.py``, ``scratch/gwide2_probe.py``): every
@@ -579,7 +580,7 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     """Whether a packed backward of ``n_seqs`` sequences (q (total_q, Hq, d), ...) runs
     :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-256 (40-128 without ``VARLEN_WIDE``)
     where :func:`gluon_bwd_wins`
-    says so for the longest sequence's keys, a batch the padded layout and the grid suit (:func:`varlen_fits`),
+    says so for the longest sequence's keys (at 64-wide tiles from 4k: 64-row steps), a batch the padded layout and the grid suit (:func:`varlen_fits`),
     then what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not
     deterministic, bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
     (``flashtile bench attention --varlen``, bench/NOTES.md "Packed Gluon backward"): fwd+bwd 477 / 392 TFLOP/s
@@ -856,14 +857,19 @@ def prefer_gluon_bwd(
     """Whether ``ops.autograd._bwd_impl`` runs the Gluon backward (:func:`backward_into`) on these (B, H, N, d)
     views: only with ``ENABLED``, then what the kernels cover: ``plain`` (no softcap, ALiBi, bias, dropout,
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
-    to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins`."""
+    to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins` (at 64-wide tiles with
+    4k keys or more where :func:`dispatch_config` takes 64-row steps, the GQA group loop)."""
     if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
     if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64), backward=True):  # 64-key tiles+
         return False
     if not _stats_fit(q.shape[2], 1, 128):
         return False
-    return _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability)
+    if not _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability):
+        return False
+    # 64-wide tiles from 2k keys were measured at 128-row steps; the 64-row configs (the GQA group loop) from 4k
+    return not (block_d(q.shape[3]) == 64 and k.shape[2] < 4096 and q.shape[1] > k.shape[1]
+                and dispatch_config(q, k, causal).block_m == 64)
 
 
 def _prefer_views(q, k, v, dout, causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,

@@ -100,3 +100,18 @@ def test_gqa_that_does_not_divide_the_heads_is_refused(monkeypatch):
     monkeypatch.setattr(ab, "run", lambda **kw: pytest.fail("ran a grid whose heads --gqa does not divide"))
     args = cli.build_parser().parse_args(["bench", "attention", "--head-dims", "96", "--gqa", "4", "--seqlens", "1024"])
     assert cli._cmd_bench_attention(args) == 2  # 2048 / 96 = 21 heads
+
+
+def test_gqa_options_are_refused_where_they_do_not_apply(monkeypatch):
+    from flashtile import cli
+    from flashtile.bench import attention as ab
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab, "run_varlen", lambda **kw: pytest.fail("ran --varlen with --gqa"))
+    args = cli.build_parser().parse_args(["bench", "attention", "--varlen", "--gqa", "2"])
+    assert cli._cmd_bench_attention(args) == 2
+    with pytest.raises(ValueError, match="heads"):
+        list(ab.default_grid(heads=0))
+    monkeypatch.setattr(ab, "make_providers", lambda names: pytest.fail("providers built before the grid check"))
+    with pytest.raises(ValueError, match="gqa 4 must divide"):
+        ab.run(providers=("flashtile",), grid=[(64, 1024, 16, 32, False), (96, 1024, 16, 21, False)], gqa=4)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from flashtile.runtime.fa3_gluon_bwd import (
     GLUON_BWD_HEAD_DIMS, SMEM_LIMIT, GluonBwdConfig, block_d, dq_postprocess, fa3_gluon_backward, gluon_bwd_config,
     smem_bytes, stats_preprocess,
 )
-from tests._oracle import assert_close, attention_ref_grads, rounding_slack, scores_ref
+from tests._oracle import assert_close, attention_ref_grads, rounding_bounds, rounding_slack, scores_ref
 from tests.kernels.test_fa2_bwd import Ref, assert_exact_zeros, inputs
 from tests.kernels.test_fa2_bwd import assert_grads as assert_grads_whole
 
@@ -95,6 +96,7 @@ def test_smem_estimate_matches_compile_reports():
                                        (192, 2, {}, 198224),  # split_s with dQ through TMA
                                        (256, 2, dict(split_s=True), 230992),  # one Pᵀ / dSᵀ buffer there
                                        # the table's: dO in its own one-slot ring, two buffers at both widths
+                                       # (`flashtile bench sm90 gluon-bwd --head-dims 192 256`, Triton 3.6)
                                        (256, 2, dict(split_s=True, do_stages=1), 214640),
                                        (192, 2, dict(split_s=True, do_stages=1), 173680)]:
         cfg = GluonBwdConfig(num_stages=stages, pingpong=True, stats_smem=True, dq_tma=True, split_s=d <= 192)
@@ -974,6 +976,41 @@ def test_float64_twin_at_the_kernels_tiling(causal):
             assert_close(a, r, torch.float64, "cpu", name)
 
 
+def test_gqa_group_loop_keeps_fa2_under_4k_keys_at_64_wide_tiles(monkeypatch):
+    """64-wide tiles from 2k keys were measured at 128-row steps: a GQA call that takes the group loop (64-row
+    steps) stays on FA2's backward under 4k keys; multi-head calls take Gluon from 2k."""
+    monkeypatch.setattr(fa3_gluon_bwd, "_prefer_views", lambda *a: True)  # as on an sm_90 device
+    kw = dict(causal=False, window=(-1, -1), plain=True, deterministic=False)
+
+    def prefer(hq, hk, n):
+        q = torch.zeros(1, hq, n, 64, dtype=BF16)
+        k = torch.zeros(1, hk, n, 64, dtype=BF16)
+        return fa3_gluon_bwd.prefer_gluon_bwd(q, k, k, q, **kw)
+
+    assert fa3_gluon_bwd.dispatch_config(torch.zeros(1, 8, 2048, 64), torch.zeros(1, 2, 2048, 64), False).group_loop
+    assert prefer(8, 8, 2048) and not prefer(8, 2, 2048) and not prefer(8, 2, 4095) and prefer(8, 2, 4096)
+    assert not prefer(8, 8, 2047)
+
+
+def test_tiled_gradient_check_catches_what_the_whole_tensor_check_misses():
+    """The per-tile check (``assert_grads`` with a :class:`TiledRef`): a causal call's last keys' dk zeroed or
+    sign-flipped passes the whole-tensor tolerance (the early keys' size and rounding bound) but not the tile's;
+    the oracle's own gradients pass both."""
+    from tests.kernels.test_fa2_bwd import inputs as f64_inputs
+
+    q, k, v, do = f64_inputs(1, 2, 1, 512, 512, 64, torch.float64, "cpu", seed=3)
+    q, k, v, do = (x.to(BF16).double() for x in (q, k, v, do))  # bf16 values, float64 arithmetic
+    _, _, dq, dk, dv = attention_ref_grads(q, k, v, do, scale=0.125, causal=True)
+    ref = tiled_ref(dq, dk, dv, [q, k, v, do], BF16, scale=0.125, causal=True)
+    grads = tuple(g.to(BF16) for g in (dq, dk, dv))
+    assert_grads(grads, ref, tile=64)
+    for bad_dk in (torch.cat([dk[:, :, :-64], 0 * dk[:, :, -64:]], 2), torch.cat([dk[:, :, :-64], -dk[:, :, -64:]], 2)):
+        bad = (grads[0], bad_dk.to(BF16), grads[2])
+        assert_grads_whole(bad, ref)  # the whole tensor's tolerance lets it through
+        with pytest.raises(AssertionError, match="dk keys 448"):
+            assert_grads(bad, ref, tile=64)
+
+
 def test_dispatch_rule():
     """Measured (``gluon_bwd_wins``): 128-wide tiles at every length without a mask and from 1k keys causal, 64-wide
     from 2k keys, narrower never (the rest of ``prefer_gluon_bwd`` on CUDA tensors: ``test_gpu_dispatch_rule``)."""
@@ -1026,25 +1063,44 @@ def test_env_var_turns_the_switch_off():
 # --------------------------------------------------------------------------- #
 # GPU (sm_90)
 # --------------------------------------------------------------------------- #
-def assert_grads(got, ref: Ref, tile: int = 128):
-    """:func:`assert_grads_whole`, then each ``tile`` rows of dq (query axis) and of dk, dv (key axis) relative to
-    that tile's own largest entry: a causal 4k call's late keys (and early queries) have gradients far below the
-    early keys' (seen by ~N queries), so an error confined to them hides under the whole tensor's tolerance."""
+class TiledRef(NamedTuple):
+    """:class:`Ref` with :func:`rounding_bounds`' per-row / per-key bounds, for the per-tile check."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    slack: tuple[float, float, float]
+    bounds: tuple[torch.Tensor, torch.Tensor]
+
+
+def tiled_ref(dq, dk, dv, f64, dtype, **kwargs) -> TiledRef:
+    """The oracle's gradients with the stored-O rounding bounds of the float64 inputs ``f64`` (q, k, v, dO)."""
+    dq_bound, dk_bound = rounding_bounds(*f64, dtype, **kwargs)
+    slack = (float(dq_bound.max()) if dq_bound.numel() and dk_bound.numel() else 0.0,
+             float(dk_bound.max()) if dq_bound.numel() and dk_bound.numel() else 0.0, 0.0)
+    return TiledRef(dq, dk, dv, slack, (dq_bound.cpu(), dk_bound.cpu()))
+
+
+def assert_grads(got, ref, tile: int = 128):
+    """:func:`assert_grads_whole`, then (for a :class:`TiledRef`) each ``tile`` rows of dq (query axis) and of dk,
+    dv (key axis) against that tile's own largest entry and its own rounding bound: a causal 4k call's late keys
+    (and early queries) have gradients and bounds far below the early keys' (seen by ~N queries), so an error
+    confined to them hides under the whole tensor's tolerance."""
     assert_grads_whole(got, ref)
-    if not all(g.numel() for g in got):
+    if not isinstance(ref, TiledRef) or not all(g.numel() for g in got):
         return
     where = got[0].device
     dq, dk, dv = (g.detach().cpu().double() for g in got)
     rq, rk, rv = (r.detach().cpu().double() for r in ref[:3])
-    sq, sk, sv = ref.slack
+    bq, bk = ref.bounds
     for start in range(0, dq.shape[2], tile):
         part = slice(start, start + tile)
         assert_close(dq[:, :, part], rq[:, :, part], dtype=got[0].dtype, device=where, what=f"dq rows {start}+",
-                     magnitude=float(rq[:, :, part].abs().max()), slack=sq)
+                     magnitude=float(rq[:, :, part].abs().max()), slack=float(bq[:, :, part].max()))
     for start in range(0, dk.shape[2], tile):
         part = slice(start, start + tile)
         size = max(float(rk[:, :, part].abs().max()), float(rv[:, :, part].abs().max()))
-        for name, g, r, extra in (("dk", dk, rk, sk), ("dv", dv, rv, sv)):
+        for name, g, r, extra in (("dk", dk, rk, float(bk[:, :, part].max())), ("dv", dv, rv, 0.0)):
             assert_close(g[:, :, part], r[:, :, part], dtype=got[1].dtype, device=where, what=f"{name} keys {start}+",
                          magnitude=size, slack=extra)
 
@@ -1054,7 +1110,7 @@ def run(q, k, v, dout, *, causal=False, config=None, scale=None, **views):
     scale = q.shape[3] ** -0.5 if scale is None else scale
     out, lse, dq, dk, dv = attention_ref_grads(q, k, v, dout, scale=scale, causal=causal)
     f64 = [x.detach().double() for x in (q, k, v, dout)]
-    ref = Ref(dq, dk, dv, rounding_slack(*f64, q.dtype, scale=scale, causal=causal))
+    ref = tiled_ref(dq, dk, dv, f64, q.dtype, scale=scale, causal=causal)
     visible = torch.isfinite(scores_ref(*f64[:2], scale=scale, causal=causal)).cpu()
     got = fa3_gluon_backward(dout, q, k, v, out.to(device=q.device, dtype=q.dtype), lse.to(device=q.device, dtype=F32),
                              softmax_scale=scale, causal=causal, config=config, **views)
@@ -1560,7 +1616,12 @@ def test_gpu_varlen_fixed_length_table(monkeypatch, d, causal, lens):
     table = gluon_bwd_config(d, causal, block_m=64)
     assert table.pt_regs or table.do_stages == 1
     monkeypatch.setattr(fa3_gluon_bwd, "varlen_config", lambda d_, c_: gluon_bwd_config(d_, c_, block_m=64))
+    seen = []
+    real = fa3_gluon_bwd.gluon_bwd_launch
+    monkeypatch.setattr(fa3_gluon_bwd, "gluon_bwd_launch", lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw))
     _check_varlen(d, causal, 4, 2, lens)
+    cfgs = [kw["cfg"] if "cfg" in kw else a[11] for a, kw in seen]
+    assert cfgs and all(c == table for c in cfgs), f"the table's config did not reach the launch: {cfgs}"
 
 
 def _check_varlen(d, causal, hq, hk, lens):
@@ -1579,7 +1640,7 @@ def _check_varlen(d, causal, hq, hk, lens):
         part = (got[0][offs_q[i]:offs_q[i + 1]], got[1][offs_k[i]:offs_k[i + 1]], got[2][offs_k[i]:offs_k[i + 1]])
         part = tuple(x.transpose(0, 1).unsqueeze(0) for x in part)
         f64 = [x.double() for x in s]
-        ref = Ref(*r[2:], rounding_slack(*f64, BF16, scale=scale, causal=causal))
+        ref = tiled_ref(*r[2:], f64, BF16, scale=scale, causal=causal)
         assert_grads(part, ref)
         visible = torch.isfinite(scores_ref(*f64[:2], scale=scale, causal=causal)).cpu()
         assert_exact_zeros(part, visible)

@@ -186,6 +186,7 @@ def test_no_work_signatures_are_left_to_the_generic_path(device):
     (128, 4, 4, False, "bnhd", 4096), (128, 8, 2, False, "bnhd", 4096), (64, 4, 4, True, "bhnd", 4096),
     (192, 2, 2, True, "bnhd", 4096), (96, 4, 4, False, "bhnd", 4096), (256, 2, 2, False, "bnhd", 4096),
     (64, 4, 4, True, "bnhd", 1024), (32, 2, 2, False, "bhnd", 8192),  # the FA2 backward: dQ kernel / atomics
+    (64, 4, 4, False, "bhnd", 2048), (64, 8, 2, False, "bnhd", 2048),  # Gluon at 128-row steps; the group loop: FA2
 ])
 def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, layout, n, monkeypatch):
     """Hopper forward and Gluon / FA2 backward plans (GQA with the group loop, both layouts, the wide kernel):
@@ -204,7 +205,8 @@ def test_gpu_planned_fwd_bwd_matches_oracle_and_generic_path(d, hq, hk, causal, 
     qb, kb = q.transpose(1, 2), k.transpose(1, 2)
     fa2 = not fa3_gluon_bwd.prefer_gluon_bwd(qb, kb, kb, qb, causal=causal, window=(-1, 0 if causal else -1),
                                              plain=True, deterministic=False)
-    assert fa2 == (d <= 32 or (d <= 64 and n < 4096))  # the cases meant for FA2's backward take it
+    # the cases meant for FA2's backward take it (64-wide tiles: under 2k keys, under 4k on the GQA group loop)
+    assert fa2 == (d <= 32 or (d <= 64 and (n < 2048 or (n < 4096 and hq > hk))))
     if fa2:  # atomics from 8k keys: both dQ paths of the plan
         assert bwd_config(d, dtype, causal, n, n, q.device).atomic_dq == (n >= 8192)
     planned = [step() for _ in range(2)]
