@@ -177,7 +177,7 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
     with the group loop compile, but have not run on a GPU yet).  128-wide tiles (d = 72-128) take Pᵀ as the dV
     GEMM's register operand (``pt_regs``, FA3's Mma_dKV_is_RS): backward alone 1.02-1.08x the shared-tile config at
     d = 96 / 128, 1k-16k, causal and not, 576 TFLOP/s at d = 128 16k non-causal (H100, ``flashtile bench configs
-    gluon-bwd``, bench/NOTES.md "pt_regs timed"); packed calls keep the shared tile (``varlen_config``).  The wide
+    gluon-bwd``, bench/NOTES.md "pt_regs timed"), packed calls too (``varlen_config``).  The wide
     kernel takes dO in a one-slot ring of its own (``do_stages``, which needs ``split_s``, now at 256-wide tiles too):
     backward alone 1.02-1.13x at d = 256, 1.01-1.04x at d = 192, 1k-16k (H100, bench/NOTES.md "do_stages timed")."""
     del causal
@@ -207,14 +207,10 @@ def gluon_bwd_config(d: int, causal: bool, group_loop: bool = False, *,
 
 def varlen_config(d: int, causal: bool) -> GluonBwdConfig:
     """The packed backward's config: the table's at 64-row steps (its per-sequence padding), no group loop (fp32
-    partials under GQA), Pᵀ through its shared tile and dO in the Q ring (``pt_regs`` and ``do_stages`` have not run
-    packed on a GPU): the wide kernel splits its score GEMMs at 192-wide tiles only, as before ``do_stages``."""
-    cfg = gluon_bwd_config(d, causal, block_m=64)
-    if cfg.pt_regs:
-        cfg = replace(cfg, pt_regs=False, pt_separate=True)
-    if cfg.do_stages:
-        cfg = replace(cfg, do_stages=0, split_s=wide_tile_d(d) == 192)
-    return cfg
+    partials under GQA).  Pᵀ as a register operand (d = 72-128) and dO's own ring (d > 128) as the fixed-length
+    table: packed fwd+bwd 1.04-1.06x at d = 128, 1.06-1.07x at d = 256 against the shared Pᵀ tile / dO in the Q
+    ring (H100, 64k tokens of 128..8k-token sequences, bench/NOTES.md "Packed backward on the table's config")."""
+    return gluon_bwd_config(d, causal, block_m=64)
 
 
 def variant_base(cfg: GluonBwdConfig, d: int, causal: bool, fields: dict) -> GluonBwdConfig:

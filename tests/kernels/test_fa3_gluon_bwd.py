@@ -44,12 +44,12 @@ def test_config_table_fits():
             assert 2 <= cfg.num_stages <= 4 and smem_bytes(cfg, d) <= SMEM_LIMIT
             assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512
     # dQ split, through TMA, ping-pong from 64-wide tiles (the probe's best); 2 stages fit beside it at 128, where
-    # Pᵀ is the dV GEMM's register operand (pt_regs); packed calls keep its shared tile
+    # Pᵀ is the dV GEMM's register operand (pt_regs), packed calls too
     both = dict(dq_split=True, dq_tma=True, pingpong=True, stats_smem=True, pt_separate=True)
     regs = dict(both, pt_separate=False, pt_regs=True)
     assert gluon_bwd_config(128, False) == gluon_bwd_config(72, True) == GluonBwdConfig(num_stages=2, **regs)
     assert gluon_bwd_config(96, True, block_m=64) == gluon_bwd_config(96, True)
-    assert fa3_gluon_bwd.varlen_config(128, True) == GluonBwdConfig(num_stages=2, **both)
+    assert fa3_gluon_bwd.varlen_config(128, True) == GluonBwdConfig(num_stages=2, **regs)
     assert fa3_gluon_bwd.varlen_config(64, True) == gluon_bwd_config(64, True, block_m=64)
     assert all(gluon_bwd_config(d, c).pt_regs == (block_d(d) == 128) for d in GLUON_BWD_HEAD_DIMS for c in (0, 1))
     # 64-wide tiles: 128 q rows per step on 2 stages with named barriers; the 64-row config on 4 on request
@@ -58,11 +58,10 @@ def test_config_table_fits():
     assert gluon_bwd_config(64, True, block_m=64) == GluonBwdConfig(num_stages=4, dq_swizzle32=True, **both)
     assert gluon_bwd_config(32, True) == gluon_bwd_config(8, False) == GluonBwdConfig(num_stages=4)
     # above 128 the wide kernel: dQ through TMA, the split score GEMMs and dO in its own one-slot ring at both tile
-    # widths; packed calls keep dO in the Q ring and split the score GEMMs beside 192-wide tiles only
+    # widths, packed calls too
     wide = GluonBwdConfig(num_stages=2, pingpong=True, stats_smem=True, dq_tma=True, split_s=True, do_stages=1)
     assert gluon_bwd_config(200, False) == gluon_bwd_config(256, True) == gluon_bwd_config(136, False) == wide
-    assert fa3_gluon_bwd.varlen_config(256, True) == replace(wide, split_s=False, do_stages=0)
-    assert fa3_gluon_bwd.varlen_config(192, False) == replace(wide, do_stages=0)
+    assert fa3_gluon_bwd.varlen_config(256, True) == fa3_gluon_bwd.varlen_config(192, False) == wide
     # group_loop (the caller's group_loop_wins) up to 128 where the statistics go through shared memory
     assert gluon_bwd_config(128, True, True) == replace(gluon_bwd_config(128, True), group_loop=True)
     assert gluon_bwd_config(64, False, True).group_loop and not gluon_bwd_config(64, False).group_loop
@@ -1611,11 +1610,10 @@ def test_gpu_varlen_wide_kernel_matches_oracle(d, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", ["mixed", "one"])
 def test_gpu_varlen_fixed_length_table(monkeypatch, d, causal, lens):
-    """The packed backward on the fixed-length table's 64-row config (what ``varlen_config`` holds back until this
-    runs): Pᵀ as a register operand at d = 128, dO in its own one-slot ring beside the split score GEMMs above."""
+    """The packed backward on the fixed-length table's 64-row config (``varlen_config``): Pᵀ as a register operand
+    at d = 128, dO in its own one-slot ring beside the split score GEMMs above; the config reaches the launch."""
     table = gluon_bwd_config(d, causal, block_m=64)
-    assert table.pt_regs or table.do_stages == 1
-    monkeypatch.setattr(fa3_gluon_bwd, "varlen_config", lambda d_, c_: gluon_bwd_config(d_, c_, block_m=64))
+    assert (table.pt_regs or table.do_stages == 1) and fa3_gluon_bwd.varlen_config(d, causal) == table
     seen = []
     real = fa3_gluon_bwd.gluon_bwd_launch
     monkeypatch.setattr(fa3_gluon_bwd, "gluon_bwd_launch", lambda *a, **kw: seen.append((a, kw)) or real(*a, **kw))
