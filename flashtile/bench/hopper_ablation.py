@@ -105,6 +105,9 @@ GLUON_BWD_VARIANTS = {
     "gluon bwd, 64 q rows per step": dict(block_m=64),
     "gluon bwd, mbarriers": dict(named_bars=False),
     "gluon bwd, Pᵀ through shared memory": dict(pt_regs=False, pt_separate=True),
+    # the wide kernel's (d > 128; the table's config below): dO in the Q ring, then the score GEMMs unsplit too
+    "gluon bwd, dO in the Q ring": dict(do_stages=0),
+    "gluon bwd, unsplit score GEMMs": dict(do_stages=0, split_s=False),
 }
 
 

@@ -137,10 +137,15 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
         assert by[name]["ms_rounds"] == [i + 1.0, n + i] and by[name]["ms"] == (i + 1.0 + n + i) / 2
         assert by[name]["tflops"] == pytest.approx(flops / (by[name]["ms"] * 1e-3) / 1e12)
     configs.clear()
-    _fake_gluon_bwd(monkeypatch, [1.0] * 4)
+    wide_cfgs, _ = _fake_gluon_bwd(monkeypatch, [1.0] * 6)
     x = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
     wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, x, x, x, x)}
     assert "tflops" in wide["gluon bwd"] and "tflops" in wide["gluon bwd no ping-pong"]
+    # dO's own ring and the split score GEMMs (the table's above 128) switched off one after the other
+    assert [(c.do_stages, c.split_s) for c in wide_cfgs[:2]] == [(1, True), (1, True)]
+    assert wide["gluon bwd, dO in the Q ring"]["config"]["do_stages"] == 0 and "tflops" in wide[
+        "gluon bwd, dO in the Q ring"] and "tflops" in wide["gluon bwd, unsplit score GEMMs"]
+    assert not wide["gluon bwd, unsplit score GEMMs"]["config"]["split_s"]
     # the wide kernel's steps are 64 rows and its barriers mbarriers anyway
     assert "tflops" in wide["gluon bwd, 64 q rows per step"] and "tflops" in wide["gluon bwd, mbarriers"]
     for name in ("gluon bwd, named barriers", "gluon bwd, host descriptors"):
@@ -153,7 +158,8 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
     assert steps == {"gluon bwd": 128, "gluon bwd no ping-pong": 128, "gluon bwd, named barriers": 128,
                      "gluon bwd, host descriptors": 64, "gluon bwd, named barriers, host descriptors": 64,
                      "gluon bwd, 64 q rows per step": 64, "gluon bwd, mbarriers": 128,
-                     "gluon bwd, Pᵀ through shared memory": 128}
+                     "gluon bwd, Pᵀ through shared memory": 128, "gluon bwd, dO in the Q ring": 128,
+                     "gluon bwd, unsplit score GEMMs": 128}
 
 
 @pytest.mark.skipif(HOPPER, reason="the refusal off Hopper")
