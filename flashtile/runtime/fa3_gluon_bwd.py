@@ -231,13 +231,13 @@ def group_loop_wins(causal: bool, b: int, hk: int, nk: int, device_index: int) -
     return not causal or b * hk * triton.cdiv(nk, BLOCK_N) >= 3 * sm_count(device_index)
 
 
-def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
+def gluon_bwd_wins(d: int, causal: bool, nk: int, block_m: int = 128) -> bool:
     """The measured part of :func:`prefer_gluon_bwd`, against FA2's backward (H100, bf16, B*N = 16k, H*d = 2048):
     128-wide tiles (d = 72-128) backward alone 1.04-1.20x at 1k-16k (``scratch/gbwd_probe.py``), fwd+bwd through
     ``flash_attn_func`` 1.0-1.2x at 1k-4k except causal 1k at d = 80-96 (0.96-0.99x; ``flashtile bench
     dispatch``, bench/NOTES.md "Dispatch sweep, backward"); 64-wide tiles (128-row steps) fwd+bwd 1.06-1.11x at
-    2k, 1.11-1.15x at 4k (d = 48, 64), 0.85-1.03x at 1k (bench/NOTES.md "... the 64-wide backward's dispatch"; the
-    64-row configs from 4k: :func:`prefer_gluon_bwd`, :func:`prefer_gluon_bwd_varlen`),
+    2k, 1.11-1.15x at 4k (d = 48, 64), 0.85-1.03x at 1k (bench/NOTES.md "... the 64-wide backward's dispatch"; at
+    ``block_m`` = 64 q rows per step, the GQA group loop's and packed calls' configs, from 4k),
     backward alone 1.09-1.10x at 16k; narrower tiles unmeasured (FA2).  The wide kernel
     against the Triton Hopper backward ("Gluon backward above 128"), backward alone with dQ through TMA (the
     table's): 1.06-1.41x at d = 136-256, 1k-16k (``scratch/gwide_probe.py``, ``scratch/gwide2_probe.py``): every
@@ -246,7 +246,7 @@ def gluon_bwd_wins(d: int, causal: bool, nk: int) -> bool:
     width = block_d(d)
     if width == 128:
         return not causal or nk >= 1024
-    return (width == 64 and nk >= 2048) or d in WIDE_HEAD_DIMS
+    return (width == 64 and nk >= (2048 if block_m == 128 else 4096)) or d in WIDE_HEAD_DIMS
 
 
 def _check_config(cfg, d: int, esize: int) -> None:
@@ -576,7 +576,8 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     """Whether a packed backward of ``n_seqs`` sequences (q (total_q, Hq, d), ...) runs
     :func:`fa3_gluon_varlen_backward`: ``VARLEN`` and ``ENABLED``, head dims 40-256 (40-128 without ``VARLEN_WIDE``)
     where :func:`gluon_bwd_wins`
-    says so for the longest sequence's keys (at 64-wide tiles from 4k: 64-row steps), a batch the padded layout and the grid suit (:func:`varlen_fits`),
+    says so for the longest sequence's keys at 64-row steps, a batch the padded layout and the grid suit
+    (:func:`varlen_fits`),
     then what :func:`prefer_gluon_bwd` asks of the views (plain, an unbounded or causal window, not
     deterministic, bf16 / fp16, descriptor-ready, sm_90).  H100, 64k tokens of 128..8k-token sequences, H 16, d = 128
     (``flashtile bench attention --varlen``, bench/NOTES.md "Packed Gluon backward"): fwd+bwd 477 / 392 TFLOP/s
@@ -585,9 +586,7 @@ def prefer_gluon_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
         return False
     if q.shape[-1] in WIDE_HEAD_DIMS and not VARLEN_WIDE:
         return False
-    if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k):
-        return False
-    if block_d(q.shape[-1]) == 64 and max_seqlen_k < 4096:  # packed: 64-row steps, measured ahead of FA2 from 4k
+    if not gluon_bwd_wins(q.shape[-1], causal, max_seqlen_k, varlen_config(q.shape[-1], causal).block_m):
         return False
     from flashtile.kernels.fa3_gluon_bwd_wide import WIDE_BLOCK_N
 
@@ -853,8 +852,8 @@ def prefer_gluon_bwd(
     """Whether ``ops.autograd._bwd_impl`` runs the Gluon backward (:func:`backward_into`) on these (B, H, N, d)
     views: only with ``ENABLED``, then what the kernels cover: ``plain`` (no softcap, ALiBi, bias, dropout,
     block mask), an unbounded window or causal, not ``deterministic``, bf16 / fp16, head dims multiple of 8 up
-    to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins` (at 64-wide tiles with
-    4k keys or more where :func:`dispatch_config` takes 64-row steps, the GQA group loop)."""
+    to 256, descriptor-ready q, k, v, dout on an sm_90 device; then :func:`gluon_bwd_wins` (at 64-wide tiles for
+    the q rows per step of :func:`dispatch_config`'s choice)."""
     if not ENABLED or q.shape[3] not in GLUON_BWD_HEAD_DIMS or not gluon_bwd_wins(q.shape[3], causal, k.shape[2]):
         return False
     if not descriptor_grid_fits(q.shape[0] * q.shape[1] * triton.cdiv(k.shape[2], 64), backward=True):  # 64-key tiles+
@@ -863,9 +862,9 @@ def prefer_gluon_bwd(
         return False
     if not _prefer_views(q, k, v, dout, causal, window, plain, deterministic, capability):
         return False
-    # 64-wide tiles from 2k keys were measured at 128-row steps; the 64-row configs (the GQA group loop) from 4k
-    return not (block_d(q.shape[3]) == 64 and k.shape[2] < 4096 and q.shape[1] > k.shape[1]
-                and dispatch_config(q, k, causal).block_m == 64)
+    # 64-wide tiles: the threshold depends on the steps the call takes (the GQA group loop keeps 64 rows)
+    return block_d(q.shape[3]) != 64 or gluon_bwd_wins(q.shape[3], causal, k.shape[2],
+                                                       dispatch_config(q, k, causal).block_m)
 
 
 def _prefer_views(q, k, v, dout, causal: bool, window: tuple[int, int], plain: bool, deterministic: bool,

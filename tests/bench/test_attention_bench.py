@@ -97,7 +97,7 @@ def test_gqa_that_does_not_divide_the_heads_is_refused(monkeypatch):
     from flashtile.bench import attention as ab
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ab, "run", lambda **kw: pytest.fail("ran a grid whose heads --gqa does not divide"))
+    monkeypatch.setattr(ab, "make_providers", lambda names: pytest.fail("ran a grid whose heads --gqa does not divide"))
     args = cli.build_parser().parse_args(["bench", "attention", "--head-dims", "96", "--gqa", "4", "--seqlens", "1024"])
     assert cli._cmd_bench_attention(args) == 2  # 2048 / 96 = 21 heads
 

@@ -1017,6 +1017,8 @@ def test_dispatch_rule():
     assert all(wins(d, False, 1) and wins(d, True, 1024) for d in (72, 96, 128))
     assert not any(wins(d, True, 1023) for d in (72, 96, 128))
     assert wins(64, False, 2048) and wins(40, True, 16384) and not wins(64, False, 2047) and not wins(48, True, 1024)
+    # 64 q rows per step (the GQA group loop, packed calls): from 4k keys
+    assert not wins(64, False, 4095, 64) and wins(64, True, 4096, 64) and wins(96, True, 1024, 64)
     assert not wins(32, False, 1 << 20)
     assert all(wins(d, c, 1) for d in (136, 160, 192, 200, 248, 256) for c in (False, True))  # the wide kernel
     assert fa3_gluon_bwd.ENABLED is True
