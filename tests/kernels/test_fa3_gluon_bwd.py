@@ -1077,8 +1077,8 @@ class TiledRef(NamedTuple):
 def tiled_ref(dq, dk, dv, f64, dtype, **kwargs) -> TiledRef:
     """The oracle's gradients with the stored-O rounding bounds of the float64 inputs ``f64`` (q, k, v, dO)."""
     dq_bound, dk_bound = rounding_bounds(*f64, dtype, **kwargs)
-    slack = (float(dq_bound.max()) if dq_bound.numel() and dk_bound.numel() else 0.0,
-             float(dk_bound.max()) if dq_bound.numel() and dk_bound.numel() else 0.0, 0.0)
+    empty = not (dq_bound.numel() and dk_bound.numel())  # rounding_slack's maxima, without a second oracle run
+    slack = (0.0, 0.0, 0.0) if empty else (float(dq_bound.max()), float(dk_bound.max()), 0.0)
     return TiledRef(dq, dk, dv, slack, (dq_bound.cpu(), dk_bound.cpu()))
 
 
