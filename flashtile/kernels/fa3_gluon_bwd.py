@@ -272,6 +272,22 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr, NAMED: gl.co
 
 
 @gluon.jit
+def _kv_tile_of(pid, num_n_tiles, lpt_heads):
+    """(unit, kv tile) of program ``pid``, a unit being a (batch, head) pair (``GROUP_LOOP``: kv head): the kv tiles
+    of groups of ``lpt_heads`` units in turn, tile-major inside a group (the first kv tiles, which see the most q
+    tiles under a causal mask, of all its units first), the first group the smaller when the units do not split
+    evenly; 1: each unit's kv tiles adjacent.  The twin on the host is
+    :func:`flashtile.runtime.fa3_gluon_bwd.kv_tile_order`."""
+    units = gl.num_programs(0) // num_n_tiles
+    pad = (lpt_heads - units % lpt_heads) % lpt_heads  # the first group is pad units short
+    group = (pid + pad * num_n_tiles) // (lpt_heads * num_n_tiles)
+    first = gl.maximum(group * lpt_heads - pad, 0)
+    heads = gl.minimum(group * lpt_heads + lpt_heads - pad, units) - first
+    r = pid - first * num_n_tiles
+    return first + r % heads, r // heads
+
+
+@gluon.jit
 def _q_tiles(start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr = 64):
     """(first_m, n_iters, n_masked) of the kv tile of ``BLOCK_N`` keys from ``start_n``: its q tiles of ``BLOCK_M``
     rows run from the first whose last row sees key start_n (causal), the first n_masked crossing the diagonal or,
@@ -722,8 +738,8 @@ def _consumer(DK, DV, LSE, Delta, DQacc, k_smem, v_smem, q_smem, do_smem, ds_sme
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h", "total_q",
-                              "total_k"])
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "lpt_heads",
+                              "stride_acc_h", "total_q", "total_k"])
 def fa3_gluon_bwd_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, DQacc, CuQ, CuK,
     # HOST_DESC: descriptors over Q, K, V, DO (B, H, N, d), the flat statistics and DQacc (B * Hq, rows, BLOCK_D);
@@ -738,7 +754,7 @@ def fa3_gluon_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to a multiple of BLOCK_M, times BLOCK_D
-    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, lpt_heads, total_q, total_k,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DQ_SPLIT: gl.constexpr,
     DQ_TMA: gl.constexpr, PINGPONG: gl.constexpr, STATS_SMEM: gl.constexpr, DQ_SWIZZLE32: gl.constexpr,
@@ -746,12 +762,12 @@ def fa3_gluon_bwd_kernel(
     NAMED_BARS: gl.constexpr, HOST_DESC: gl.constexpr, BLOCK_M: gl.constexpr, PT_REGS: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 128) programs (``GROUP_LOOP``: B * Hk * cdiv(Nk, 128), each looping over its kv
-    head's q heads; requires ``STATS_SMEM``), the kv tiles of one (batch, head) adjacent.  LSE and Delta are (B, Hq,
-    Nq) fp32 contiguous, DQacc the zeroed (B * Hq, Nq rounded up to a multiple of BLOCK_M, BLOCK_D) fp32 accumulator.
-    DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head. ``HEAD_DIM`` is d,
-    ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``, ``DQ_SWIZZLE32``,
-    ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the (B * Hq, 2, Nq rounded
-    up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN`` (a packed
+    head's q heads; requires ``STATS_SMEM``) in ``_kv_tile_of``'s order (groups of ``lpt_heads`` units).  LSE and Delta
+    are (B, Hq, Nq) fp32 contiguous, DQacc the zeroed (B * Hq, Nq rounded up to a multiple of BLOCK_M, BLOCK_D) fp32
+    accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
+    ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
+    ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
+    (B * Hq, 2, Nq rounded up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN`` (a packed
     batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are (1, H, total, d)
     views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows [CuQ[b], CuQ[b + 1]) and
     [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows at ``VARLEN_PAD``-padded
@@ -770,9 +786,7 @@ def fa3_gluon_bwd_kernel(
     # 128 q rows: Sᵀ, dPᵀ 64 fp32 registers each beside dK, dV (BLOCK_D / 2 each): only up to 64 columns
     gl.static_assert(BLOCK_M == 64 or (DQ_SPLIT and BLOCK_D <= 64 and not IS_VARLEN))
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid = gl.program_id(0)
-    bh = pid // num_n_tiles
-    tile = pid % num_n_tiles
+    bh, tile = _kv_tile_of(gl.program_id(0), num_n_tiles, lpt_heads)
     if GROUP_LOOP:
         # one program per (batch, kv head, kv tile), looping over the kv head's kv_group q heads: dK, dV summed
         # in registers (no fp32 partials per q head); bh is the group's first (batch, q head)

@@ -38,8 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _program_bases, _program_rows, _q_tiles, _red_add
-from flashtile.kernels.fa3_gluon_bwd import _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _kv_tile_of, _program_bases, _program_rows, _q_tiles
+from flashtile.kernels.fa3_gluon_bwd import _red_add, _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -388,8 +388,8 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
     gl.store(DV + gl.expand_dims(rows64 * stride_dvn, 1) + gl.expand_dims(cols, 0), dv.to(out_dtype), mask=mask)
 
 
-@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "stride_acc_h", "total_q",
-                              "total_k"])
+@gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_n_tiles", "lpt_heads",
+                              "stride_acc_h", "total_q", "total_k"])
 def fa3_gluon_bwd_wide_kernel(
     Q, K, V, DO, Stats, DK, DV, DQacc, CuQ, CuK,
     qk_scale,  # softmax_scale * log2(e), any sign
@@ -401,17 +401,17 @@ def fa3_gluon_bwd_wide_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_acc_h,  # elements per (batch, q head) of DQacc: Nq rounded up to a multiple of 64, times BLOCK_D
-    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, total_q, total_k,
+    n_heads, kv_group, seqlen_q, seqlen_k, num_n_tiles, lpt_heads, total_q, total_k,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, IS_VARLEN: gl.constexpr,
     DO_STAGES: gl.constexpr,
 ):
-    """1-D grid of B * Hq * cdiv(Nk, 64) programs, the kv tiles of one (batch, q head) adjacent.  Stats is
-    ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the zeroed (B * Hq,
-    the same rows, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else
-    by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row), ``HEAD_DIM`` >
-    128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
+    """1-D grid of B * Hq * cdiv(Nk, 64) programs in ``_kv_tile_of``'s order (groups of ``lpt_heads`` (batch, q head)
+    pairs).  Stats is ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the
+    zeroed (B * Hq, the same rows, BLOCK_D) fp32 accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL``
+    (fp32 partials), else by its kv head.  ``BLOCK_D`` is 256 (the head dim's next power of two, the accumulator's row),
+    ``HEAD_DIM`` > 128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
     :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  ``DO_STAGES`` (``SPLIT_S`` only, 1 or
     NUM_STAGES): dO in a ring of its own of that depth (FA3's single dO buffer at d = 256), whose 32 KB let both
     Pᵀ / dSᵀ buffers fit beside 256-wide tiles.  Launch with ``num_warps=4``."""
@@ -423,9 +423,7 @@ def fa3_gluon_bwd_wide_kernel(
     # dO's own ring (released after the dV GEMM, refilled under dK / dQ) is the split step's
     gl.static_assert(DO_STAGES == NUM_STAGES or (DO_STAGES == 1 and SPLIT_S))
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid = gl.program_id(0)
-    bh = pid // num_n_tiles
-    tile = pid % num_n_tiles
+    bh, tile = _kv_tile_of(gl.program_id(0), num_n_tiles, lpt_heads)
     off_b = (bh // n_heads).to(gl.int64)
     off_h = (bh % n_heads).to(gl.int64)
     off_hk = off_h // kv_group

@@ -26,7 +26,7 @@ import triton
 
 from flashtile.kernels._common import LOG2E
 from flashtile.runtime.common import check_descriptor_grid, descriptor_grid_fits, on_device
-from flashtile.runtime.fa3_gluon import block_d  # one tile-width rule for the Gluon forward and backward
+from flashtile.runtime.fa3_gluon import block_d, sm_count  # one tile-width rule for the Gluon forward and backward
 
 __all__ = ["GluonBwdConfig", "gluon_bwd_config", "smem_bytes", "fa3_gluon_backward", "backward_into",
            "fa3_gluon_varlen_backward", "prefer_gluon_bwd_varlen", "varlen_fits", "VARLEN", "VARLEN_HEAD_DIMS",
@@ -108,6 +108,10 @@ class GluonBwdConfig:
     # against 468 per step and room for a third ring stage, 231456 B; at the table's configs no spills non-causal,
     # 4-112 B causal; others spill more: docs/gluon_bwd.md)
     pt_regs: bool = False
+    # causal, fixed length: the kv tiles in groups of ``lpt_heads`` (batch, head) units, the first kv tiles (which see
+    # the most q tiles) of a whole group first (:func:`kv_tile_order`), instead of each unit's tiles in turn, whose
+    # last unit's longest tile starts in the grid's last wave
+    lpt: bool = False
 
     def do_depth(self) -> int:
         """The kernels' DO_STAGES: dO's ring depth."""
@@ -262,7 +266,7 @@ def _check_config(cfg, d: int, esize: int) -> None:
     if 2 * regs + preg > 512:
         raise ValueError(f"config: 2 x consumer_regs + producer_regs must be <= 512, got {cfg}")
     for name in ("dq_split", "dq_tma", "pingpong", "stats_smem", "dq_swizzle32", "pt_separate", "release_once",
-                 "split_s", "group_loop", "named_bars", "host_desc", "pt_regs"):
+                 "split_s", "group_loop", "named_bars", "host_desc", "pt_regs", "lpt"):
         if not isinstance(getattr(cfg, name), bool):
             raise TypeError(f"config: {name} must be a bool, got {getattr(cfg, name)!r}")
     if d in WIDE_HEAD_DIMS:
@@ -723,6 +727,33 @@ def _stats_fit(rows: int, heads: int, row_pad: int) -> bool:
     return 2 * triton.cdiv(rows, row_pad) * row_pad * heads < 2**31
 
 
+def lpt_heads(units: int, num_n_tiles: int, sms: int) -> int:
+    """Units ((batch, head) pairs) per group of :func:`kv_tile_order`: about two waves of programs on ``sms`` SMs a
+    group, so the first kv tiles of the last group start before the grid's last wave (list-scheduling model of
+    one program per SM, a program's time its q steps: the last wave's idle SMs 4-7 % of the call one unit at a time
+    at 1k-8k, 0-2 % this way; scratch model in bench/NOTES.md "Backward tile order")."""
+    return max(1, min(units, 2 * -(-sms // max(num_n_tiles, 1))))
+
+
+def kv_tile_order(pid: int, num_n_tiles: int, units: int, group: int) -> tuple[int, int]:
+    """(unit, kv tile) of program ``pid`` of the backward kernels' grid (``units * num_n_tiles`` programs): the host
+    twin of ``kernels.fa3_gluon_bwd._kv_tile_of`` (groups of ``group`` units, tile-major inside a group, the first
+    group the smaller when ``group`` does not divide ``units``)."""
+    pad = (group - units % group) % group
+    g = (pid + pad * num_n_tiles) // (group * num_n_tiles)
+    first = max(g * group - pad, 0)
+    heads = min(g * group + group - pad, units) - first
+    r = pid - first * num_n_tiles
+    return first + r % heads, r // heads
+
+
+def _sms(device: torch.device) -> int:
+    """SMs of a CUDA device (an H100's 132 for a CPU tensor: the host logic's tests)."""
+    if device.type != "cuda":
+        return 132
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
     """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes and strides are
     read (of ``varlen``, its ints and cu_seqlens_q's length); ``cfg`` as launched (:func:`_host_desc_or_not`)."""
@@ -747,11 +778,13 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         block_n = BLOCK_N
     num_n_tiles = triton.cdiv(nk, block_n)
     group_loop = cfg.group_loop and not wide
-    grid = (b * (hk if group_loop else hq) * num_n_tiles,)
+    units = b * (hk if group_loop else hq)
+    grid = (units * num_n_tiles,)
     check_descriptor_grid(grid[0], "the Gluon backward", backward=True)
+    group = lpt_heads(units, num_n_tiles, _sms(q.device)) if cfg.lpt and causal and varlen is None else 1
     partial = dk.shape[1] != hk
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dk.stride()[:3],
-               *dv.stride()[:3], dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles)
+               *dv.stride()[:3], dq_acc.stride(0), hq, hq // hk, nq, nk, num_n_tiles, group)
     if wide:
         from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel as kernel
 
