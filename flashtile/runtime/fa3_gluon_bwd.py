@@ -731,7 +731,7 @@ def lpt_heads(units: int, num_n_tiles: int, sms: int) -> int:
     """Units ((batch, head) pairs) per group of :func:`kv_tile_order`: about two waves of programs on ``sms`` SMs a
     group, so the first kv tiles of the last group start before the grid's last wave (list-scheduling model of
     one program per SM, a program's time its q steps: the last wave's idle SMs 4-7 % of the call one unit at a time
-    at 1k-8k, 0-2 % this way; scratch model in bench/NOTES.md "Backward tile order")."""
+    at 1k-8k, 0-2 % this way; bench/NOTES.md "Backward tile order")."""
     return max(1, min(units, 2 * -(-sms // max(num_n_tiles, 1))))
 
 
