@@ -754,6 +754,24 @@ def _fp8_scales(ds, off_b, off_hk, qk_scale):
 
 
 @gluon.jit
+def _skip_tiles(k_ready, v_ready, kv_empty, turn_bars, turn, it_from, it_to, WG: gl.constexpr,
+                NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                NAMED_RELEASE: gl.constexpr):
+    """Ring iterations [it_from, it_to) this warpgroup has no key of: each slot released once loaded (a release
+    before the load could complete the slot's previous round for a warpgroup still reading it) and its ping-pong
+    turn passed, one turn per iteration, so every consumer takes the same turns and releases; returns the turn."""
+    for it in range(it_from, it_to):
+        slot = it % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (it // NUM_STAGES) & 1)
+        turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
+        _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
+        _release(kv_empty, slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
+        mbarrier.wait(v_ready.index(slot), (it // NUM_STAGES) & 1)
+        _release(kv_empty, NUM_STAGES + slot, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
+    return turn
+
+
+@gluon.jit
 def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_bars,
                    qk_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, it0, q_phase,
                    turn0, WG: gl.constexpr, NUM_WG: gl.constexpr,
@@ -761,9 +779,11 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                    PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr, PACK_P: gl.constexpr,
-                   NAMED_RELEASE: gl.constexpr):
+                   NAMED_RELEASE: gl.constexpr, WG_SKIP: gl.constexpr = False):
     """Rows [start_m + WG * 64, + 64) of one tile: the kv loop (ring iterations from ``it0``, Q barrier
-    parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``O_STORE``: 0 masked
+    parity ``q_phase``, ping-pong turns from ``turn0``), then O / l and the LSE.  ``WG_SKIP`` (causal): the kv
+    tiles past this warpgroup's last row's keys (the tile's other warpgroups see them) are not computed, only
+    waited for, released and their ping-pong turns passed (``_skip_tiles``).  ``O_STORE``: 0 masked
     stores from the wgmma layout, 1 the same through a row-contiguous (16-byte) layout, 2 a TMA store
     staged in this warpgroup's Q rows.  ``PERSISTENT``: arrive on ``q_empty`` once done with Q and with
     every K / V load of a tile with work.  ``Out``: an ``_out_target``.  FP8 (e4m3 tiles; O bf16):
@@ -802,6 +822,12 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
     else:
         acc1 = acc0  # unread
         q_wg = (q_tiles[0].index(WG),)
+    n_own = n_tiles
+    if WG_SKIP:
+        gl.static_assert(CAUSAL)
+        # this warpgroup's last row's key bound; at least tile 0 (rows that see no key run it masked)
+        own_end = gl.minimum(seqlen_k, row0 + M + seqlen_k - seqlen_q)
+        n_own = gl.minimum(n_tiles, gl.maximum(gl.cdiv(gl.maximum(own_end, 0), BLOCK_N), 1))
     if n_tiles > 0:
         s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_bar, q_phase)
@@ -811,31 +837,39 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                                       NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, PINGPONG=PINGPONG,
                                       SKIP_MASK0=SKIP_MASK0, NAMED_RELEASE=NAMED_RELEASE)
         p_prev = _p_operand(p, dtype=in_dtype, p_layout=p_layout, PACK=PACK_P)
-        for j in range(1, full_tiles):
+        for j in range(1, gl.minimum(full_tiles, n_own)):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=False, INTRA=INTRA, PINGPONG=PINGPONG,
                 PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
-        for j in range(gl.maximum(full_tiles, 1), n_tiles):
+        for j in range(gl.maximum(full_tiles, 1), n_own):
             acc0, acc1, p_prev, m_i, l_i, turn = _kv_iter(
                 j, it0, acc0, acc1, p_prev, m_i, l_i, turn, q_wg, k_tiles, v_tiles, k_ready, v_ready, kv_empty,
                 turn_bars, qk_scale, last_key, s_zero, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, WG=WG,
                 NUM_WG=NUM_WG, BLOCK_D1=BLOCK_D1, MASKED=True, INTRA=INTRA, PINGPONG=PINGPONG,
                 PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
         # epilogue: O += P_{n-1} V_{n-1}
-        last = it0 + n_tiles - 1
+        last = it0 + n_own - 1
         mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
         if PERSISTENT:
             if O_STORE != 2:
-                # Q's last S GEMM has retired and every K / V load of the tile has landed: the producer may
-                # load the next tile's Q and rebuild its descriptors while this epilogue runs
-                mbarrier.arrive(q_empty)
+                if n_own == n_tiles:
+                    # Q's last S GEMM has retired and every K / V load of the tile has landed: the producer may
+                    # load the next tile's Q and rebuild its descriptors while this epilogue runs
+                    mbarrier.arrive(q_empty)
         turn = _turn_wait(turn_bars, turn, WG, PINGPONG)
         acc0, acc1 = _pv(p_prev, v_tiles, last % NUM_STAGES, acc0, acc1, BLOCK_D1=BLOCK_D1)
         _turn_pass(turn_bars, WG, NUM_WG, PINGPONG)
         acc0, acc1, p_prev = _wait_pv(acc0, acc1, p_prev, BLOCK_D1=BLOCK_D1)
         _release(kv_empty, NUM_STAGES + last % NUM_STAGES, NUM_WG=NUM_WG, NAMED_RELEASE=NAMED_RELEASE)
+        if WG_SKIP:
+            turn = _skip_tiles(k_ready, v_ready, kv_empty, turn_bars, turn, it0 + n_own, it0 + n_tiles, WG=WG,
+                               NUM_WG=NUM_WG, NUM_STAGES=NUM_STAGES, PINGPONG=PINGPONG, NAMED_RELEASE=NAMED_RELEASE)
+            if PERSISTENT:
+                if O_STORE != 2:
+                    if n_own < n_tiles:
+                        mbarrier.arrive(q_empty)  # every K / V load of the tile has landed (_skip_tiles waited)
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
@@ -879,7 +913,8 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
               WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr,
               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               INTRA: gl.constexpr, PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
-              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
+              WG_SKIP: gl.constexpr = False):
     """One program, one tile: ring slot 0, Q parity 0 and ping-pong turn 0 on fresh barriers; ``Out``: an
     ``_out_target``; ``qk_scale``, ``fp8s``: the tile's, as ``_consumer_tile`` takes them."""
     _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_bar, k_ready, v_ready, kv_empty, turn_bars,
@@ -887,7 +922,8 @@ def _consumer(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_e
                    WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1,
                    BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA, PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0,
-                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
+                   O_STORE=O_STORE, PERSISTENT=False, HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE,
+                   WG_SKIP=WG_SKIP)
 
 
 @gluon.jit
@@ -898,7 +934,8 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                               BLOCK_D1: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                               CAUSAL: gl.constexpr, INTRA: gl.constexpr, PINGPONG: gl.constexpr,
                               SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr,
-                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+                              HOST_DESC: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
+                              WG_SKIP: gl.constexpr = False):
     """Tile ``tile_id`` after ``kv_it`` kv iterations and ``turn`` ping-pong turns: (kv_it, turn) after it.
     ``ds``: FP8, the kernel's descale tuple (``_fp8_scales``) with Hq / Hk last; otherwise unread."""
     bh, off_b, off_h, off_hk, start_m, full_tiles, n_tiles = _tile_coords(
@@ -922,7 +959,7 @@ def _consumer_persistent_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empt
                    HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0, BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N,
                    NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                    PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, PERSISTENT=True,
-                   HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
+                   HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, WG_SKIP=WG_SKIP)
     kv_it += n_tiles
     turn += gl.where(n_tiles > 0, n_tiles + 1, 0)
     return kv_it, turn
@@ -937,7 +974,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                          NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, INTRA: gl.constexpr,
                          PINGPONG: gl.constexpr, SKIP_MASK0: gl.constexpr, O_STORE: gl.constexpr,
                          LPT_GROUP: gl.constexpr, HOST_DESC: gl.constexpr, DYNAMIC: gl.constexpr,
-                         PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr):
+                         PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr, WG_SKIP: gl.constexpr = False):
     """Tiles pid, pid + P, ... (P programs), or with ``DYNAMIC`` pid and then the tiles the producer hands
     over (``_ring_get``, read after each tile; a value >= total_tiles stops), as the producer walks them: the
     ring index, the Q barrier's parity (tiles with work so far) and the ping-pong turn (n + 1 turns per tile
@@ -955,7 +992,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, WG_SKIP=WG_SKIP)
             tile_id = _ring_get(sched, n)
             n += 1
     else:
@@ -966,7 +1003,7 @@ def _consumer_persistent(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_
                 tile_id, kv_it, turn, WG=WG, NUM_WG=NUM_WG, HEAD_DIM=HEAD_DIM, BLOCK_D0=BLOCK_D0,
                 BLOCK_D1=BLOCK_D1, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=CAUSAL, INTRA=INTRA,
                 PINGPONG=PINGPONG, SKIP_MASK0=SKIP_MASK0, O_STORE=O_STORE, LPT_GROUP=LPT_GROUP,
-                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE)
+                HOST_DESC=HOST_DESC, PACK_P=PACK_P, NAMED_RELEASE=NAMED_RELEASE, WG_SKIP=WG_SKIP)
 
 
 @gluon.jit(do_not_specialize=["n_heads", "kv_group", "seqlen_q", "seqlen_k", "num_m_tiles", "total_tiles", "total_q",
@@ -995,6 +1032,7 @@ def fa3_gluon_kernel(
     PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SKIP_MASK0: gl.constexpr,
     O_STORE: gl.constexpr, LPT_GROUP: gl.constexpr, PERSISTENT: gl.constexpr, HOST_DESC: gl.constexpr,
     DYNAMIC: gl.constexpr, IS_VARLEN: gl.constexpr, PACK_P: gl.constexpr, NAMED_RELEASE: gl.constexpr,
+    WG_SKIP: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nq, 64 * NUM_WG) programs, one per tile, or with ``PERSISTENT`` of at most
     ``total_tiles`` (that count) programs looping over tiles pid, pid + grid, ...; tile order
@@ -1026,6 +1064,7 @@ def fa3_gluon_kernel(
     gl.static_assert(not NAMED_RELEASE or NUM_STAGES <= 4)  # ring barriers 5-12, below the turns' 13-15
     gl.static_assert(PERSISTENT or not DYNAMIC)  # the scheduler hands out the persistent loop's tiles
     gl.static_assert(not (IS_VARLEN and (PERSISTENT or HOST_DESC)))
+    gl.static_assert(CAUSAL or not WG_SKIP)  # only a causal mask leaves a warpgroup without keys of a tile
     dtype: gl.constexpr = Q.dtype.element_ty
     # FP8 (8-bit Q, K, V; O bf16): V comes transposed, (B, Hk, HEAD_DIM, Nk rounded up to 32) rows of stride
     # stride_vn, keys permuted per 32-key chunk (``_p_operand``), as
@@ -1141,11 +1180,13 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE,
+                 WG_SKIP)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE,
+                 WG_SKIP)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
@@ -1157,15 +1198,18 @@ def fa3_gluon_kernel(
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 0, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE,
+                 WG_SKIP)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 1, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE,
+                 WG_SKIP)),
                 (_consumer_persistent, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready, v_ready,
                  kv_empty, turn_bars, sched, qk_scale, ds, stride_ob, stride_oh, stride_om, n_heads, seqlen_q, seqlen_k,
                  num_m_tiles, total_tiles, 2, NUM_WG, HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA,
-                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE)),
+                 PINGPONG, SKIP_MASK0, O_STORE, LPT_GROUP, HOST_DESC, DYNAMIC, PACK_P, NAMED_RELEASE,
+                 WG_SKIP)),
                 (_producer_persistent, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
                  v_ready, kv_empty, sched, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                  stride_vh, stride_vn, n_heads, kv_group, seqlen_q, seqlen_k, num_m_tiles, total_tiles, HEAD_DIM,
@@ -1210,11 +1254,11 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE, WG_SKIP)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE, WG_SKIP)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),
@@ -1224,15 +1268,15 @@ def fa3_gluon_kernel(
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 0, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE, WG_SKIP)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 1, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE, WG_SKIP)),
                 (_consumer, (o_dst, LSE, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                  tile_scale, fp8s, stride_om, lse_row0, seqlen_q, seqlen_k, start_m, full_tiles, n_tiles, 2, NUM_WG,
                  HEAD_DIM, BLOCK_D0, BLOCK_D1, BLOCK_N, NUM_STAGES, CAUSAL, INTRA, PINGPONG, SKIP_MASK0, O_STORE,
-                 HOST_DESC, PACK_P, NAMED_RELEASE)),
+                 HOST_DESC, PACK_P, NAMED_RELEASE, WG_SKIP)),
                 (_producer, (q_src, k_src, v_src, q_tiles, k_tiles, v_tiles, q_bar, k_ready, v_ready, kv_empty,
                  stride_qm, stride_kn, stride_vn, seqlen_q, seqlen_k, start_m, n_tiles, HEAD_DIM, BLOCK_D0, BLOCK_D1,
                  NUM_WG, BLOCK_N, NUM_STAGES, HOST_DESC, NAMED_RELEASE)),

@@ -85,6 +85,9 @@ class GluonConfig:
     # turns) instead of mbarriers, whose single-thread arrive Triton precedes with a warpgroup bar.sync (3 a kv tile);
     # off: 0.99-1.01x at d = 128 (H200, bench/NOTES.md "Gluon backward: 128 q rows per step")
     named_bars: bool = False
+    # causal: a consumer warpgroup whose rows see no key of a program's last kv tiles (64-key tiles under 128 rows,
+    # 128-key tiles under 192) skips their GEMMs and softmax, only releasing the slots and passing its turns
+    wg_skip: bool = False
 
     @property
     def block_m(self) -> int:
@@ -310,8 +313,9 @@ def _check_config(cfg) -> None:
         raise TypeError(f"config: host_desc must be a bool, got {cfg}")
     if not isinstance(cfg.dynamic, bool):
         raise TypeError(f"config: dynamic must be a bool, got {cfg}")
-    if not all(isinstance(x, bool) for x in (cfg.intra, cfg.pingpong, cfg.fence, cfg.pack_p, cfg.named_bars)):
-        raise TypeError(f"config: intra, pingpong, fence, pack_p and named_bars must be bools, got {cfg}")
+    if not all(isinstance(x, bool) for x in (cfg.intra, cfg.pingpong, cfg.fence, cfg.pack_p, cfg.named_bars,
+                                             cfg.wg_skip)):
+        raise TypeError(f"config: intra, pingpong, fence, pack_p, named_bars and wg_skip must be bools, got {cfg}")
     if cfg.named_bars and cfg.num_stages > 4:
         raise ValueError(f"config: named_bars has barriers for up to 4 ring stages, got {cfg}")
     if cfg.fence and not cfg.intra:
@@ -527,7 +531,7 @@ def gluon_args(q, k, v, out, causal: bool, cfg: GluonConfig, varlen=None, descal
         # constexprs, in the kernel's order
         d, *cfg.widths(d), cfg.num_wg, cfg.block_n, cfg.num_stages, bool(causal), cfg.intra_mode(),
         cfg.pingpong_mode(), cfg.regs(), cfg.producer(), cfg.skip_mask0, cfg.o_store(), cfg.lpt_group, cfg.persistent,
-        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars,
+        descs is not None, cfg.dynamic, varlen is not None, cfg.pack_p, cfg.named_bars, cfg.wg_skip and bool(causal),
     )
     return GluonArgs(grid, static, descs, cfg.dynamic)
 

@@ -160,8 +160,8 @@ def test_refusals_name_the_argument(monkeypatch):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, dynamic=True))
     with pytest.raises(ValueError, match="fence places"):  # the overlap's wait: nothing to place without it
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, intra=False, fence=True))
-    for flag in ("pingpong", "fence", "pack_p", "named_bars"):
-        with pytest.raises(TypeError, match="intra, pingpong, fence, pack_p and named_bars must be bools"):
+    for flag in ("pingpong", "fence", "pack_p", "named_bars", "wg_skip"):
+        with pytest.raises(TypeError, match="intra, pingpong, fence, pack_p, named_bars and wg_skip must be bools"):
             fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(128, 2, **{flag: 1}))
     with pytest.raises(ValueError, match="named_bars has barriers for up to 4 ring stages"):
         fa3_gluon_forward(h, h, h, softmax_scale=0.125, config=GluonConfig(64, 5, named_bars=True))
@@ -181,7 +181,7 @@ def test_refusals_name_the_argument(monkeypatch):
     (128, GluonConfig(128, 3, persistent=True)), (96, GluonConfig(64, 4, num_wg=3, o_tma=True, persistent=True)),
     (128, GluonConfig(128, 3, persistent=True, dynamic=True)), (128, GluonConfig(128, 3, fence=True, pack_p=True)),
     (96, GluonConfig(128, 4, intra=False, pingpong=False)), (192, GluonConfig(64, 3, persistent=True, named_bars=True)),
-    (96, GluonConfig(128, 4, pingpong=False, named_bars=True)),
+    (96, GluonConfig(128, 4, pingpong=False, named_bars=True)), (192, GluonConfig(64, 3, wg_skip=True)),
 ])
 def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     """The launcher's runtime arguments and constexprs, bound to the kernel's signature by position (as
@@ -235,6 +235,7 @@ def test_launcher_passes_the_kernels_arguments(monkeypatch, d, cfg):
     assert cfg.producer() == (32 if cfg.persistent and cfg.num_wg == 2 else 24)  # 0 spills, scratch/cc_gluon.py
     assert bound["HOST_DESC"] is False and all(bound[f"{t}_desc{i}"] is None for t in "qkvo" for i in (0, 1))
     assert bound["DYNAMIC"] is cfg.dynamic and (bound["tile_counter"] is None) is not cfg.dynamic
+    assert bound["WG_SKIP"] is cfg.wg_skip  # a causal call
 
 
 def _capture_launch(monkeypatch):
@@ -629,6 +630,56 @@ def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid
             o_on, lse_on = _gpu_case(d, causal, replace(cfg, **switches), nq, nk, dtype=dtype)
             o_off, lse_off = _gpu_case(d, causal, cfg, nq, nk, dtype=dtype)
             assert torch.equal(o_on, o_off) and torch.equal(lse_on, lse_off), (dtype, nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d,fields", [(64, {}), (64, dict(num_wg=2)), (192, {}), (256, {}), (256, dict(o_tma=True)),
+                                      (192, dict(pingpong=False)), (256, dict(named_bars=True)), (128, {}),
+                                      (128, dict(block_n=64, num_stages=3))])
+@pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
+def test_gpu_wg_skip_is_bitwise_the_same(monkeypatch, d, fields, grid):
+    """``wg_skip`` (causal: a warpgroup skips the kv tiles its rows see no key of) leaves out products with P = 0
+    and masked maxima only: outputs and LSE bit for bit the kernel's without it, both against the float64 oracle;
+    three consumers (up to two skipped tiles at 64 keys) and two, 64- and 128-key tiles, the TMA store (Q rows
+    reused), named barriers, no ping-pong; Nq > Nk (rows without keys), Nq < Nk, one query; the persistent grids
+    on 3 programs (turns, ring slots and the Q release across tiles)."""
+    from flashtile.runtime import fa3_gluon
+
+    extra = {"tile": dict(persistent=False, dynamic=False), "persistent": dict(persistent=True, dynamic=False),
+             "dynamic": dict(persistent=True, dynamic=True)}[grid]
+    cfg = replace(gluon_config(d, True), **fields, **extra)
+    while smem_bytes(cfg, d) > SMEM_LIMIT and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
+    for nq, nk in [(517, 333), (333, 517), (1, 300), (700, 700)]:
+        o_on, lse_on = _gpu_case(d, True, replace(cfg, wg_skip=True), nq, nk)
+        o_off, lse_off = _gpu_case(d, True, cfg, nq, nk)
+        assert torch.equal(o_on, o_off) and torch.equal(lse_on, lse_off), (nq, nk)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_wg_skip_fp8_is_bitwise_the_same(d):
+    """``wg_skip`` on the FP8 kernel (its table: three consumers over 64-key tiles at d = 64, two over 64-key tiles
+    at 256): outputs and LSE bit for bit those without it, the dynamic grid from 2k keys included."""
+    import flashtile.runtime.fa3_fwd as fa3_fwd
+    from flashtile.runtime.fa3_gluon import FP8_DYNAMIC_MIN_KEYS, gluon_fp8_config
+
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(d)
+    for nq, nk in [(517, 333), (700, 700), (2100, 2100)]:
+        q = (torch.randn(2, 4, nq, d, generator=g) * 4).to(fp8).cuda()
+        k = (torch.randn(2, 2, nk, d, generator=g) * 4).to(fp8).cuda()
+        v = (torch.randn(2, 2, nk, d, generator=g) * 4).to(fp8).cuda()
+        scales = tuple((torch.rand(2, 2, generator=g) + 0.5).cuda() for _ in range(3))
+        cfg = gluon_fp8_config(d, True, nk >= FP8_DYNAMIC_MIN_KEYS)
+        on = fa3_fwd.fa3_forward_fp8(q, k, v, scales, softmax_scale=d ** -0.5, causal=True,
+                                     gluon_config=replace(cfg, wg_skip=True))
+        off = fa3_fwd.fa3_forward_fp8(q, k, v, scales, softmax_scale=d ** -0.5, causal=True, gluon_config=cfg)
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1]), (nq, nk)
+        assert not torch.isnan(on[0]).any()
 
 
 # --------------------------------------------------------------------------- #
