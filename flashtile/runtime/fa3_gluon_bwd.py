@@ -755,8 +755,9 @@ def _sms(device: torch.device) -> int:
 
 
 def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdConfig, varlen=None) -> tuple:
-    """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes and strides are
-    read (of ``varlen``, its ints and cu_seqlens_q's length); ``cfg`` as launched (:func:`_host_desc_or_not`)."""
+    """(kernel, grid, static arguments) of :func:`gluon_bwd_launch` on these views: only shapes, strides and the
+    device's SM count (``lpt``) are read (of ``varlen``, its ints and cu_seqlens_q's length); ``cfg`` as launched
+    (:func:`_host_desc_or_not`)."""
     b, hq, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     total_q, total_k = nq, nk

@@ -634,16 +634,17 @@ def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d,fields", [(64, {}), (64, dict(num_wg=2)), (192, {}), (256, {}), (256, dict(o_tma=True)),
+@pytest.mark.parametrize("d,fields", [(64, {}), (64, dict(block_n=64)), (64, dict(num_wg=2)), (192, {}), (256, {}),
+                                      (256, dict(o_tma=True)),
                                       (192, dict(pingpong=False)), (256, dict(named_bars=True)), (128, {}),
                                       (128, dict(block_n=64, num_stages=3))])
 @pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
 def test_gpu_wg_skip_is_bitwise_the_same(monkeypatch, d, fields, grid):
     """``wg_skip`` (causal: a warpgroup skips the kv tiles its rows see no key of) leaves out products with P = 0
     and masked maxima only: outputs and LSE bit for bit the kernel's without it, both against the float64 oracle;
-    three consumers (up to two skipped tiles at 64 keys) and two, 64- and 128-key tiles, the TMA store (Q rows
-    reused), named barriers, no ping-pong; Nq > Nk (rows without keys), Nq < Nk, one query; the persistent grids
-    on 3 programs (turns, ring slots and the Q release across tiles)."""
+    three consumers over 128-key tiles (one skipped tile) and 64-key ones (up to two), two consumers, the TMA store
+    (Q rows reused), named barriers, no ping-pong; Nq > Nk (rows without keys), Nq < Nk, one query; the persistent
+    grids on 3 programs (turns, ring slots and the Q release across tiles)."""
     from flashtile.runtime import fa3_gluon
 
     extra = {"tile": dict(persistent=False, dynamic=False), "persistent": dict(persistent=True, dynamic=False),
@@ -661,15 +662,18 @@ def test_gpu_wg_skip_is_bitwise_the_same(monkeypatch, d, fields, grid):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_wg_skip_fp8_is_bitwise_the_same(d):
-    """``wg_skip`` on the FP8 kernel (its table: three consumers over 64-key tiles at d = 64, two over 64-key tiles
-    at 256): outputs and LSE bit for bit those without it, the dynamic grid from 2k keys included."""
+def test_gpu_wg_skip_fp8_is_bitwise_the_same(monkeypatch, d):
+    """``wg_skip`` on the FP8 kernel (its table: three consumers over 64-key tiles at d = 64, two over 128-key tiles
+    at 128 and 64-key ones at 256): outputs and LSE bit for bit those without it; the dynamic grid from 2k keys on 3
+    programs (turns and ring slots across tiles)."""
     import flashtile.runtime.fa3_fwd as fa3_fwd
+    from flashtile.runtime import fa3_gluon
     from flashtile.runtime.fa3_gluon import FP8_DYNAMIC_MIN_KEYS, gluon_fp8_config
 
+    monkeypatch.setattr(fa3_gluon, "sm_count", lambda index: 3)
     fp8 = torch.float8_e4m3fn
     g = torch.Generator().manual_seed(d)
-    for nq, nk in [(517, 333), (700, 700), (2100, 2100)]:
+    for nq, nk in [(517, 333), (333, 517), (700, 700), (2100, 2100), (2000, 2100)]:
         q = (torch.randn(2, 4, nq, d, generator=g) * 4).to(fp8).cuda()
         k = (torch.randn(2, 2, nk, d, generator=g) * 4).to(fp8).cuda()
         v = (torch.randn(2, 2, nk, d, generator=g) * 4).to(fp8).cuda()

@@ -592,8 +592,8 @@ def test_lpt_heads_rule_and_launch(monkeypatch):
         assert makespan(units, tiles, bn, 1) > 1.04
 
     calls = _record_launches(monkeypatch)
-    for d, group_loop, hk in [(128, False, 4), (64, True, 2), (256, False, 4)]:
-        b, hq, n = 3, 4, 1000
+    for d, group_loop, hk in [(128, False, 8), (64, True, 2), (256, False, 8)]:
+        b, hq, n = 8, 8, 1000  # units 64 (16 with the group loop): groups of 34 / 18 at 128-key tiles, 32 at 64
         q = torch.zeros(b, hq, n, d, dtype=BF16)
         k = torch.zeros(b, hk, n, d, dtype=BF16)
         lse = torch.zeros(b, hq, n)
@@ -607,6 +607,7 @@ def test_lpt_heads_rule_and_launch(monkeypatch):
             assert grid == (units * bound["num_n_tiles"],)
             assert bound["lpt_heads"] == (want or fa3_gluon_bwd.lpt_heads(units, bound["num_n_tiles"], 132)), \
                 (d, causal, lpt)
+            assert want or 1 < bound["lpt_heads"] < units or group_loop  # a rule, not one group of everything
 
 
 def test_backward_into_paths(monkeypatch):
