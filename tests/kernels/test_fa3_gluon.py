@@ -637,13 +637,14 @@ def test_gpu_schedule_switches_are_bitwise_the_same(monkeypatch, d, causal, grid
 @pytest.mark.parametrize("d,fields", [(64, {}), (64, dict(block_n=64)), (64, dict(num_wg=2)), (192, {}), (256, {}),
                                       (256, dict(o_tma=True)),
                                       (192, dict(pingpong=False)), (256, dict(named_bars=True)), (128, {}),
+                                      (64, dict(block_n=64, named_bars=True)), (256, dict(host_desc=True)),
                                       (128, dict(block_n=64, num_stages=3))])
 @pytest.mark.parametrize("grid", ["tile", "persistent", "dynamic"])
 def test_gpu_wg_skip_is_bitwise_the_same(monkeypatch, d, fields, grid):
     """``wg_skip`` (causal: a warpgroup skips the kv tiles its rows see no key of) leaves out products with P = 0
     and masked maxima only: outputs and LSE bit for bit the kernel's without it, both against the float64 oracle;
     three consumers over 128-key tiles (one skipped tile) and 64-key ones (up to two), two consumers, the TMA store
-    (Q rows reused), named barriers, no ping-pong; Nq > Nk (rows without keys), Nq < Nk, one query; the persistent
+    (Q rows reused), named barriers (with three consumers too), host descriptors, no ping-pong; Nq > Nk (rows without keys), Nq < Nk, one query; the persistent
     grids on 3 programs (turns, ring slots and the Q release across tiles)."""
     from flashtile.runtime import fa3_gluon
 

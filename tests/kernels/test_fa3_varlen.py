@@ -605,6 +605,37 @@ def test_gpu_gluon_varlen_matches_float64(monkeypatch, d, causal, dtype):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_gpu_gluon_varlen_wg_skip_is_bitwise_the_same(monkeypatch, d):
+    """``wg_skip`` on the packed Gluon forward (each program's rows and key bound from its own sequence; L_q > L_k
+    leaves rows without keys, L_q < L_k shifts the diagonal): outputs and LSE bit for bit the table's, at 64-key
+    tiles under three consumers too (two tiles skipped)."""
+    from dataclasses import replace
+
+    from flashtile.runtime import fa3_gluon
+
+    monkeypatch.setattr(fa3_fwd, "GLUON_VARLEN", True)
+    real = fa3_gluon.gluon_launch
+    q, k, v = _packed(GPU_LENS_Q, GPU_LENS_K, 4, 2, d, "cuda", torch.bfloat16, seed=d + 7)
+    cu_q, cu_k = _cu(GPU_LENS_Q, "cuda"), _cu(GPU_LENS_K, "cuda")
+    base = fa3_varlen_forward(q, k, v, cu_q, cu_k, 1200, 1100, softmax_scale=d ** -0.5, causal=True)
+    _assert_matches(*base, GPU_LENS_Q, GPU_LENS_K, q, k, v, d ** -0.5, True)
+    variants = [dict(wg_skip=True)] + ([dict(wg_skip=True, block_n=64)] if d == 64 else [])
+    for fields in variants:
+        ran = []
+
+        def launch(*a, fields=fields, ran=ran, **kw):
+            ran.append(a[7])
+            return real(*a[:7], replace(a[7], **fields), *a[8:], **kw)
+
+        monkeypatch.setattr(fa3_gluon, "gluon_launch", launch)
+        out, lse = fa3_varlen_forward(q, k, v, cu_q, cu_k, 1200, 1100, softmax_scale=d ** -0.5, causal=True)
+        assert ran, "the Gluon packed forward did not run"
+        assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), fields
+
+
+@pytest.mark.gpu
+@hopper
 def test_gpu_many_sequences_stay_inside_the_descriptor_scratch():
     """One 4096-token sequence and 5.6M one-token ones, one head, d 128: the Hopper packed grids' descriptor scratch
     would pass 2^31 bytes (an illegal address before the rule), so the dispatch runs FA2 and the Hopper entry point
