@@ -25,7 +25,7 @@ and with the ring's releases and the turns on hardware named barriers (``GluonCo
 ``gluon, P packed, named barriers``.
 
 ``backward=True`` (``--backward``) measures the Gluon backward instead (:mod:`flashtile.kernels.fa3_gluon_bwd`): its
-table config, ``no ping-pong``, and the narrow kernel's ``named barriers`` / ``host descriptors`` switches
+table config, ``no ping-pong``, the narrow kernel's ``named barriers`` and both kernels' ``host descriptors``
 (``GluonBwdConfig``), each checked against FA2's backward (dQ, dK, dV within 2e-2 of each one's max) and timed in
 interleaved rounds; TFLOP/s = 2.5 x the forward's FLOPs / backward time.
 
@@ -95,7 +95,7 @@ GLUON_VARIANTS = {
     "gluon, P packed, named barriers": dict(_GLUON_OFF, pingpong=True, intra=True, pack_p=True, named_bars=True),
 }
 # the Gluon backward (flashtile/kernels/fa3_gluon_bwd.py): switches of its table config (gluon_bwd_config); named
-# barriers and host descriptors are the narrow kernel's (d <= 128: the wide kernel's rows record the refusal)
+# barriers are the narrow kernel's (d <= 128: the wide kernel's rows record the refusal), host descriptors both's
 GLUON_BWD_VARIANTS = {
     "gluon bwd": {},
     "gluon bwd no ping-pong": dict(pingpong=False),

@@ -38,8 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _kv_tile_of, _program_bases, _program_rows, _q_tiles
-from flashtile.kernels.fa3_gluon_bwd import _red_add, _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon import _unit4
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _dq_tma_add3, _kv_tile_of, _program_bases, _program_rows
+from flashtile.kernels.fa3_gluon_bwd import _q_tiles, _red_add, _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -59,44 +60,76 @@ def _desc_pair(T, rows, stride, lo_smem, hi_smem, HEAD_DIM: gl.constexpr, TILE_D
 
 
 @gluon.jit
+def _copy_part(desc, coord, bar, tile, pred, HOST_DESC: gl.constexpr):
+    """TMA copy of one [64, width] column part at (row, col) ``coord`` into ``tile``: through a per-head descriptor,
+    or (``HOST_DESC``, ``coord`` = (b, h, row, col)) the host's over (B, H, N, d), its box the tile's bytes."""
+    if HOST_DESC:
+        gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
+        tma.async_copy_global_to_shared(desc, coord, bar, _unit4(tile), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, coord, bar, tile, pred=pred)
+
+
+@gluon.jit
 def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, stats_smem, kv_bar,
                    q_ready, do_ready, qdo_empty, do_empty, stride_qm, stride_kn, stride_vn, stride_dom, seqlen_q,
-                   seqlen_k, stats_rows, start_n, first_m, n_iters, HEAD_DIM: gl.constexpr, TILE_D: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
+                   seqlen_k, stats_rows, start_n, first_m, n_iters, descs, coords, HEAD_DIM: gl.constexpr,
+                   TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
+                   HOST_DESC: gl.constexpr):
     """K_j, V_j once, then Q_i, dO_i and the q tile's [LSE · log2 e, D] rows for the ``n_iters`` q tiles from
     ``first_m`` into ring slot it % NUM_STAGES; each operand in two column parts, [0, 128) into ``*_lo`` and
     [128, TILE_D) into ``*_hi`` (columns past HEAD_DIM and rows past N read 0).  ``DO_STAGES`` < NUM_STAGES: dO_i
-    into its own ring's slot it % DO_STAGES once both consumers released it (``do_empty``, after their dV GEMM)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_desc, q_desc_hi = _desc_pair(Q, seqlen_q, stride_qm, q_lo, q_hi, HEAD_DIM, TILE_D)
-    do_desc, do_desc_hi = _desc_pair(DO, seqlen_q, stride_dom, do_lo, do_hi, HEAD_DIM, TILE_D)
-    k_desc, k_desc_hi = _desc_pair(K, seqlen_k, stride_kn, k_lo, k_hi, HEAD_DIM, TILE_D)
-    v_desc, v_desc_hi = _desc_pair(V, seqlen_k, stride_vn, v_lo, v_hi, HEAD_DIM, TILE_D)
-    stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+    into its own ring's slot it % DO_STAGES once both consumers released it (``do_empty``, after their dV GEMM).
+    ``HOST_DESC``: the loads go through the host's descriptors ``descs`` (Q, Q's high part, dO, dO's, K, K's, V,
+    V's over (B, H, N, d), the flat statistics) at ``coords`` = (b, q head, kv head, this (batch, q head)'s
+    statistics block) instead of descriptors built here over the head's base pointers."""
+    dtype: gl.constexpr = k_lo.dtype
+    if HOST_DESC:
+        q_desc, q_desc_hi, do_desc, do_desc_hi, k_desc, k_desc_hi, v_desc, v_desc_hi, stats_desc = descs
+        b, hq, hk, stats0 = coords
+    else:
+        q_desc, q_desc_hi = _desc_pair(Q, seqlen_q, stride_qm, q_lo, q_hi, HEAD_DIM, TILE_D)
+        do_desc, do_desc_hi = _desc_pair(DO, seqlen_q, stride_dom, do_lo, do_hi, HEAD_DIM, TILE_D)
+        k_desc, k_desc_hi = _desc_pair(K, seqlen_k, stride_kn, k_lo, k_hi, HEAD_DIM, TILE_D)
+        v_desc, v_desc_hi = _desc_pair(V, seqlen_k, stride_vn, v_lo, v_hi, HEAD_DIM, TILE_D)
+        stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+        stats0 = 0
     box_bytes: gl.constexpr = 64 * TILE_D * dtype.primitive_bitwidth // 8  # both parts; zero-filled ones count too
     has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
     mbarrier.expect(kv_bar, 2 * box_bytes, pred=has_work)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_lo.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(k_desc_hi, [start_n, 128], kv_bar, k_hi.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_lo.index(0), pred=has_work)
-    tma.async_copy_global_to_shared(v_desc_hi, [start_n, 128], kv_bar, v_hi.index(0), pred=has_work)
+    if HOST_DESC:
+        k_at = (b, hk, start_n, 0)
+        k_hi_at = (b, hk, start_n, 128)
+    else:
+        k_at = (start_n, 0)
+        k_hi_at = (start_n, 128)
+    _copy_part(k_desc, k_at, kv_bar, k_lo.index(0), has_work, HOST_DESC=HOST_DESC)
+    _copy_part(k_desc_hi, k_hi_at, kv_bar, k_hi.index(0), has_work, HOST_DESC=HOST_DESC)
+    _copy_part(v_desc, k_at, kv_bar, v_lo.index(0), has_work, HOST_DESC=HOST_DESC)
+    _copy_part(v_desc_hi, k_hi_at, kv_bar, v_hi.index(0), has_work, HOST_DESC=HOST_DESC)
     for it in range(n_iters):
         slot = it % NUM_STAGES
         m0 = (first_m + it) * 64
+        if HOST_DESC:
+            q_at = (b, hq, m0, 0)
+            q_hi_at = (b, hq, m0, 128)
+        else:
+            q_at = (m0, 0)
+            q_hi_at = (m0, 128)
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), box_bytes + 2 * 64 * 4)
-        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_ready.index(slot), q_lo.index(slot))
-        tma.async_copy_global_to_shared(q_desc_hi, [m0, 128], q_ready.index(slot), q_hi.index(slot))
-        tma.async_copy_global_to_shared(stats_desc, [m0], q_ready.index(slot), stats_smem.index(2 * slot))
-        tma.async_copy_global_to_shared(stats_desc, [stats_rows + m0], q_ready.index(slot),
+        _copy_part(q_desc, q_at, q_ready.index(slot), q_lo.index(slot), True, HOST_DESC=HOST_DESC)
+        _copy_part(q_desc_hi, q_hi_at, q_ready.index(slot), q_hi.index(slot), True, HOST_DESC=HOST_DESC)
+        tma.async_copy_global_to_shared(stats_desc, [stats0 + m0], q_ready.index(slot), stats_smem.index(2 * slot))
+        tma.async_copy_global_to_shared(stats_desc, [stats0 + stats_rows + m0], q_ready.index(slot),
                                         stats_smem.index(2 * slot + 1))
         dslot = it % DO_STAGES
         if DO_STAGES != NUM_STAGES:
             mbarrier.wait(do_empty.index(dslot), ((it // DO_STAGES) & 1) ^ 1)
         mbarrier.expect(do_ready.index(dslot), box_bytes)
-        tma.async_copy_global_to_shared(do_desc, [m0, 0], do_ready.index(dslot), do_lo.index(dslot))
-        tma.async_copy_global_to_shared(do_desc_hi, [m0, 128], do_ready.index(dslot), do_hi.index(dslot))
+        _copy_part(do_desc, q_at, do_ready.index(dslot), do_lo.index(dslot), True, HOST_DESC=HOST_DESC)
+        _copy_part(do_desc_hi, q_hi_at, do_ready.index(dslot), do_hi.index(dslot), True, HOST_DESC=HOST_DESC)
 
 
 @gluon.jit
@@ -131,18 +164,30 @@ def _dq_first(ds_t, k_w, DQacc, m0, WG: gl.constexpr, BLOCK_D: gl.constexpr, DQ_
 
 
 @gluon.jit
+def _dq_part_add(dq_desc, dq_tile, dq, row, col):
+    """One dQ part's TMA reduce-add at (row, col) of this (batch, q head)'s accumulator: ``dq_desc`` = (the head's
+    descriptor,) or (the host's over every head, the head's index)."""
+    if len(dq_desc) == 2:
+        _dq_tma_add3(dq_desc[0], dq_tile, dq, dq_desc[1], row, col)
+    else:
+        _dq_tma_add(dq_desc[0], dq_tile, dq, row, col)
+
+
+@gluon.jit
 def _dq_rest(dq, dq_zero, ds_t, k_w, acc_tile, dq_desc, dq_smem, m0, WG: gl.constexpr, BLOCK_D: gl.constexpr,
              WIDTH: gl.constexpr, DQ_TMA: gl.constexpr):
     """dQ_i[:, this warpgroup's WIDTH columns] += dS K: the first part (``dq``, retired) added, then the others
     computed and added — through the warpgroup's staging tile and TMA reduce-adds (``DQ_TMA``) or by vector
-    reductions into ``acc_tile`` of the (rows, BLOCK_D) accumulator (rows padded to 64: no mask; int64 offsets)."""
+    reductions into ``acc_tile`` of the (rows, BLOCK_D) accumulator (rows padded to 64: no mask; int64 offsets).
+    ``dq_desc``: (the head's rank-2 descriptor,), or (the host's rank-3 one over (B * Hq, rows, BLOCK_D), the
+    (batch, q head) index)."""
     COL0: gl.constexpr = WG * 128
     PART: gl.constexpr = 32 if DQ_TMA else 64  # _dq_first's
     if DQ_TMA:
-        _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
+        _dq_part_add(dq_desc, dq_smem.index(WG), dq, m0, COL0)
         for c in gl.static_range(1, WIDTH // PART):
             dq = warpgroup_mma(ds_t, k_w.slice(c * PART, PART, dim=1), dq_zero, use_acc=False)
-            _dq_tma_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
+            _dq_part_add(dq_desc, dq_smem.index(WG), dq, m0, COL0 + c * PART)
     else:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, PART, 16])
@@ -341,9 +386,9 @@ def _wide_steps(lo, hi, dk, dv, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi
 def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem, ds_smem, stats_smem,
                    dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars, qk_scale,
                    softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked,
-                   n_iters, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr,
-                   DQ_TMA: gl.constexpr, DO_STAGES: gl.constexpr):
+                   n_iters, DQDesc, dq_head, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                   TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                   SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, DO_STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
     """Columns [COL0, COL0 + WIDTH) of dK, dV (warpgroup 0 [0, 128), warpgroup 1 [128, TILE_D)) for keys
     [start_n, start_n + 64): the q loop (masked steps first: the causal diagonal, or every step when the kv tile
     crosses Nk), then dK · scale and dV stored."""
@@ -357,10 +402,13 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
     kv_rows = start_n + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([64, WIDTH], gl.float32, layout=acc_layout)
     dv = gl.zeros([64, WIDTH], gl.float32, layout=acc_layout)
-    if DQ_TMA:
+    if DQ_TMA and HOST_DESC:
+        gl.static_assert(DQDesc.layout.swizzle_byte_width == dq_smem.layout.swizzle_byte_width)
+        dq_desc = (DQDesc, dq_head)  # the host's over (B * Hq, rows, BLOCK_D): coordinates [head, row, col]
+    elif DQ_TMA:
         # this (batch, q head)'s accumulator rows (padded to 64: no box is clipped), boxes of dq_smem's tiles
-        dq_desc = tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1], [64, dq_smem.shape[2]],
-                                             dq_smem.layout)
+        dq_desc = (tma.make_tensor_descriptor(DQacc, [acc_rows, BLOCK_D], [BLOCK_D, 1], [64, dq_smem.shape[2]],
+                                              dq_smem.layout),)
     else:
         dq_desc = None
     if n_iters > 0:
@@ -392,6 +440,9 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
                               "stride_acc_h", "total_q", "total_k"])
 def fa3_gluon_bwd_wide_kernel(
     Q, K, V, DO, Stats, DK, DV, DQacc, CuQ, CuK,
+    # HOST_DESC: descriptors over Q, Q's high part, dO, dO's, K, K's, V, V's (B, H, N, d; [1, 1, 64, 128] and
+    # [1, 1, 64, TILE_D - 128] boxes), the flat statistics and DQacc (B * Hq, rows, BLOCK_D); otherwise None
+    QDesc, QDescHi, DODesc, DODescHi, KDesc, KDescHi, VDesc, VDescHi, StatsDesc, DQDesc,
     qk_scale,  # softmax_scale * log2(e), any sign
     softmax_scale,
     stride_qb, stride_qh, stride_qm,
@@ -405,7 +456,7 @@ def fa3_gluon_bwd_wide_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, TILE_D: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, GQA_PARTIAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, SPLIT_S: gl.constexpr, DQ_TMA: gl.constexpr, IS_VARLEN: gl.constexpr,
-    DO_STAGES: gl.constexpr,
+    DO_STAGES: gl.constexpr, HOST_DESC: gl.constexpr,
 ):
     """1-D grid of B * Hq * cdiv(Nk, 64) programs in ``_kv_tile_of``'s order (groups of ``lpt_heads`` (batch, q head)
     pairs).  Stats is ``stats_preprocess_kernel``'s (B * Hq, 2, Nq rounded up to a multiple of 64) buffer, DQacc the
@@ -414,7 +465,9 @@ def fa3_gluon_bwd_wide_kernel(
     ``HEAD_DIM`` > 128, ``TILE_D`` the shared tiles' width (192 or 256).  ``IS_VARLEN``: a packed batch, as in
     :func:`flashtile.kernels.fa3_gluon_bwd.fa3_gluon_bwd_kernel`.  ``DO_STAGES`` (``SPLIT_S`` only, 1 or
     NUM_STAGES): dO in a ring of its own of that depth (FA3's single dO buffer at d = 256), whose 32 KB let both
-    Pᵀ / dSᵀ buffers fit beside 256-wide tiles.  Launch with ``num_warps=4``."""
+    Pᵀ / dSᵀ buffers fit beside 256-wide tiles.  ``HOST_DESC`` (fixed length, ``DQ_TMA``): every load and dQ
+    reduce-add through the host's descriptors (coordinates batch, head, row, column), none built in the kernel.
+    Launch with ``num_warps=4``."""
     gl.static_assert(HEAD_DIM % 8 == 0)  # TMA: 16-byte row strides
     gl.static_assert(TILE_D >= HEAD_DIM)
     gl.static_assert(BLOCK_D == 256)  # the accumulator's row; each warpgroup's columns whole 64-column dQ parts
@@ -422,6 +475,7 @@ def fa3_gluon_bwd_wide_kernel(
     gl.static_assert(NUM_STAGES >= 2)  # a slot is refilled once both consumers release it
     # dO's own ring (released after the dV GEMM, refilled under dK / dQ) is the split step's
     gl.static_assert(DO_STAGES == NUM_STAGES or (DO_STAGES == 1 and SPLIT_S))
+    gl.static_assert(not HOST_DESC or (DQ_TMA and not IS_VARLEN))  # packed batches build per-sequence descriptors
     dtype: gl.constexpr = Q.dtype.element_ty
     bh, tile = _kv_tile_of(gl.program_id(0), num_n_tiles, lpt_heads)
     off_b = (bh // n_heads).to(gl.int64)
@@ -510,20 +564,28 @@ def fa3_gluon_bwd_wide_kernel(
         stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh, stride_dkn,
         stride_dvb, stride_dvh, stride_dvn, stride_acc_h, off_b, off_h, off_hk, bh, q_start, k_start, row0, seqlen_q,
         BLOCK_D=BLOCK_D, GQA_PARTIAL=GQA_PARTIAL, IS_VARLEN=IS_VARLEN)
+    if HOST_DESC:
+        descs = (QDesc, QDescHi, DODesc, DODescHi, KDesc, KDescHi, VDesc, VDescHi, StatsDesc)
+        coords = (off_b.to(gl.int32), off_h.to(gl.int32), off_hk.to(gl.int32), bh * (2 * acc_rows))
+    else:  # unread
+        descs = (kv_bar,)
+        coords = (bh,)
     # constexprs keep their kind only in tuples written in the call: each consumer's tuple spelled out with its WG
     gl.warp_specialize([
         (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
          ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
          qk_scale,
-         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 0,
-         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES)),
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+         DQDesc, bh, 0, HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES,
+         HOST_DESC)),
         (_wide_consumer, (dk_base, dv_base, acc_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_hi, pt_smem,
          ds_smem, stats_smem, dq_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, ds_full, ds_empty, turn_bars,
          qk_scale,
-         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters, 1,
-         HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES)),
+         softmax_scale, stride_dkn, stride_dvn, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_masked, n_iters,
+         DQDesc, bh, 1, HEAD_DIM, BLOCK_D, TILE_D, NUM_STAGES, CAUSAL, PINGPONG, SPLIT_S, DQ_TMA, DO_STAGES,
+         HOST_DESC)),
         (_wide_producer, (q_base, k_base, v_base, do_base, stats_base, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo,
          do_hi, stats_smem, kv_bar, q_ready, do_ready, qdo_empty, do_empty, stride_qm, stride_kn, stride_vn,
-         stride_dom, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_iters, HEAD_DIM, TILE_D, NUM_STAGES,
-         DO_STAGES)),
+         stride_dom, seqlen_q, seqlen_k, acc_rows, start_n, first_m, n_iters, descs, coords, HEAD_DIM, TILE_D,
+         NUM_STAGES, DO_STAGES, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -91,9 +91,10 @@ class GluonBwdConfig:
     # bar.sync, FA3's) instead of mbarriers, whose single-thread arrives Triton brackets with warpgroup bar.syncs;
     # the narrow kernel, up to 4 stages, not with release_once
     named_bars: bool = False
-    # the narrow kernel's TMA descriptors (Q, K, V, dO over (B, H, N, d), the statistics, the dQ accumulator) built on
-    # the host per call, instead of in the kernel per program (each a tensormap written to global scratch and two
-    # proxy fences, serial in the producer before its first load); fixed-length calls only
+    # the TMA descriptors (Q, K, V, dO over (B, H, N, d), two column parts each in the wide kernel, the statistics,
+    # the dQ accumulator) built on the host per call, instead of in the kernel per program (each a tensormap written
+    # to global scratch and two proxy fences, serial in the producer before its first load); fixed-length calls only
+    # (the wide kernel: with dq_tma)
     host_desc: bool = False
     # q rows per step: 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, half the steps and their
     # barriers, dQ split by rows); with dq_split and stats_smem at 64-wide tiles (d = 40-64), fixed-length calls
@@ -300,9 +301,9 @@ def _check_config(cfg, d: int, esize: int) -> None:
         # the narrow kernel's barrier ids 5-8 hold at most 4 ring slots; release_once is an mbarrier's double use
         raise ValueError(f"config: named_bars is True only up to head_dim 128, with at most 4 stages and without "
                          f"release_once, got {cfg} at head_dim {d}")
-    if cfg.host_desc and d in WIDE_HEAD_DIMS:
-        raise ValueError(f"config: host_desc is True only up to head_dim 128 (the narrow kernel), got {cfg} at "
-                         f"head_dim {d}")
+    if cfg.host_desc and d in WIDE_HEAD_DIMS and not cfg.dq_tma:
+        # the wide kernel's host descriptors include the dQ staging tiles' reduce-add one
+        raise ValueError(f"config: host_desc above head_dim 128 needs dq_tma, got {cfg} at head_dim {d}")
     if cfg.release_once and not (cfg.dq_split and cfg.num_stages == 2):
         raise ValueError(f"config: release_once is True only with dq_split and num_stages 2, got {cfg}")
     if not isinstance(cfg.do_stages, int) or isinstance(cfg.do_stages, bool) or cfg.do_stages not in (0, 1):
@@ -467,7 +468,7 @@ def backward_plan(dout, q, k, v, out, lse, dq, dk, dv, causal: bool):
     cfg = _host_desc_or_not(cfg, q, k, v, dout, stats, None)
     # the planning views' (B, H, N, d) geometry: run() gets the op's tensors, (B, N, H, d) in flash-attn's layout
     descs = (functools.partial(host_descriptors, cfg=cfg, geometry=desc_geometry(q, k, v, dout)) if cfg.host_desc
-             else lambda *views: (None,) * 6)
+             else lambda *views: _no_descs(d))
     kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, acc, causal, cfg)
     p_grid, p_static = post_args(acc, dq)
     stats_run = launcher(stats_preprocess_kernel, s_grid, (out, dout, lse, stats, acc, lse), s_static, num_warps=4,
@@ -636,7 +637,7 @@ def gluon_bwd_launch(q, k, v, dout, lse, delta, dk, dv, dq_acc, softmax_scale: f
     cfg = _host_desc_or_not(cfg, q, k, v, dout, lse, varlen)
     kernel, grid, static = gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal, cfg, varlen)
     cu = varlen[:2] if varlen is not None else (dq_acc, dq_acc)  # unread placeholders without a packed batch
-    descs = host_descriptors(q, k, v, dout, lse, dq_acc, cfg) if cfg.host_desc else (None,) * 6
+    descs = host_descriptors(q, k, v, dout, lse, dq_acc, cfg) if cfg.host_desc else _no_descs(q.shape[3])
     dynamic = _bwd_dynamic(q.shape[3] in WIDE_HEAD_DIMS, q, k, v, dout, lse, delta, dk, dv, dq_acc, *cu,
                            softmax_scale, descs)
     # num_stages is Triton's software-pipelining option, unused by Gluon (3 is its default: same cache key)
@@ -652,12 +653,18 @@ def _host_desc_or_not(cfg: GluonBwdConfig, q, k, v, dout, lse, varlen) -> GluonB
     return cfg
 
 
+def _no_descs(d: int) -> tuple:
+    """The kernel's descriptor parameters without host descriptors (constexpr Nones): 10 for the wide kernel, 6."""
+    return (None,) * (10 if d in WIDE_HEAD_DIMS else 6)
+
+
 def _bwd_dynamic(wide: bool, q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale: float,
-                 descs: tuple = (None,) * 6) -> tuple:
-    """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta`` and no
-    descriptors; ``descs``: :func:`host_descriptors` or Nones)."""
+                 descs: tuple | None = None) -> tuple:
+    """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta``; ``descs``:
+    :func:`host_descriptors` or None)."""
+    descs = _no_descs(q.shape[3]) if descs is None else descs
     if wide:
-        return (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, softmax_scale * LOG2E, softmax_scale)
+        return (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, *descs, softmax_scale * LOG2E, softmax_scale)
     return (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, *descs, softmax_scale * LOG2E, softmax_scale)
 
 
@@ -670,7 +677,8 @@ def host_desc_fits(q, k, v, dout, stats_numel: int) -> bool:
 
 
 def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig, geometry=None) -> tuple:
-    """The narrow kernel's ``HOST_DESC`` descriptors (QDesc, KDesc, VDesc, DODesc, StatsDesc, DQDesc) over these
+    """The narrow kernel's ``HOST_DESC`` descriptors (QDesc, KDesc, VDesc, DODesc, StatsDesc, DQDesc; the wide one's:
+    :func:`_wide_host_descriptors`) over these
     views (:func:`host_desc_fits`): rank 4 over (B, H, N, d) with [1, 1, 64, block_d] boxes in the kernel's tiles'
     swizzle (K's in half rows with ``dq_split``), rank 1 over the statistics (64-float boxes; None without
     ``stats_smem``), rank 3 over the (B * Hq, rows, block_d) accumulator with the dQ staging tiles' boxes and swizzle
@@ -679,6 +687,8 @@ def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig, geometry
     views' own.  The kernel's arguments were checked: built bare (``fa3_gluon.bare_descriptor``)."""
     from flashtile.runtime.fa3_gluon import bare_descriptor
 
+    if q.shape[3] in WIDE_HEAD_DIMS:
+        return _wide_host_descriptors(q, k, v, dout, stats, dq_acc, geometry)
     (box4, l4, lk), stats_l, (dq_box, dq_l) = _desc_layouts(block_d(q.shape[3]), q.dtype, cfg.dq_split, cfg.dq_tma,
                                                             cfg.dq_swizzle32, cfg.stats_smem)
     xs = (q, k, v, dout)
@@ -688,6 +698,30 @@ def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig, geometry
     descs.append(None if stats_l is None else bare_descriptor(stats, [stats.numel()], [1], [64], stats_l))
     descs.append(None if dq_l is None else bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), dq_box,
                                                            dq_l))
+    return tuple(descs)
+
+
+def _wide_host_descriptors(q, k, v, dout, stats, dq_acc, geometry=None) -> tuple:
+    """The wide kernel's ``HOST_DESC`` descriptors (Q, Q's high part, dO, dO's, K, K's, V, V's, the statistics, the
+    dQ accumulator): rank 4 over (B, H, N, d) with [1, 1, 64, 128] boxes for columns [0, 128) and [1, 1, 64,
+    TILE_D - 128] ones for the rest (the same descriptor at 256-wide tiles), the tiles' swizzles; rank 1 over the
+    statistics; rank 3 over the (B * Hq, rows, 256) accumulator with [1, 64, 32] boxes (the dQ staging tiles')."""
+    from triton.experimental.gluon import language as gl
+
+    from flashtile.runtime.fa3_gluon import _box_layout, bare_descriptor
+
+    hi = wide_tile_d(q.shape[3]) - 128
+    l_lo, l_hi = _box_layout(64, 128, q.dtype), _box_layout(64, hi, q.dtype)
+    geometry = geometry or desc_geometry(q, k, v, dout)
+    descs = []
+    for x, (shape, strides) in zip((q, dout, k, v), (geometry[0], geometry[3], geometry[1], geometry[2])):
+        lo = bare_descriptor(x, shape, strides, [1, 1, 64, 128], l_lo)
+        descs += [lo, lo if hi == 128 else bare_descriptor(x, shape, strides, [1, 1, 64, hi], l_hi)]
+    descs.append(bare_descriptor(stats, [stats.numel()], [1], [64],
+                                 gl.NVMMASharedLayout.get_default_for([64], gl.float32)))
+    sw = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32).swizzle_byte_width  # the staging tiles'
+    descs.append(bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 32],
+                                 gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=32, rank=3)))
     return tuple(descs)
 
 
@@ -792,7 +826,7 @@ def gluon_bwd_args(q, k, v, dout, dk, dv, dq_acc, causal: bool, cfg: GluonBwdCon
         # constexprs, in the kernel's order
         static = (*strides, total_q, total_k, d, block_d(d), wide_tile_d(d), cfg.num_stages, bool(causal), partial,
                   cfg.consumer_regs, cfg.producer_regs, cfg.pingpong, cfg.split_s, cfg.dq_tma, varlen is not None,
-                  cfg.do_depth())
+                  cfg.do_depth(), cfg.host_desc)
     else:
         from flashtile.kernels.fa3_gluon_bwd import fa3_gluon_bwd_kernel as kernel
 

@@ -137,7 +137,7 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
         assert by[name]["ms_rounds"] == [i + 1.0, n + i] and by[name]["ms"] == (i + 1.0 + n + i) / 2
         assert by[name]["tflops"] == pytest.approx(flops / (by[name]["ms"] * 1e-3) / 1e12)
     configs.clear()
-    wide_cfgs, _ = _fake_gluon_bwd(monkeypatch, [1.0] * 6)
+    wide_cfgs, _ = _fake_gluon_bwd(monkeypatch, [1.0] * 7)
     x = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
     wide = {r["variant"]: r for r in ha._gluon_bwd_rows(256, 8, 1, 2, True, x, x, x, x)}
     assert "tflops" in wide["gluon bwd"] and "tflops" in wide["gluon bwd no ping-pong"]
@@ -146,9 +146,11 @@ def test_gluon_bwd_rows_switch_check_and_time(monkeypatch):
     assert wide["gluon bwd, dO in the Q ring"]["config"]["do_stages"] == 0 and "tflops" in wide[
         "gluon bwd, dO in the Q ring"] and "tflops" in wide["gluon bwd, unsplit score GEMMs"]
     assert not wide["gluon bwd, unsplit score GEMMs"]["config"]["split_s"]
-    # the wide kernel's steps are 64 rows and its barriers mbarriers anyway
+    # the wide kernel's steps are 64 rows and its barriers mbarriers anyway; it takes host descriptors too
     assert "tflops" in wide["gluon bwd, 64 q rows per step"] and "tflops" in wide["gluon bwd, mbarriers"]
-    for name in ("gluon bwd, named barriers", "gluon bwd, host descriptors"):
+    assert "tflops" in wide["gluon bwd, host descriptors"] and wide["gluon bwd, host descriptors"]["config"]["host_desc"]
+    for name in ("gluon bwd, named barriers", "gluon bwd, named barriers, host descriptors"):  # the narrow kernel's
+        assert "tflops" not in wide[name]
         assert wide[name]["error"].startswith("ValueError") and "head_dim 128" in wide[name]["error"]
     # 64-wide tiles: the table's 128-row steps; host descriptors and the 64-row variant from the 64-row config
     configs, _ = _fake_gluon_bwd(monkeypatch, [1.0] * 2 * len(ha.GLUON_BWD_VARIANTS))

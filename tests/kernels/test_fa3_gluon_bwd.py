@@ -397,6 +397,48 @@ def test_launcher_host_descriptors(monkeypatch, d, group_loop):
         assert all(bound[n] is None for n in ("QDesc", "KDesc", "VDesc", "DODesc", "StatsDesc", "DQDesc"))
 
 
+@pytest.mark.parametrize("d", [136, 192, 256])
+def test_launcher_wide_host_descriptors(monkeypatch, d):
+    """``host_desc`` above d = 128 (the wide kernel): descriptors over the whole q, dout, k, v, two column parts each
+    ([1, 1, 64, 128] boxes and [1, 1, 64, TILE_D - 128] ones, the same descriptor at 256-wide tiles) in the tiles'
+    swizzles, the flat statistics, the (B * Hq, rows, 256) accumulator in [1, 64, 32] boxes (the staging tiles');
+    HOST_DESC set; the flag off or an expanded head axis leave them to the kernel (Nones); refused without dq_tma."""
+    from flashtile.kernels.fa3_gluon_bwd_wide import fa3_gluon_bwd_wide_kernel
+
+    calls = _record_launches(monkeypatch)
+    b, hq, hk, nq, nk = 2, 4, 2, 300, 500
+    q = torch.zeros(b, nq, hq, d, dtype=BF16).transpose(1, 2)  # (B, N, H, d) storage
+    k, v = (torch.zeros(b, hk, nk, d, dtype=BF16) for _ in range(2))
+    lse = torch.zeros(b, hq, nq)
+    cfg = replace(gluon_bwd_config(d, True), host_desc=True)
+    fa3_gluon_backward(q, q, k, v, q, lse, softmax_scale=0.5, causal=True, config=cfg)
+    (kernel, grid, dynamic, static), _ = calls[1]
+    assert kernel is fa3_gluon_bwd_wide_kernel
+    bound = dict(zip(inspect.signature(kernel.fn).parameters, (*dynamic, *static)))
+    assert len(bound) == len(inspect.signature(kernel.fn).parameters) and bound["HOST_DESC"] is True
+    hi = fa3_gluon_bwd.wide_tile_d(d) - 128
+    for name, x in (("QDesc", q), ("DODesc", q), ("KDesc", k), ("VDesc", v)):
+        lo, high = bound[name], bound[name + "Hi"]
+        for desc, width in ((lo, 128), (high, hi)):
+            assert desc.base is x and desc.shape == list(x.shape) and desc.strides == list(x.stride())
+            assert desc.block_shape == [1, 1, 64, width] and desc.layout.swizzle_byte_width == min(128, 2 * width)
+        assert (high is lo) is (hi == 128)
+    stats, acc = bound["StatsDesc"], bound["DQDesc"]
+    assert stats.base is bound["Stats"] and stats.shape == [bound["Stats"].numel()] and stats.block_shape == [64]
+    assert acc.base is bound["DQacc"] and acc.shape == list(bound["DQacc"].shape) == [b * hq, _rows(nq), 256]
+    assert acc.block_shape == [1, 64, 32] and acc.layout.element_bitwidth == 32 and acc.layout.rank == 3
+    assert acc.layout.swizzle_byte_width == 128  # the [64, 32] fp32 staging tiles'
+    names = ("QDesc", "QDescHi", "DODesc", "DODescHi", "KDesc", "KDescHi", "VDesc", "VDescHi", "StatsDesc", "DQDesc")
+    for qq, c in ((q, replace(cfg, host_desc=False)), (q[:, :1].expand(b, hq, nq, d), cfg)):
+        calls.clear()
+        fa3_gluon_backward(qq, qq, k, v, qq, lse, softmax_scale=0.5, causal=True, config=c)
+        bound = dict(zip(inspect.signature(calls[1][0][0].fn).parameters, (*calls[1][0][2], *calls[1][0][3])))
+        assert bound["HOST_DESC"] is False and all(bound[n] is None for n in names)
+    with pytest.raises(ValueError, match="host_desc above head_dim 128 needs dq_tma"):
+        fa3_gluon_backward(q, q, k, v, q, lse, softmax_scale=0.5,
+                           config=replace(cfg, dq_tma=False, pt_separate=True, split_s=False, do_stages=0))
+
+
 def test_plan_builds_host_descriptors_per_call(monkeypatch):
     """``backward_plan`` with a ``host_desc`` config (the table's once timed): HOST_DESC bound, and each run passes
     descriptors over that run's own q, k, v, dout, statistics and accumulator; without it, Nones."""
@@ -1493,13 +1535,16 @@ def _check_switch(d, causal, shape, fields, seed, layout="bhnd"):
     (128, True, (2, 4, 1, 333, 517), dict(group_loop=True)), (64, False, (2, 8, 2, 300, 200), dict(group_loop=True)),
     (128, False, (2, 4, 2, 333, 517), dict(named_bars=True)),
     (128, False, (1, 4, 2, 700, 600), dict(num_stages=2, dq_split=False, dq_tma=False, stats_smem=False,
-                                           pt_separate=False))])
+                                           pt_separate=False)),
+    *[(d, c, (2, 4, 2, 333, 517), {}) for d in (136, 192, 256) for c in (False, True)],
+    (256, True, (1, 3, 3, 1, 300), {}), (200, False, (2, 4, 1, 517, 333), {}), (192, True, (1, 2, 2, 2048, 2048), {}),
+    (256, False, (2, 4, 2, 333, 517), dict(split_s=False, do_stages=0))])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_gpu_host_descriptors(d, causal, shape, flags, layout):
-    """``host_desc``: the narrow kernel's loads and dQ reduce-adds through descriptors built on the host over the
-    whole tensors (coordinates batch, head, row): ragged, GQA partials and the group loop, one query row, 4k, with
-    named barriers, the plain config (no statistics or dQ tiles: K / V / Q / dO only); (B, H, N, d) and
-    (B, N, H, d) storage."""
+    """``host_desc``: the kernels' loads and dQ reduce-adds through descriptors built on the host over the whole
+    tensors (coordinates batch, head, row): ragged, GQA partials and the group loop, one query row, 4k, with named
+    barriers, the plain config (no statistics or dQ tiles: K / V / Q / dO only); the wide kernel (two column parts
+    per operand, 192- and 256-wide tiles, split score GEMMs or not, 2k); (B, H, N, d) and (B, N, H, d) storage."""
     _check_switch(d, causal, shape, dict(host_desc=True, **flags), seed=shape[3] + d + 5 * causal, layout=layout)
 
 
