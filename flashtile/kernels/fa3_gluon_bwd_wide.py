@@ -85,7 +85,14 @@ def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo
     statistics block) instead of descriptors built here over the head's base pointers."""
     dtype: gl.constexpr = k_lo.dtype
     if HOST_DESC:
-        q_desc, q_desc_hi, do_desc, do_desc_hi, k_desc, k_desc_hi, v_desc, v_desc_hi, stats_desc = descs
+        if TILE_D == 256:  # both column parts are [64, 128] boxes: the first descriptor serves both (the host's Nones)
+            q_desc, _, do_desc, _, k_desc, _, v_desc, _, stats_desc = descs
+            q_desc_hi = q_desc
+            do_desc_hi = do_desc
+            k_desc_hi = k_desc
+            v_desc_hi = v_desc
+        else:
+            q_desc, q_desc_hi, do_desc, do_desc_hi, k_desc, k_desc_hi, v_desc, v_desc_hi, stats_desc = descs
         b, hq, hk, stats0 = coords
     else:
         q_desc, q_desc_hi = _desc_pair(Q, seqlen_q, stride_qm, q_lo, q_hi, HEAD_DIM, TILE_D)
@@ -441,7 +448,8 @@ def _wide_consumer(DK, DV, DQacc, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo, do_
 def fa3_gluon_bwd_wide_kernel(
     Q, K, V, DO, Stats, DK, DV, DQacc, CuQ, CuK,
     # HOST_DESC: descriptors over Q, Q's high part, dO, dO's, K, K's, V, V's (B, H, N, d; [1, 1, 64, 128] and
-    # [1, 1, 64, TILE_D - 128] boxes), the flat statistics and DQacc (B * Hq, rows, BLOCK_D); otherwise None
+    # [1, 1, 64, TILE_D - 128] boxes, the high parts None at TILE_D 256), the flat statistics and DQacc (B * Hq,
+    # rows, BLOCK_D); otherwise None
     QDesc, QDescHi, DODesc, DODescHi, KDesc, KDescHi, VDesc, VDescHi, StatsDesc, DQDesc,
     qk_scale,  # softmax_scale * log2(e), any sign
     softmax_scale,

@@ -704,8 +704,9 @@ def host_descriptors(q, k, v, dout, stats, dq_acc, cfg: GluonBwdConfig, geometry
 def _wide_host_descriptors(q, k, v, dout, stats, dq_acc, geometry=None) -> tuple:
     """The wide kernel's ``HOST_DESC`` descriptors (Q, Q's high part, dO, dO's, K, K's, V, V's, the statistics, the
     dQ accumulator): rank 4 over (B, H, N, d) with [1, 1, 64, 128] boxes for columns [0, 128) and [1, 1, 64,
-    TILE_D - 128] ones for the rest (the same descriptor at 256-wide tiles), the tiles' swizzles; rank 1 over the
-    statistics; rank 3 over the (B * Hq, rows, 256) accumulator with [1, 64, 32] boxes (the dQ staging tiles')."""
+    TILE_D - 128] ones for the rest (None at 256-wide tiles: the kernel reads both parts through the first, one
+    encoding a call fewer each), the tiles' swizzles; rank 1 over the statistics; rank 3 over the (B * Hq, rows, 256)
+    accumulator with [1, 64, 32] boxes (the dQ staging tiles')."""
     from triton.experimental.gluon import language as gl
 
     from flashtile.runtime.fa3_gluon import _box_layout, bare_descriptor
@@ -716,7 +717,7 @@ def _wide_host_descriptors(q, k, v, dout, stats, dq_acc, geometry=None) -> tuple
     descs = []
     for x, (shape, strides) in zip((q, dout, k, v), (geometry[0], geometry[3], geometry[1], geometry[2])):
         lo = bare_descriptor(x, shape, strides, [1, 1, 64, 128], l_lo)
-        descs += [lo, lo if hi == 128 else bare_descriptor(x, shape, strides, [1, 1, 64, hi], l_hi)]
+        descs += [lo, None if hi == 128 else bare_descriptor(x, shape, strides, [1, 1, 64, hi], l_hi)]
     descs.append(bare_descriptor(stats, [stats.numel()], [1], [64],
                                  gl.NVMMASharedLayout.get_default_for([64], gl.float32)))
     sw = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32).swizzle_byte_width  # the staging tiles'
