@@ -863,6 +863,14 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     return stats
 
 
+def stats_rows_per_program(d: int) -> int:
+    """Rows per program of :func:`stats_preprocess`: 64, or where the head dim leaves masked columns in a tile wider
+    than 64 (d not a multiple of 64) 4096 / block_d(d), the d = 64 tile's elements (sm_90a, Triton 3.6: at 64 rows
+    d = 72-120 took 163 registers, d = 136-248 255 and spilled 144 B; 32 / 16 rows: 158 / 78, none)."""
+    bd = block_d(d)
+    return BLOCK_M if d % 64 == 0 or bd <= 64 else 4096 // bd
+
+
 def stats_args(out, dout, lse, zero_acc: bool, varlen=None, row_pad: int = BLOCK_M) -> tuple:
     """(grid, static arguments, statistics shape, accumulator shape) of :func:`stats_preprocess` on these views
     (shapes and strides read; of ``varlen``, cu_seqlens_q's length and max_seqlen_q)."""
@@ -870,21 +878,23 @@ def stats_args(out, dout, lse, zero_acc: bool, varlen=None, row_pad: int = BLOCK
     from flashtile.runtime.common import fold_grid
 
     _, hq, nq, d = out.shape
+    rows_per = stats_rows_per_program(d)  # divides 64: whole programs cover each 64-row box
     if varlen is None:
         b, total_q = out.shape[0], 0
         rows = triton.cdiv(nq, row_pad) * row_pad
         stats_shape = (b * hq, 2, rows)
         acc_shape = (b * hq, rows, block_d(d))
-        tiles = rows // BLOCK_M
+        tiles = rows // rows_per
     else:
         cu_q, max_q = varlen
         b, total_q = cu_q.shape[0] - 1, nq
         rows = varlen_rows(total_q, b)
         stats_shape = (hq, 2 * rows)
         acc_shape = (hq, rows, block_d(d))
-        tiles, nq = triton.cdiv(max_q, BLOCK_M), max_q
+        # each sequence's rows rounded up to 64 (the kernel's boxes), the longest one's included
+        tiles, nq = triton.cdiv(max_q, BLOCK_M) * (BLOCK_M // rows_per), max_q
     static = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), hq, b * hq, nq, rows, total_q, d, block_d(d),
-              BLOCK_M, zero_acc, varlen is not None)
+              rows_per, zero_acc, varlen is not None)
     return fold_grid(tiles, b * hq), static, stats_shape, acc_shape
 
 

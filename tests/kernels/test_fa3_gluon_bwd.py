@@ -823,12 +823,15 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
     assert bound["qk_scale"] == pytest.approx(0.5 * 1.4426950408889634) and bound["softmax_scale"] == 0.5
 
 
-def test_stats_preprocess_matches_torch():
+@pytest.mark.parametrize("d", [40, 72, 136])
+def test_stats_preprocess_matches_torch(d):
     """Interpreted: row 0 LSE · log2 e (+inf on a -inf row and past Nq), row 1 rowsum(dO∘O) (0 past Nq), rows padded
-    to 64; O in (B, N, H, d) storage, LSE strided."""
+    to 64; O in (B, N, H, d) storage, LSE strided; programs of 64, 32 and 16 rows (``stats_rows_per_program``)."""
     import math
 
-    b, h, nq, d = 2, 3, 70, 40
+    assert fa3_gluon_bwd.stats_rows_per_program(d) == {40: 64, 72: 32, 136: 16}[d]
+    assert [fa3_gluon_bwd.stats_rows_per_program(x) for x in (64, 128, 192, 256)] == [64] * 4
+    b, h, nq = 2, 3, 70
     g = torch.Generator().manual_seed(1)
     out = torch.randn(b, nq, h, d, generator=g).to(BF16).transpose(1, 2)
     dout = torch.randn(b, h, nq, d, generator=g).to(BF16)
@@ -874,15 +877,17 @@ def _varlen_row0(starts):
 VARLEN_LENS = [70, 0, 64, 1, 130]
 
 
-def test_varlen_stats_preprocess_layout():
+@pytest.mark.parametrize("d", [40, 136])
+def test_varlen_stats_preprocess_layout(d):
     """Interpreted, packed batch: each sequence's [2, rows rounded up to 64] block at its padded offset of the head's
     (Hq, 2 * varlen_rows) statistics (LSE · log2 e then D, +inf / 0 on its padding rows), its accumulator rows
-    zeroed, no other row written; the rows come from the device cu_seqlens, clamped (a bad entry stays inside)."""
+    zeroed, no other row written; the rows come from the device cu_seqlens, clamped (a bad entry stays inside);
+    programs of 64 rows and of 16 (every 64-row box still covered)."""
     import math
 
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
 
-    h, d = 3, 40
+    h = 3
     total = sum(VARLEN_LENS)
     cu = torch.tensor([0, *torch.tensor(VARLEN_LENS).cumsum(0).tolist()], dtype=torch.int32)
     g = torch.Generator().manual_seed(3)
