@@ -863,10 +863,12 @@ def stats_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     return stats
 
 
-def stats_rows_per_program(d: int) -> int:
-    """Rows per program of :func:`stats_preprocess`: 64, or where the head dim leaves masked columns in a tile wider
-    than 64 (d not a multiple of 64) 4096 / block_d(d), the d = 64 tile's elements (sm_90a, Triton 3.6: at 64 rows
-    d = 72-120 took 163 registers, d = 136-248 255 and spilled 144 B; 32 / 16 rows: 158 / 78, none)."""
+def rows_per_program(d: int) -> int:
+    """Rows per program of :func:`stats_preprocess` and :func:`dq_postprocess`: 64, or where the head dim leaves
+    masked columns in a tile wider than 64 (d not a multiple of 64) 4096 / block_d(d), the d = 64 tile's elements
+    (sm_90a, Triton 3.6, 64 rows: the statistics took 163 registers at d = 72-120, 255 and 144 B of spills at
+    d = 136-248; the dQ scaling 255 and 12 B of spills at d = 72-120 (odd multiples of 8), 254 at 136-248; with
+    these rows 40-78 and 62-125 registers, no spills)."""
     bd = block_d(d)
     return BLOCK_M if d % 64 == 0 or bd <= 64 else 4096 // bd
 
@@ -878,7 +880,7 @@ def stats_args(out, dout, lse, zero_acc: bool, varlen=None, row_pad: int = BLOCK
     from flashtile.runtime.common import fold_grid
 
     _, hq, nq, d = out.shape
-    rows_per = stats_rows_per_program(d)  # divides 64: whole programs cover each 64-row box
+    rows_per = rows_per_program(d)  # divides 64: whole programs cover each 64-row box
     if varlen is None:
         b, total_q = out.shape[0], 0
         rows = triton.cdiv(nq, row_pad) * row_pad
@@ -918,9 +920,10 @@ def post_args(dq_acc, dq, varlen=None) -> tuple:
     if varlen is not None:
         cu_q, max_q = varlen
         b, total_q, nq = cu_q.shape[0] - 1, nq, max_q
-    tiles = triton.cdiv(nq, POST_BLOCK)
+    block = min(POST_BLOCK, rows_per_program(d))
+    tiles = triton.cdiv(nq, block)
     static = (dq_acc.stride(0), dq_acc.stride(1), *dq.stride()[:3], hq, nq, tiles, total_q, d, dq_acc.shape[2],
-              POST_BLOCK, varlen is not None)
+              block, varlen is not None)
     return (b * hq * tiles,), static
 
 

@@ -826,11 +826,11 @@ def test_launcher_wide_kernel_arguments(monkeypatch):
 @pytest.mark.parametrize("d", [40, 72, 136])
 def test_stats_preprocess_matches_torch(d):
     """Interpreted: row 0 LSE · log2 e (+inf on a -inf row and past Nq), row 1 rowsum(dO∘O) (0 past Nq), rows padded
-    to 64; O in (B, N, H, d) storage, LSE strided; programs of 64, 32 and 16 rows (``stats_rows_per_program``)."""
+    to 64; O in (B, N, H, d) storage, LSE strided; programs of 64, 32 and 16 rows (``rows_per_program``)."""
     import math
 
-    assert fa3_gluon_bwd.stats_rows_per_program(d) == {40: 64, 72: 32, 136: 16}[d]
-    assert [fa3_gluon_bwd.stats_rows_per_program(x) for x in (64, 128, 192, 256)] == [64] * 4
+    assert fa3_gluon_bwd.rows_per_program(d) == {40: 64, 72: 32, 136: 16}[d]
+    assert [fa3_gluon_bwd.rows_per_program(x) for x in (64, 128, 192, 256)] == [64] * 4
     b, h, nq = 2, 3, 70
     g = torch.Generator().manual_seed(1)
     out = torch.randn(b, nq, h, d, generator=g).to(BF16).transpose(1, 2)
@@ -853,9 +853,10 @@ def test_stats_preprocess_matches_torch(d):
     assert (stats[:, 0, nq:] == float("inf")).all() and (stats[:, 1, nq:] == 0).all()
 
 
-@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64), (BF16, 72), (F16, 136)])
 def test_dq_postprocess_scales_and_casts(dtype, d):
-    """Interpreted: dq = scale * acc[:, :Nq, :d] into a (B, N, H, d)-strided view; padding rows and columns unread."""
+    """Interpreted: dq = scale * acc[:, :Nq, :d] into a (B, N, H, d)-strided view; padding rows and columns unread;
+    programs of 64, 32 and 16 rows."""
     b, h, nq, bd = 2, 3, 100, block_d(d)
     g = torch.Generator().manual_seed(d)
     acc = torch.randn(b * h, 128, bd, generator=g)
@@ -934,7 +935,7 @@ def test_varlen_stats_preprocess_layout(d):
         assert (stats_flat[n_stats:] == 7.0).all() and (acc_flat[n_acc:] == 7.0).all(), bad
 
 
-@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 40), (F16, 64), (BF16, 200)])
 def test_varlen_dq_postprocess(dtype, d):
     """Interpreted, packed batch: dq's rows of sequence b = scale * its accumulator rows at the padded offset."""
     from flashtile.kernels.fa3_gluon_bwd import varlen_rows
