@@ -767,9 +767,9 @@ def fa3_gluon_bwd_kernel(
     accumulator.  DK, DV are indexed by the q head when ``GQA_PARTIAL`` (fp32 partials), else by its kv head.
     ``HEAD_DIM`` is d, ``BLOCK_D`` the power of two >= max(d, 16); ``DQ_SPLIT``, ``DQ_TMA``, ``STATS_SMEM``,
     ``DQ_SWIZZLE32``, ``PT_SEPARATE``, ``RELEASE_ONCE`` as in the module's docstring (``STATS_SMEM``: LSE is the
-    (B * Hq, 2, Nq rounded up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).  ``IS_VARLEN`` (a packed
-    batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors are (1, H, total, d)
-    views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows [CuQ[b], CuQ[b + 1]) and
+    (B * Hq, 2, Nq rounded up to a multiple of BLOCK_M) fp32 buffer of ``stats_preprocess_kernel``, Delta unread).
+    ``IS_VARLEN`` (a packed batch; needs ``STATS_SMEM``, not ``GROUP_LOOP``): B is the number of sequences, the tensors
+    are (1, H, total, d) views, ``seqlen_q`` / ``seqlen_k`` the longest sequence's lengths, sequence b's rows [CuQ[b], CuQ[b + 1]) and
     [CuK[b], CuK[b + 1]) (clamped: ``_seq_range``), its statistics and accumulator rows at ``VARLEN_PAD``-padded
     offsets of each head's ``stride_acc_h / BLOCK_D`` rows.  ``total_q`` / ``total_k`` are read only then.
     ``BLOCK_M``: q rows per step, 64, or 128 (FA3's d = 64 tiles: Sᵀ / dPᵀ 64 x 128 per warpgroup, dQ split by rows;

@@ -707,23 +707,32 @@ def _wide_host_descriptors(q, k, v, dout, stats, dq_acc, geometry=None) -> tuple
     TILE_D - 128] ones for the rest (None at 256-wide tiles: the kernel reads both parts through the first, one
     encoding a call fewer each), the tiles' swizzles; rank 1 over the statistics; rank 3 over the (B * Hq, rows, 256)
     accumulator with [1, 64, 32] boxes (the dQ staging tiles')."""
-    from triton.experimental.gluon import language as gl
-
-    from flashtile.runtime.fa3_gluon import _box_layout, bare_descriptor
+    from flashtile.runtime.fa3_gluon import bare_descriptor
 
     hi = wide_tile_d(q.shape[3]) - 128
-    l_lo, l_hi = _box_layout(64, 128, q.dtype), _box_layout(64, hi, q.dtype)
+    l_lo, l_hi, stats_l, dq_l = _wide_desc_layouts(hi, q.dtype)
     geometry = geometry or desc_geometry(q, k, v, dout)
     descs = []
     for x, (shape, strides) in zip((q, dout, k, v), (geometry[0], geometry[3], geometry[1], geometry[2])):
         lo = bare_descriptor(x, shape, strides, [1, 1, 64, 128], l_lo)
         descs += [lo, None if hi == 128 else bare_descriptor(x, shape, strides, [1, 1, 64, hi], l_hi)]
-    descs.append(bare_descriptor(stats, [stats.numel()], [1], [64],
-                                 gl.NVMMASharedLayout.get_default_for([64], gl.float32)))
-    sw = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32).swizzle_byte_width  # the staging tiles'
-    descs.append(bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 32],
-                                 gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=32, rank=3)))
+    descs.append(bare_descriptor(stats, [stats.numel()], [1], [64], stats_l))
+    descs.append(bare_descriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 64, 32], dq_l))
     return tuple(descs)
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_desc_layouts(hi: int, dtype: torch.dtype) -> tuple:
+    """The wide kernel's box layouts: its [64, 128] and [64, hi] column parts', the statistics', the rank-3 dQ staging
+    tiles' ([64, 32] fp32)."""
+    from triton.experimental.gluon import language as gl
+
+    from flashtile.runtime.fa3_gluon import _box_layout
+
+    sw = gl.NVMMASharedLayout.get_default_for([64, 32], gl.float32).swizzle_byte_width
+    return (_box_layout(64, 128, dtype), _box_layout(64, hi, dtype),
+            gl.NVMMASharedLayout.get_default_for([64], gl.float32),
+            gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=32, rank=3))
 
 
 def desc_geometry(*views) -> tuple:
