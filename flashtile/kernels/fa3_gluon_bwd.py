@@ -332,18 +332,19 @@ def _slot_release(qdo_empty, slot, NAMED_BARS: gl.constexpr):
 
 
 @gluon.jit
-def _load_rows(desc, b, head, row, bar, tile, pred, HOST_DESC: gl.constexpr, RANK3: gl.constexpr):
-    """TMA copy of the [rows, BLOCK_D] box at ``row`` into ``tile`` (its shape): through a host descriptor over (B, H,
-    N, d) at (b, head, row, 0), a per-program rank-3 one over the group's heads at (head, row, 0), or a per-head
-    one."""
+def _load_rows(desc, b, head, row, bar, tile, pred, HOST_DESC: gl.constexpr, RANK3: gl.constexpr,
+               COL: gl.constexpr = 0):
+    """TMA copy of the [rows, width] box at (``row``, ``COL``) into ``tile`` (its shape): through a host descriptor
+    over (B, H, N, d) at (b, head, row, COL), a per-program rank-3 one over the group's heads at (head, row, COL), or a
+    per-head one."""
     if HOST_DESC:
         gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
-        tma.async_copy_global_to_shared(desc, [b, head, row, 0], bar, _unit4(tile), pred=pred)
+        tma.async_copy_global_to_shared(desc, [b, head, row, COL], bar, _unit4(tile), pred=pred)
     elif RANK3:
-        tma.async_copy_global_to_shared(desc, [head, row, 0], bar, tile.reshape([1, tile.shape[0], tile.shape[1]]),
-                                        pred=pred)
+        tma.async_copy_global_to_shared(desc, [head, row, COL], bar,
+                                        tile.reshape([1, tile.shape[0], tile.shape[1]]), pred=pred)
     else:
-        tma.async_copy_global_to_shared(desc, [row, 0], bar, tile, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, COL], bar, tile, pred=pred)
 
 
 @gluon.jit

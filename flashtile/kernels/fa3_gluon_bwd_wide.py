@@ -38,9 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from flashtile.kernels.fa3_gluon import _unit4
-from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _dq_tma_add3, _kv_tile_of, _program_bases, _program_rows
-from flashtile.kernels.fa3_gluon_bwd import _q_tiles, _red_add, _turn_pass, _turn_wait
+from flashtile.kernels.fa3_gluon_bwd import _dq_tma_add, _dq_tma_add3, _kv_tile_of, _load_rows, _program_bases
+from flashtile.kernels.fa3_gluon_bwd import _program_rows, _q_tiles, _red_add, _turn_pass, _turn_wait
 
 __all__ = ["fa3_gluon_bwd_wide_kernel", "WIDE_BLOCK_N"]
 
@@ -57,17 +56,6 @@ def _desc_pair(T, rows, stride, lo_smem, hi_smem, HEAD_DIM: gl.constexpr, TILE_D
     else:
         hi = tma.make_tensor_descriptor(T, [rows, HEAD_DIM], [stride, 1], [64, TILE_D - 128], hi_smem.layout)
     return lo, hi
-
-
-@gluon.jit
-def _copy_part(desc, coord, bar, tile, pred, HOST_DESC: gl.constexpr):
-    """TMA copy of one [64, width] column part at (row, col) ``coord`` into ``tile``: through a per-head descriptor,
-    or (``HOST_DESC``, ``coord`` = (b, h, row, col)) the host's over (B, H, N, d), its box the tile's bytes."""
-    if HOST_DESC:
-        gl.static_assert(desc.layout.swizzle_byte_width == tile.layout.swizzle_byte_width)
-        tma.async_copy_global_to_shared(desc, coord, bar, _unit4(tile), pred=pred)
-    else:
-        tma.async_copy_global_to_shared(desc, coord, bar, tile, pred=pred)
 
 
 @gluon.jit
@@ -100,34 +88,26 @@ def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo
         k_desc, k_desc_hi = _desc_pair(K, seqlen_k, stride_kn, k_lo, k_hi, HEAD_DIM, TILE_D)
         v_desc, v_desc_hi = _desc_pair(V, seqlen_k, stride_vn, v_lo, v_hi, HEAD_DIM, TILE_D)
         stats_desc = tma.make_tensor_descriptor(Stats, [2 * stats_rows], [1], [64], stats_smem.layout)
+        b = 0  # unread coordinates: the descriptors are the head's
+        hq = 0
+        hk = 0
         stats0 = 0
     box_bytes: gl.constexpr = 64 * TILE_D * dtype.primitive_bitwidth // 8  # both parts; zero-filled ones count too
     has_work = n_iters > 0  # consumers never wait for K / V without a q tile; no copy may outlive them
     mbarrier.expect(kv_bar, 2 * box_bytes, pred=has_work)
-    if HOST_DESC:
-        k_at = (b, hk, start_n, 0)
-        k_hi_at = (b, hk, start_n, 128)
-    else:
-        k_at = (start_n, 0)
-        k_hi_at = (start_n, 128)
-    _copy_part(k_desc, k_at, kv_bar, k_lo.index(0), has_work, HOST_DESC=HOST_DESC)
-    _copy_part(k_desc_hi, k_hi_at, kv_bar, k_hi.index(0), has_work, HOST_DESC=HOST_DESC)
-    _copy_part(v_desc, k_at, kv_bar, v_lo.index(0), has_work, HOST_DESC=HOST_DESC)
-    _copy_part(v_desc_hi, k_hi_at, kv_bar, v_hi.index(0), has_work, HOST_DESC=HOST_DESC)
+    _load_rows(k_desc, b, hk, start_n, kv_bar, k_lo.index(0), has_work, HOST_DESC=HOST_DESC, RANK3=False)
+    _load_rows(k_desc_hi, b, hk, start_n, kv_bar, k_hi.index(0), has_work, HOST_DESC=HOST_DESC, RANK3=False, COL=128)
+    _load_rows(v_desc, b, hk, start_n, kv_bar, v_lo.index(0), has_work, HOST_DESC=HOST_DESC, RANK3=False)
+    _load_rows(v_desc_hi, b, hk, start_n, kv_bar, v_hi.index(0), has_work, HOST_DESC=HOST_DESC, RANK3=False, COL=128)
     for it in range(n_iters):
         slot = it % NUM_STAGES
         m0 = (first_m + it) * 64
-        if HOST_DESC:
-            q_at = (b, hq, m0, 0)
-            q_hi_at = (b, hq, m0, 128)
-        else:
-            q_at = (m0, 0)
-            q_hi_at = (m0, 128)
         # parity of the previous round of this slot; the first round passes on fresh barriers
         mbarrier.wait(qdo_empty.index(slot), ((it // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), box_bytes + 2 * 64 * 4)
-        _copy_part(q_desc, q_at, q_ready.index(slot), q_lo.index(slot), True, HOST_DESC=HOST_DESC)
-        _copy_part(q_desc_hi, q_hi_at, q_ready.index(slot), q_hi.index(slot), True, HOST_DESC=HOST_DESC)
+        _load_rows(q_desc, b, hq, m0, q_ready.index(slot), q_lo.index(slot), True, HOST_DESC=HOST_DESC, RANK3=False)
+        _load_rows(q_desc_hi, b, hq, m0, q_ready.index(slot), q_hi.index(slot), True, HOST_DESC=HOST_DESC,
+                   RANK3=False, COL=128)
         tma.async_copy_global_to_shared(stats_desc, [stats0 + m0], q_ready.index(slot), stats_smem.index(2 * slot))
         tma.async_copy_global_to_shared(stats_desc, [stats0 + stats_rows + m0], q_ready.index(slot),
                                         stats_smem.index(2 * slot + 1))
@@ -135,8 +115,10 @@ def _wide_producer(Q, K, V, DO, Stats, k_lo, k_hi, v_lo, v_hi, q_lo, q_hi, do_lo
         if DO_STAGES != NUM_STAGES:
             mbarrier.wait(do_empty.index(dslot), ((it // DO_STAGES) & 1) ^ 1)
         mbarrier.expect(do_ready.index(dslot), box_bytes)
-        _copy_part(do_desc, q_at, do_ready.index(dslot), do_lo.index(dslot), True, HOST_DESC=HOST_DESC)
-        _copy_part(do_desc_hi, q_hi_at, do_ready.index(dslot), do_hi.index(dslot), True, HOST_DESC=HOST_DESC)
+        _load_rows(do_desc, b, hq, m0, do_ready.index(dslot), do_lo.index(dslot), True, HOST_DESC=HOST_DESC,
+                   RANK3=False)
+        _load_rows(do_desc_hi, b, hq, m0, do_ready.index(dslot), do_hi.index(dslot), True, HOST_DESC=HOST_DESC,
+                   RANK3=False, COL=128)
 
 
 @gluon.jit
