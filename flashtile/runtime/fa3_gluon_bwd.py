@@ -659,10 +659,9 @@ def _no_descs(d: int) -> tuple:
 
 
 def _bwd_dynamic(wide: bool, q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, softmax_scale: float,
-                 descs: tuple | None = None) -> tuple:
+                 descs: tuple) -> tuple:
     """The per-call arguments of :func:`gluon_bwd_launch`'s kernel (the ``wide`` one takes no ``delta``; ``descs``:
-    :func:`host_descriptors` or None)."""
-    descs = _no_descs(q.shape[3]) if descs is None else descs
+    :func:`host_descriptors` or :func:`_no_descs`)."""
     if wide:
         return (q, k, v, dout, lse, dk, dv, dq_acc, cu_q, cu_k, *descs, softmax_scale * LOG2E, softmax_scale)
     return (q, k, v, dout, lse, delta, dk, dv, dq_acc, cu_q, cu_k, *descs, softmax_scale * LOG2E, softmax_scale)
