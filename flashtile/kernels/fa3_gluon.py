@@ -823,8 +823,7 @@ def _consumer_tile(Out, LSE, q_tiles, k_tiles, v_tiles, q_bar, q_empty, k_ready,
         acc1 = acc0  # unread
         q_wg = (q_tiles[0].index(WG),)
     n_own = n_tiles
-    if WG_SKIP:
-        gl.static_assert(CAUSAL)
+    if WG_SKIP:  # causal (the kernel's static_assert)
         # this warpgroup's last row's key bound; at least tile 0 (rows that see no key run it masked)
         own_end = gl.minimum(seqlen_k, row0 + M + seqlen_k - seqlen_q)
         n_own = gl.minimum(n_tiles, gl.maximum(gl.cdiv(gl.maximum(own_end, 0), BLOCK_N), 1))
